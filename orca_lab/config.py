@@ -1,0 +1,126 @@
+"""Model shapes and engine settings; every field is validated here, where it enters (DESIGN.md layer 1)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+
+def check_range(name: str, value, lo=None, hi=None, kind=int):
+    """Raise ValueError naming ``name``, its value and the allowed range unless lo <= value <= hi."""
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{name}={value!r} must be an integer in {_range_text(lo, hi)}")
+    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))
+                          or not math.isfinite(value)):
+        raise ValueError(f"{name}={value!r} must be a finite number in {_range_text(lo, hi)}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ValueError(f"{name}={value!r} is out of range: allowed {_range_text(lo, hi)}")
+    return value
+
+
+def check_choice(name: str, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not allowed: choose one of {', '.join(map(repr, choices))}")
+    return value
+
+
+def _range_text(lo, hi) -> str:
+    return f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A GPT-2 / GPT-3 shape: pre-LayerNorm blocks, learned positions, GeLU (tanh), tied LM head."""
+    name: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    vocab_size: int = 50257
+    max_seq_len: int = 1024
+    layer_norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        check_range("n_layers", self.n_layers, 1, 1024)
+        check_range("d_model", self.d_model, 1, 1 << 17)
+        check_range("n_heads", self.n_heads, 1, self.d_model)
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        check_range("vocab_size", self.vocab_size, 2, 1 << 24)
+        check_range("max_seq_len", self.max_seq_len, 1, 1 << 20)
+        check_range("layer_norm_eps", self.layer_norm_eps, 0.0, 1.0, kind=float)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def d_ff(self) -> int:
+        return 4 * self.d_model
+
+    @property
+    def n_params(self) -> int:
+        """Parameters with the LM head tied to the token embedding."""
+        per_layer = 12 * self.d_model ** 2 + 13 * self.d_model
+        return self.n_layers * per_layer + (self.vocab_size + self.max_seq_len + 2) * self.d_model
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of one token over all layers: the size of one slot."""
+        return 2 * self.n_layers * self.d_model * dtype_bytes
+
+
+# The tiny preset uses a byte-level vocabulary (256 bytes + EOS) so it needs no tokenizer download.
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig("tiny", n_layers=4, d_model=256, n_heads=4, vocab_size=257, max_seq_len=1024),
+    "gpt2": ModelConfig("gpt2", n_layers=12, d_model=768, n_heads=12, vocab_size=50257, max_seq_len=1024),
+    # ORCA.md's table (GPT-3 architecture, head size 128, max sequence length 2048).
+    "gpt3-13b": ModelConfig("gpt3-13b", n_layers=40, d_model=5120, n_heads=40, max_seq_len=2048),
+    "gpt3-101b": ModelConfig("gpt3-101b", n_layers=80, d_model=10240, n_heads=80, max_seq_len=2048),
+    "gpt3-175b": ModelConfig("gpt3-175b", n_layers=96, d_model=12288, n_heads=96, max_seq_len=2048),
+    "gpt3-341b": ModelConfig("gpt3-341b", n_layers=120, d_model=15360, n_heads=120, max_seq_len=2048),
+}
+
+
+def model_config(name_or_config: str | ModelConfig) -> ModelConfig:
+    if isinstance(name_or_config, ModelConfig):
+        return name_or_config
+    check_choice("model", name_or_config, tuple(PRESETS))
+    return PRESETS[name_or_config]
+
+
+DTYPES = ("float32", "float16", "bfloat16")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine runs with: Algorithm 1's parameters, kernels, placement and parallelism.
+
+    ``n_slots`` is the K/V memory in token slots (one slot = K and V of one token, all layers);
+    ``pipeline_parallel`` is the paper's ``n_workers``: that many batches are kept in flight.
+    """
+    max_bs: int = 32
+    n_slots: int = 16384
+    attention_backend: str = "auto"
+    fused_ops_backend: str = "auto"
+    device: str = "cpu"
+    dtype: str = "float32"
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+
+    def __post_init__(self):
+        check_range("max_bs", self.max_bs, 1, 65536)
+        check_range("n_slots", self.n_slots, 1, 1 << 31)
+        check_choice("attention_backend", self.attention_backend, KERNEL_BACKENDS)
+        check_choice("fused_ops_backend", self.fused_ops_backend, KERNEL_BACKENDS)
+        check_choice("dtype", self.dtype, DTYPES)
+        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r} is not allowed: use 'cpu', 'cuda' or 'cuda:N'")
+        check_range("tensor_parallel", self.tensor_parallel, 1, 1024)
+        check_range("pipeline_parallel", self.pipeline_parallel, 1, 1024)
+
+    @property
+    def n_workers(self) -> int:
+        return self.pipeline_parallel
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

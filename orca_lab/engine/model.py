@@ -1,0 +1,199 @@
+"""GPT with selective batching (ORCA §4.2), readable top to bottom.
+
+Every token-wise op (Linear, LayerNorm, GeLU, Add) runs on the flat ``[sum L, H]`` tensor of the
+whole iteration; only attention is split per request, over that request's K/V in the slot pool.
+The request-level baseline runs the same weights on padded ``[B, L, H]`` batches (``padded=True``).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from orca_lab import kernels
+from orca_lab.config import ModelConfig
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, n_heads: int | None = None):
+        super().__init__()
+        d, h = cfg.d_model, n_heads or cfg.n_heads
+        self.n_heads, self.head_dim, self.eps = h, cfg.head_dim, cfg.layer_norm_eps
+        self.ln_1 = nn.LayerNorm(d, eps=self.eps)
+        self.c_attn = nn.Linear(d, 3 * h * self.head_dim)
+        self.attn_proj = nn.Linear(h * self.head_dim, d)
+        self.ln_2 = nn.LayerNorm(d, eps=self.eps)
+        d_ff = cfg.d_ff * h // cfg.n_heads   # tensor parallelism splits the MLP with the heads
+        self.c_fc = nn.Linear(d, d_ff)
+        self.mlp_proj = nn.Linear(d_ff, d)
+        self.all_reduce = None               # set by tensor-parallel workers: sums partial outputs
+
+    def forward(self, x, attend, backend: str):
+        """Pre-LayerNorm block on the residual stream ``x [T, H]``; ``attend(q, k, v)`` is the only
+        op that looks across tokens."""
+        h = kernels.layer_norm(x, self.ln_1.weight, self.ln_1.bias, self.eps, backend=backend)
+        qkv = F.linear(h, self.c_attn.weight, self.c_attn.bias).view(len(x), 3, self.n_heads, self.head_dim)
+        a = self._reduce(F.linear(attend(*qkv.unbind(1)).flatten(1), self.attn_proj.weight))
+        h, x = kernels.layer_norm(a + self.attn_proj.bias, self.ln_2.weight, self.ln_2.bias, self.eps,
+                                  residual=x, backend=backend)
+        m = kernels.bias_gelu(F.linear(h, self.c_fc.weight), self.c_fc.bias, backend=backend)
+        return x + self._reduce(F.linear(m, self.mlp_proj.weight)) + self.mlp_proj.bias
+
+    def _reduce(self, t):
+        return t if self.all_reduce is None else self.all_reduce(t)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention_backend="auto", fused_ops_backend="auto"):
+        super().__init__()
+        self.cfg = cfg
+        self.attention_backend, self.fused_ops_backend = attention_backend, fused_ops_backend
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+
+    # -- the forward, in the three parts a pipeline stage may own ------------------------------
+    def embed(self, bt) -> torch.Tensor:
+        """Token + position embeddings of the flat batch: ``[T, H]``."""
+        ids = bt.input_ids.reshape(-1)
+        pos = bt.positions.repeat(bt.input_ids.shape[0]) if bt.padded else bt.positions
+        return self.wte(ids) + self.wpe(pos)
+
+    def run_layers(self, x, bt, kv, lo: int = 0, hi: int | None = None, layer_offset: int = 0):
+        """Blocks ``lo..hi`` on ``x``; ``kv.layer(i - layer_offset)`` holds block i's K/V pool."""
+        hi = len(self.blocks) if hi is None else hi
+        for i in range(lo, hi):
+            k_pool, v_pool = kv.layer(i - layer_offset)
+            x = self.blocks[i](x, self._attention(bt, k_pool, v_pool), self.fused_ops_backend)
+        return x
+
+    def head(self, x, bt) -> torch.Tensor:
+        """Logits of each request's last new token only: ``[B, vocab]`` (LM head tied to wte)."""
+        h = F.layer_norm(x[bt.last_idx], (self.cfg.d_model,), self.ln_f.weight, self.ln_f.bias,
+                         self.cfg.layer_norm_eps)
+        return F.linear(h, self.wte.weight)
+
+    def forward(self, bt, kv) -> torch.Tensor:
+        return self.head(self.run_layers(self.embed(bt), bt, kv), bt)
+
+    def _attention(self, bt, k_pool, v_pool):
+        backend = self.attention_backend
+
+        def attend(q, k, v):
+            kernels.write_kv(k, v, k_pool, v_pool, bt.slot_mapping, backend=backend)
+            if bt.padded:
+                return padded_attention(q, k_pool, v_pool, bt)
+            return kernels.ragged_attention(q, k_pool, v_pool, bt.kv_slot_ids, bt.cu_seqlens_q,
+                                            bt.cu_seqlens_k, backend=backend)
+        return attend
+
+    # -- weights ----------------------------------------------------------------------------------
+    @classmethod
+    def random(cls, cfg: ModelConfig, seed: int = 0, device="cpu", dtype=torch.float32, **kw) -> "GPT":
+        """Seeded random weights, biases and norms included (never zeros). The scale, 0.1, is five
+        times GPT-2's init: wide enough that greedy outputs vary from token to token, so a batching
+        bug changes them. ``device="meta"`` builds the shapes only, for paper-scale presets."""
+        with torch.device("meta"):
+            model = cls(cfg, **kw)
+        if str(device) == "meta":
+            return model.eval()
+        model = model.to_empty(device="cpu")
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            with torch.no_grad():
+                if "ln" in name and name.endswith("weight"):
+                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+                else:
+                    p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        return model.to(device=device, dtype=dtype).eval()
+
+    @classmethod
+    def from_pretrained(cls, path, device="cpu", dtype=torch.float32, **kw) -> "GPT":
+        """A GPT-2 checkpoint in the Hugging Face layout: ``config.json`` + ``model.safetensors``."""
+        from safetensors.torch import load_file
+        path = Path(path)
+        for f in ("config.json", "model.safetensors"):
+            if not (path / f).is_file():
+                raise FileNotFoundError(f"{path / f} not found: a GPT-2 checkpoint directory holds "
+                                        "config.json and model.safetensors")
+        cfg = config_from_hf(json.loads((path / "config.json").read_text()), name=path.name)
+        with torch.device("meta"):
+            model = cls(cfg, **kw)
+        state = {_our_name(k): v for k, v in load_file(path / "model.safetensors").items()
+                 if _our_name(k) is not None}
+        model.load_state_dict(_from_conv1d(state), strict=True, assign=True)
+        return model.to(device=device, dtype=dtype).eval()
+
+    def save_pretrained(self, path):
+        """Write this model as a Hugging Face GPT-2 checkpoint (transformers can load it)."""
+        from safetensors.torch import save_file
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().float().cpu().contiguous() for k, v in self.state_dict().items()}
+        hf = {_hf_name(k): v for k, v in _to_conv1d(state).items()}
+        save_file(hf, path / "model.safetensors", metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps(config_to_hf(self.cfg), indent=2))
+
+
+def padded_attention(q, k_pool, v_pool, bt):
+    """The baseline's dense attention: ``[B, L]`` queries over ``[B, kv_len]`` keys, causal."""
+    B, L = bt.input_ids.shape
+    kv_len = bt.kv_slot_ids.shape[1]
+    k, v = k_pool[bt.kv_slot_ids], v_pool[bt.kv_slot_ids]        # [B, kv_len, H, D]
+    mask = torch.ones(L, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - L)
+    o = F.scaled_dot_product_attention(q.view(B, L, *q.shape[1:]).transpose(1, 2), k.transpose(1, 2),
+                                       v.transpose(1, 2), attn_mask=mask)
+    return o.transpose(1, 2).reshape(B * L, *q.shape[1:])
+
+
+# -- Hugging Face GPT-2 layout --------------------------------------------------------------------
+_HF_NAMES = {"ln_1": "ln_1", "c_attn": "attn.c_attn", "attn_proj": "attn.c_proj", "ln_2": "ln_2",
+             "c_fc": "mlp.c_fc", "mlp_proj": "mlp.c_proj"}
+_CONV1D = ("c_attn.weight", "attn_proj.weight", "c_fc.weight", "mlp_proj.weight")
+
+
+def _hf_name(ours: str) -> str:
+    if ours.startswith("blocks."):
+        _, i, mod, leaf = ours.split(".")
+        return f"transformer.h.{i}.{_HF_NAMES[mod]}.{leaf}"
+    return f"transformer.{ours}"
+
+
+def _our_name(hf: str) -> str | None:
+    hf = hf.removeprefix("transformer.")
+    if hf.startswith("lm_head") or hf.split(".")[-2:] in (["attn", "bias"], ["attn", "masked_bias"]):
+        return None   # tied to wte / causal-mask buffers of old checkpoints
+    if hf.startswith("h."):
+        _, i, *mod, leaf = hf.split(".")
+        ours = {v: k for k, v in _HF_NAMES.items()}[".".join(mod)]
+        return f"blocks.{i}.{ours}.{leaf}"
+    return hf
+
+
+def _to_conv1d(state):   # HF's Conv1D stores [in, out]; nn.Linear stores [out, in]
+    return {k: v.t().contiguous() if k.endswith(_CONV1D) else v for k, v in state.items()}
+
+
+_from_conv1d = _to_conv1d
+
+
+def config_from_hf(c: dict, name: str = "hf") -> ModelConfig:
+    act = c.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"activation_function={act!r}: only GPT-2's tanh GeLU is supported")
+    return ModelConfig(name=name, n_layers=c["n_layer"], d_model=c["n_embd"], n_heads=c["n_head"],
+                       vocab_size=c["vocab_size"], max_seq_len=c["n_positions"],
+                       layer_norm_eps=c.get("layer_norm_epsilon", 1e-5))
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": cfg.n_layers,
+            "n_embd": cfg.d_model, "n_head": cfg.n_heads, "vocab_size": cfg.vocab_size,
+            "n_positions": cfg.max_seq_len, "n_ctx": cfg.max_seq_len, "n_inner": None,
+            "layer_norm_epsilon": cfg.layer_norm_eps, "activation_function": "gelu_new",
+            "tie_word_embeddings": True, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+            "bos_token_id": cfg.vocab_size - 1, "eos_token_id": cfg.vocab_size - 1}

@@ -1,0 +1,182 @@
+"""Schedulers behind one small interface: ``add``, ``select``, ``on_return``.
+
+``OrcaScheduler`` is Algorithm 1's ``Select`` (iteration level, FCFS); ``RequestLevelScheduler`` is the
+FasterTransformer-style baseline (a batch enters and leaves whole). Neither knows which executor runs
+its batches: the model in this process, worker processes, or a cost model.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from orca_lab.engine.batch import Batch
+from orca_lab.engine.kv_manager import KVSlotManager
+from orca_lab.engine.request import Request, RequestState
+
+
+class Scheduler:
+    name = "scheduler"
+
+    def __init__(self, kv: KVSlotManager, max_bs: int):
+        self.kv, self.max_bs = kv, max_bs
+        self.n_finished = 0
+
+    def reservation(self, req: Request) -> int:
+        """Slots reserved for ``req`` when it is first scheduled."""
+        raise NotImplementedError
+
+    def check_admissible(self, req: Request):
+        """Refuse at submission a request that could never be scheduled: it would block FCFS forever."""
+        need = self.reservation(req)
+        if need > self.kv.n_slots:
+            raise ValueError(f"max_tokens={need} (prompt {len(req.prompt)} + max_gen_tokens "
+                             f"{req.params.max_gen_tokens}, as reserved by {self.name}) exceeds "
+                             f"n_slots={self.kv.n_slots}: allowed max_tokens <= n_slots")
+
+    @property
+    def n_rsrv(self) -> int:
+        """Algorithm 1's n_rsrv: the slots reserved by requests in the system."""
+        return self.kv.n_reserved
+
+    def _finish(self, req: Request, now: float):
+        req.state, req.t_finish = RequestState.FINISHED, now
+        self.kv.release(req)
+        self.n_finished += 1
+
+
+class OrcaScheduler(Scheduler):
+    """Iteration-level FCFS scheduling (ORCA §4.1, Algorithm 1)."""
+    name = "orca"
+
+    def __init__(self, kv: KVSlotManager, max_bs: int):
+        super().__init__(kv, max_bs)
+        self.pool: list[Request] = []     # requests not finished, by arrival time
+
+    def reservation(self, req: Request) -> int:
+        return req.max_tokens
+
+    def add(self, req: Request):
+        self.check_admissible(req)
+        bisect.insort(self.pool, req, key=lambda r: (r.arrival, r.rid))
+
+    def has_work(self) -> bool:
+        return bool(self.pool)
+
+    def select(self, now: float = 0.0) -> Batch | None:
+        """Algorithm 1's Select: earliest arrivals first, up to max_bs, reserving max_tokens slots for
+        a request's first iteration. It breaks (not skips) on the first request that does not fit,
+        so a later, smaller request never overtakes an earlier one."""
+        batch = []
+        for req in self.pool:
+            if len(batch) == self.max_bs:
+                break
+            if req.state is RequestState.RUNNING:
+                continue
+            if req.state is RequestState.INITIATION:
+                if not self.kv.can_reserve(req.max_tokens):
+                    break
+                self.kv.reserve(req, req.max_tokens)
+                req.t_scheduled = now
+            batch.append(req)
+        if not batch:
+            return None
+        for req in batch:
+            req.state = RequestState.RUNNING
+        return Batch.selective(batch)
+
+    def on_return(self, batch: Batch, tokens: list[int], now: float) -> list[tuple[Request, int]]:
+        """A batch came back: every request got one token; finished ones leave and free their slots."""
+        for req, tok, kv_len in zip(batch.requests, tokens, batch.kv_lens):
+            req.n_cached, req.n_iterations = kv_len, req.n_iterations + 1
+            req.append(tok, now)
+            if req.finished:
+                self._finish(req, now)
+                self.pool.remove(req)
+            else:
+                req.state = RequestState.INCREMENT
+        return list(zip(batch.requests, tokens))
+
+
+@dataclass(eq=False)
+class _MicroBatch:
+    requests: list[Request]
+    start: int              # position of the next token the micro-batch feeds
+    q_len: int              # the batch's shortest prompt first, then one token per iteration
+    in_flight: bool = False
+    batches: list = field(default_factory=list)
+
+
+class RequestLevelScheduler(Scheduler):
+    """FasterTransformer behind a request-level scheduler (ORCA §6 baseline, ``ft(max_bs, mbs)``).
+
+    Up to ``max_bs`` queued requests form one batch that runs until every request in it is done.
+    Its first iteration treats every prompt as the batch's shortest; the rest of the longer prompts is
+    fed one token per iteration. Finished requests keep computing and are returned only when the
+    batch ends. K/V is reserved for ``max_seq_len`` tokens per request. The batch is split into
+    micro-batches of ``mbs`` requests, which a pipeline of workers runs one after another.
+    """
+    name = "ft"
+
+    def __init__(self, kv: KVSlotManager, max_bs: int, max_seq_len: int, mbs: int | None = None):
+        super().__init__(kv, max_bs)
+        self.max_seq_len, self.mbs = max_seq_len, mbs or max_bs
+        self.queue: list[Request] = []
+        self.active: list[Request] = []
+        self.micro: list[_MicroBatch] = []
+
+    def reservation(self, req: Request) -> int:
+        return self.max_seq_len
+
+    def add(self, req: Request):
+        self.check_admissible(req)
+        bisect.insort(self.queue, req, key=lambda r: (r.arrival, r.rid))
+
+    def has_work(self) -> bool:
+        return bool(self.queue or self.active)
+
+    def select(self, now: float = 0.0) -> Batch | None:
+        if not self.active:
+            self._form_batch(now)
+        for mb in self.micro:
+            if not mb.in_flight and not self._batch_done():
+                mb.in_flight = True
+                batch = Batch.padded_step(mb.requests, mb.start, mb.q_len)
+                mb.batches.append(batch)
+                for req in mb.requests:
+                    req.state = RequestState.RUNNING
+                return batch
+        return None
+
+    def _form_batch(self, now: float):
+        while self.queue and len(self.active) < self.max_bs and self.kv.can_reserve(self.max_seq_len):
+            req = self.queue.pop(0)
+            self.kv.reserve(req, self.max_seq_len)
+            req.t_scheduled = now
+            self.active.append(req)
+        if self.active:
+            shortest = min(len(r.prompt) for r in self.active)
+            self.micro = [_MicroBatch(self.active[i:i + self.mbs], 0, shortest)
+                          for i in range(0, len(self.active), self.mbs)]
+
+    def _batch_done(self) -> bool:
+        return all(r.finished for r in self.active)
+
+    def on_return(self, batch: Batch, tokens: list[int], now: float) -> list[tuple[Request, int]]:
+        mb = next(m for m in self.micro if m.batches and m.batches[-1] is batch)
+        last_pos = mb.start + mb.q_len - 1
+        events = []
+        for req, tok in zip(batch.requests, tokens):
+            if req.finished:
+                continue                       # held: its token is thrown away
+            req.n_iterations += 1
+            req.n_cached = last_pos + 1
+            req.state = RequestState.INCREMENT
+            if last_pos + 1 >= len(req.prompt):  # past its prompt: a real generated token
+                req.append(tok, now)
+                events.append((req, tok))
+        mb.start, mb.q_len, mb.in_flight = last_pos + 1, 1, False
+        if self._batch_done() and not any(m.in_flight for m in self.micro):
+            for req in self.active:             # the whole batch returns at once
+                self._finish(req, now)
+            self.active, self.micro = [], []
+        return events

@@ -1,0 +1,14 @@
+"""Pure tensor functions for selective batching (DESIGN.md layer 2).
+
+One file per op, each holding the Triton kernel, a plain PyTorch reference and the public wrapper
+that picks one. ``backend`` is ``"torch"``, ``"triton"`` or ``"auto"`` (Triton on GPU, PyTorch on CPU).
+No engine imports here. ``_backend`` is imported first: on a machine without a GPU it turns on
+Triton's interpreter before any kernel is decorated.
+"""
+from orca_lab.kernels._backend import BACKENDS
+from orca_lab.kernels.attention import ragged_attention
+from orca_lab.kernels.gelu import bias_gelu
+from orca_lab.kernels.kv_write import write_kv
+from orca_lab.kernels.layernorm import layer_norm
+
+__all__ = ["BACKENDS", "bias_gelu", "layer_norm", "ragged_attention", "write_kv"]

@@ -1,0 +1,213 @@
+"""Ragged attention over the K/V slot pool: every request of one iteration in one launch (ORCA §4.2).
+
+Selective batching flattens the new tokens of all requests into ``q [T, H, D]``; only attention must
+be split per request, because each request attends over its own keys. ORCA concatenates the thread
+blocks of the per-request kernels into one launch; here that is one Triton grid over
+(query block of some request, head), with a small map, built on the host, from program id to
+(request, query block). Each program runs FlashAttention's online softmax over its request's keys,
+block by block, gathering them from the slot pool through ``slot_ids``, so memory does not grow with
+the context and slots need not be contiguous.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from orca_lab.kernels._backend import (FLOAT_DTYPES, INDEX_DTYPES, cast_rne, check_indices,
+                                       check_same, check_tensor, next_pow2, use_triton)
+
+import triton  # noqa: E402  (after _backend, which sets TRITON_INTERPRET on CPU-only machines)
+import triton.language as tl  # noqa: E402
+
+MAX_HEAD_SIZE = 256
+
+
+# --------------------------------------------------------------------------------------- kernel
+@triton.jit
+def _ragged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, cu_q_ptr, cu_k_ptr, work_req_ptr, work_blk_ptr,
+    stride_qt, stride_qh, stride_qd,
+    stride_kn, stride_kh, stride_kd,
+    stride_vn, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    qk_scale, head_size,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    # Which request and which of its query blocks this program owns, and which head.
+    work = tl.program_id(0)
+    head = tl.program_id(1)
+    req = tl.load(work_req_ptr + work)
+    block = tl.load(work_blk_ptr + work)
+    q_start = tl.load(cu_q_ptr + req)
+    q_len = tl.load(cu_q_ptr + req + 1) - q_start
+    k_start = tl.load(cu_k_ptr + req)
+    kv_len = tl.load(cu_k_ptr + req + 1) - k_start
+
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < q_len
+    mask_d = offs_d < head_size  # head sizes like 80 or 13 are padded to a power of two
+    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh
+                + offs_d[None, :] * stride_qd, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    if INTERPRETED:  # bf16 arithmetic is wrong in the interpreter, so all math is fp32 there
+        q = q.to(tl.float32)
+
+    # Causal, aligned bottom-right: query m sees keys [0, kv_len - q_len + m].
+    last_key = kv_len - q_len + offs_m
+    # Keys past the block's last visible one are skipped, not just masked: prefill does half the work.
+    kv_end = tl.minimum(kv_len, kv_len - q_len + (block + 1) * BLOCK_M)
+
+    # Online softmax in base 2 (exp2 is the fast instruction): running max m_i, sum l_i, output acc.
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(0, kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < kv_len
+        slots = tl.load(slot_ptr + k_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+        kt = tl.load(k_ptr + slots[None, :] * stride_kn + head * stride_kh + offs_d[:, None] * stride_kd,
+                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        v = tl.load(v_ptr + slots[:, None] * stride_vn + head * stride_vh + offs_d[None, :] * stride_vd,
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if INTERPRETED:
+            kt = kt.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        visible = (offs_n[None, :] <= last_key[:, None]) & mask_n[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        # Key 0 is visible to every query and lies in the first block, so m_new is finite from
+        # the first iteration on and no -inf - -inf = NaN can appear.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh
+             + offs_d[None, :] * stride_od, cast_rne(out, out_ptr.dtype.element_ty, INTERPRETED),
+             mask=mask_m[:, None] & mask_d[None, :])
+
+
+# ------------------------------------------------------------------------------------ reference
+def ragged_attention_ref(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale=None):
+    """Plain PyTorch: one scaled-dot-product attention per request, causal aligned bottom-right."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = torch.empty_like(q)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cu_q) - 1):
+        qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        if qe == qs:
+            continue
+        slots = slot_ids[ks:ke].long()
+        qb = q[qs:qe].transpose(0, 1)                    # [H, Lq, D]
+        kb = k_pool[slots].transpose(0, 1)               # [H, Lk, D]
+        vb = v_pool[slots].transpose(0, 1)
+        lq, lk = qe - qs, ke - ks
+        mask = None
+        if lq > 1:  # query i sees keys 0 .. lk - lq + i
+            mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
+        out[qs:qe] = ob.transpose(0, 1)
+    return out
+
+
+# -------------------------------------------------------------------------------------- wrapper
+def _check_offsets(name, offsets, total, total_name):
+    if offsets[0] != 0 or offsets[-1] != total:
+        raise ValueError(f"{name} must start at 0 and end at {total_name}={total}, "
+                         f"got {offsets[0]} .. {offsets[-1]}")
+    for b in range(len(offsets) - 1):
+        if offsets[b + 1] < offsets[b]:
+            raise ValueError(f"{name} must be non-decreasing, but {name}[{b + 1}]={offsets[b + 1]} "
+                             f"< {name}[{b}]={offsets[b]}")
+
+
+def _check_attention_args(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale):
+    """All checks before any launch; returns cu_seqlens_q as a host list (the launch grid needs it)."""
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    dev = q.device
+    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+        check_tensor(name, pool, ndim=3, dtypes=(q.dtype,), device=dev)
+        check_same(f"{name}.shape[1:] (heads, head size)", tuple(pool.shape[1:]), tuple(q.shape[1:]),
+                   "value")
+    check_same("v_pool.shape", tuple(v_pool.shape), tuple(k_pool.shape), "value")
+    if q.shape[1] < 1 or not 1 <= q.shape[2] <= MAX_HEAD_SIZE:
+        raise ValueError(f"q has {q.shape[1]} heads of size {q.shape[2]}; allowed: >= 1 heads of "
+                         f"size 1 to {MAX_HEAD_SIZE}")
+    check_tensor("slot_ids", slot_ids, ndim=1, dtypes=INDEX_DTYPES, device=dev)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        check_tensor(name, cu, ndim=1, dtypes=INDEX_DTYPES, device=dev)
+        if cu.numel() < 2:
+            raise ValueError(f"{name} must hold B+1 >= 2 offsets, got {cu.numel()}")
+    check_same("len(cu_seqlens_k)", cu_seqlens_k.numel(), cu_seqlens_q.numel(), "length")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    _check_offsets("cu_seqlens_q", cu_q, q.shape[0], "T")
+    _check_offsets("cu_seqlens_k", cu_k, slot_ids.numel(), "len(slot_ids)")
+    for b in range(len(cu_q) - 1):
+        q_len, kv_len = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        if q_len > kv_len:
+            raise ValueError(f"request {b} has {q_len} queries but only {kv_len} keys: its context "
+                             "must include its new tokens (q_len <= kv_len)")
+    check_indices("slot_ids", slot_ids, k_pool.shape[0], "n_slots")
+    return cu_q
+
+
+def _work_map(cu_q, block_m, device):
+    """Program id -> (request, query block): the per-request grids concatenated into one launch."""
+    q_lens = torch.tensor(cu_q).diff()
+    n_blocks = (q_lens + block_m - 1) // block_m
+    req = torch.repeat_interleave(torch.arange(len(q_lens)), n_blocks)
+    first = torch.repeat_interleave(n_blocks.cumsum(0) - n_blocks, n_blocks)
+    blk = torch.arange(req.numel()) - first
+    return torch.stack([req, blk]).to(device=device, dtype=torch.int32)
+
+
+def _block_sizes(max_q_len, head_size, on_gpu):
+    """(BLOCK_M, BLOCK_N, BLOCK_D): queries, keys and head dims per program step."""
+    block_d = next_pow2(head_size, 16)  # the GPU compiler wants tl.dot dimensions >= 16
+    if not on_gpu:  # the interpreter's cost grows with the block area: small blocks, fewer wasted rows
+        return 16, 16, block_d
+    if block_d > 128:  # keep the K/V tiles of the pipelined loop within shared memory
+        return (16 if max_q_len <= 16 else 32), 32, block_d
+    # Decode (q_len 1) wastes the rows of a query block, so keep it small there.
+    return (16 if max_q_len <= 16 else 128 if block_d <= 64 else 64), 64, block_d
+
+
+def ragged_attention_triton(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale, cu_q):
+    """One launch for the whole batch; ``cu_q`` is ``cu_seqlens_q`` already on the host."""
+    T, H, D = q.shape
+    out = torch.empty_like(q)
+    max_q_len = max(b - a for a, b in zip(cu_q, cu_q[1:]))
+    block_m, block_n, block_d = _block_sizes(max_q_len, D, q.is_cuda)
+    work = _work_map(cu_q, block_m, q.device)
+    if work.shape[1] == 0:  # every request has zero new tokens
+        return out
+    _ragged_attention_kernel[(work.shape[1], H)](
+        q, k_pool, v_pool, out, slot_ids, cu_seqlens_q, cu_seqlens_k, work[0], work[1],
+        *q.stride(), *k_pool.stride(), *v_pool.stride(), *out.stride(),
+        scale * math.log2(math.e), D,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, INTERPRETED=not q.is_cuda,
+    )
+    return out
+
+
+def ragged_attention(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale=None,
+                     backend="auto"):
+    """Attention of T flattened new tokens ``q [T, H, D]`` over each request's own K/V.
+
+    Request b owns queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` and keys in the slots
+    ``slot_ids[cu_seqlens_k[b]:cu_seqlens_k[b+1]]`` (its context, new tokens included and already
+    written). Returns ``[T, H, D]`` in q's dtype.
+    """
+    cu_q = _check_attention_args(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if use_triton(backend, q):
+        return ragged_attention_triton(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale,
+                                       cu_q)
+    return ragged_attention_ref(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale)

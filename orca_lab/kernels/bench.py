@@ -1,0 +1,222 @@
+"""Benchmark of the selective-batching kernels against their roofline and against the alternatives.
+
+    python -m orca_lab.kernels.bench [--quick] [--out results/kernels_bench.json]
+
+For each kernel: time, achieved GB/s and TFLOP/s, and the roofline floor ``max(bytes / bandwidth,
+FLOPs / matmul rate)`` with both peaks measured in the same run (a large copy, a large matmul).
+Attention is also timed the FasterTransformer way (requests padded to ``[B, L, H, D]``, one dense
+masked SDPA) and as a per-request SDPA loop (the torch backend), in a decode phase (many requests,
+one new token each, long contexts) and a prefill phase (whole prompts).
+
+Without a GPU the Triton kernels run in Triton's interpreter: sizes are small (``--quick`` is the
+default there) and those timings say nothing about speed; the table marks them "interpreted".
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from orca_lab.kernels import _backend  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
+from orca_lab.kernels import bias_gelu, layer_norm, ragged_attention, write_kv
+
+import triton  # noqa: E402
+
+# Sizes per mode: GPT-3 13B shapes (40 heads of 128, hidden 5120) on a GPU; toys otherwise.
+SIZES = {
+    "full": dict(heads=40, head_size=128, decode_batch=64, decode_ctx=2048, prefill_batch=4,
+                 prefill_len=2048, tokens=4096, hidden=5120, copy_mib=1024, matmul_n=8192),
+    "quick": dict(heads=2, head_size=64, decode_batch=8, decode_ctx=128, prefill_batch=2,
+                  prefill_len=48, tokens=64, hidden=256, copy_mib=64, matmul_n=1024),
+    "tiny": dict(heads=1, head_size=16, decode_batch=2, decode_ctx=20, prefill_batch=1,
+                 prefill_len=16, tokens=8, hidden=32, copy_mib=4, matmul_n=128),
+}
+GELU_FLOPS_PER_ELEMENT = 12  # bias add, cube, fma, scalings, sigmoid (exp, add, divide), product
+LN_FLOPS_PER_ELEMENT = 8     # (residual add,) mean, centre, square-accumulate, normalize, scale, shift
+
+
+# ------------------------------------------------------------------------------------- timing
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn, device, reps, warmup=1):
+    """Median wall time of ``fn()`` in ms (synchronized on GPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def measure_peaks(device, dtype, size, reps):
+    """Memory bandwidth from a large copy (read + write) and the matmul rate of a large matmul."""
+    src = torch.randn(size["copy_mib"] * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(lambda: dst.copy_(src), device, reps)
+    n = size["matmul_n"]
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    mm_ms = time_ms(lambda: torch.matmul(a, b), device, reps)
+    return {"bandwidth_GBps": 2 * src.numel() * 4 / copy_ms / 1e6,
+            "matmul_TFLOPs": 2 * n**3 / mm_ms / 1e9, "matmul_dtype": str(dtype).replace("torch.", ""),
+            "copy_MiB": size["copy_mib"], "matmul_n": n}
+
+
+# ------------------------------------------------------------------------------------ attention
+def attention_case(q_lens, kv_lens, heads, head_size, dtype, device):
+    """A ragged batch in a shuffled slot pool, plus the same batch padded as FasterTransformer keeps it."""
+    n_keys = sum(kv_lens)
+    q = torch.randn(sum(q_lens), heads, head_size, device=device, dtype=dtype)
+    k_pool, v_pool = (torch.randn(n_keys, heads, head_size, device=device, dtype=dtype) for _ in range(2))
+    slot_ids = torch.randperm(n_keys, device=device).int()
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                                   device=device)
+    args = (q, k_pool, v_pool, slot_ids, cu(q_lens), cu(kv_lens))
+    return args, padded_case(args, q_lens, kv_lens)
+
+
+def padded_case(args, q_lens, kv_lens):
+    """FasterTransformer's layout: every request padded to the longest, K/V in a dense per-request
+    cache, one mask for padding and causality. Built outside the timed region (favours FT)."""
+    q, k_pool, v_pool, slot_ids, cu_q, cu_k = args
+    B, Lq, Lk = len(q_lens), max(q_lens), max(kv_lens)
+    H, D = q.shape[1:]
+    qp = q.new_zeros(B, H, Lq, D)
+    kp, vp = q.new_zeros(B, H, Lk, D), q.new_zeros(B, H, Lk, D)
+    mask = torch.zeros(B, 1, Lq, Lk, dtype=torch.bool, device=q.device)
+    for b, (lq, lk) in enumerate(zip(q_lens, kv_lens)):
+        slots = slot_ids[cu_k[b]:cu_k[b + 1]].long()
+        qp[b, :, :lq] = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)
+        kp[b, :, :lk], vp[b, :, :lk] = k_pool[slots].transpose(0, 1), v_pool[slots].transpose(0, 1)
+        mask[b, 0, :lq, :lk] = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    mask[:, :, :, 0] = True  # padded query rows see key 0, so no row is all -inf (NaN)
+    return qp, kp, vp, mask
+
+
+def attention_cost(q_lens, kv_lens, heads, head_size, elem):
+    """Useful work only: visible (query, key) pairs, and each tensor moved once."""
+    pairs = sum(q * (k - q) + q * (q + 1) // 2 for q, k in zip(q_lens, kv_lens))
+    flops = 4 * pairs * heads * head_size                        # QK^T and PV, 2 FLOPs per MAC
+    bytes_ = (2 * sum(q_lens) + 2 * sum(kv_lens)) * heads * head_size * elem + 4 * sum(kv_lens)
+    return bytes_, flops
+
+
+def bench_attention(phase, q_lens, kv_lens, size, dtype, device):
+    H, D = size["heads"], size["head_size"]
+    args, (qp, kp, vp, mask) = attention_case(q_lens, kv_lens, H, D, dtype, device)
+    impls = {
+        "triton": lambda: ragged_attention(*args, backend="triton"),
+        "sdpa-loop": lambda: ragged_attention(*args, backend="torch"),
+        "padded-ft": lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask),
+    }
+    bytes_, flops = attention_cost(q_lens, kv_lens, H, D, dtype.itemsize)
+    sizes = dict(phase=phase, batch=len(q_lens), q_len=max(q_lens), kv_len=max(kv_lens), heads=H,
+                 head_size=D)
+    return [("ragged_attention", phase, impl, fn, bytes_, flops, sizes) for impl, fn in impls.items()]
+
+
+# ----------------------------------------------------------------------------- token-wise ops
+def bench_token_ops(size, dtype, device):
+    T, N, H, D = size["tokens"], size["hidden"], size["heads"], size["head_size"]
+    e = dtype.itemsize
+    rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)
+    x, r, w, b = rand(T, N), rand(T, N), rand(N), rand(N)
+    h, hb = rand(T, 4 * N), rand(4 * N)
+    k, v = rand(T, H, D), rand(T, H, D)
+    k_pool, v_pool = rand(2 * T, H, D), rand(2 * T, H, D)
+    slots = torch.randperm(2 * T, device=device)[:T].int()
+    ops = [
+        ("write_kv", "decode+prefill", lambda impl: write_kv(k, v, k_pool, v_pool, slots, backend=impl),
+         4 * T * H * D * e + 4 * T, 0, dict(tokens=T, heads=H, head_size=D)),
+        ("layer_norm", "residual", lambda impl: layer_norm(x, w, b, residual=r, backend=impl),
+         4 * T * N * e + 2 * N * e, LN_FLOPS_PER_ELEMENT * T * N, dict(tokens=T, hidden=N)),
+        ("bias_gelu", "mlp", lambda impl: bias_gelu(h, hb, backend=impl),
+         2 * T * 4 * N * e + 4 * N * e, GELU_FLOPS_PER_ELEMENT * T * 4 * N, dict(tokens=T, width=4 * N)),
+    ]
+    cases = []
+    for kernel, case, op, bytes_, flops, sizes in ops:
+        for impl in ("triton", "torch"):
+            cases.append((kernel, case, impl, lambda op=op, impl=impl: op(impl), bytes_, flops, sizes))
+    return cases
+
+
+# ---------------------------------------------------------------------------------------- main
+def run(mode, reps, device):
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    size = SIZES[mode]
+    peaks = measure_peaks(device, dtype, size, reps)
+    B, L = size["decode_batch"], size["decode_ctx"]
+    P, Lp = size["prefill_batch"], size["prefill_len"]
+    cases = (bench_attention("decode", [1] * B, [L - 37 * i % (L // 2) for i in range(B)], size,
+                             dtype, device)
+             + bench_attention("prefill", [Lp - 5 * i for i in range(P)], [Lp - 5 * i for i in range(P)],
+                               size, dtype, device)
+             + bench_token_ops(size, dtype, device))
+    rows = []
+    for kernel, case, impl, fn, bytes_, flops, sizes in cases:
+        ms = time_ms(fn, device, reps)
+        floor = max(bytes_ / peaks["bandwidth_GBps"] / 1e6, flops / peaks["matmul_TFLOPs"] / 1e9)
+        rows.append(dict(kernel=kernel, case=case, impl=impl, sizes=sizes, dtype=str(dtype)[6:],
+                         bytes=bytes_, flops=flops, time_ms=ms, GBps=bytes_ / ms / 1e6,
+                         TFLOPs=flops / ms / 1e9, floor_ms=floor, roofline_frac=floor / ms,
+                         interpreted=impl == "triton" and device.type != "cuda"))
+    return peaks, rows
+
+
+def print_table(peaks, rows, device_name):
+    print(f"device: {device_name}   measured peaks: {peaks['bandwidth_GBps']:.1f} GB/s copy, "
+          f"{peaks['matmul_TFLOPs']:.2f} TFLOP/s {peaks['matmul_dtype']} matmul")
+    print(f"{'kernel':<17}{'case':<15}{'impl':<10}{'ms':>10} {'GB/s':>10} {'TFLOP/s':>10} "
+          f"{'floor ms':>10} {'% roof':>9}")
+    for r in rows:
+        note = "  interpreted: not a speed" if r["interpreted"] else ""
+        print(f"{r['kernel']:<17}{r['case']:<15}{r['impl']:<10}{r['time_ms']:>10.4g} {r['GBps']:>10.3g} "
+              f"{r['TFLOPs']:>10.3g} {r['floor_ms']:>10.3g} {100 * r['roofline_frac']:>8.3g}%{note}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (the default without a GPU)")
+    parser.add_argument("--tiny", action="store_true", help="toy sizes, for a smoke test")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
+    parser.add_argument("--out", default="results/kernels_bench.json", help="JSON output path")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (default 1 without a GPU: at these small sizes "
+                             "thread start-up dominates, and on a busy machine it costs 100x)")
+    args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error(f"--reps must be >= 1, got {args.reps}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    threads = args.threads or (1 if device.type == "cpu" else torch.get_num_threads())
+    if threads < 1:
+        parser.error(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+    mode = "tiny" if args.tiny else "quick" if args.quick or device.type != "cuda" else "full"
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"{platform.processor() or platform.machine()} CPU ({os.cpu_count()} cores)"
+    peaks, rows = run(mode, args.reps, device)
+    print_table(peaks, rows, device_name)
+    result = dict(device=device_name, device_type=device.type, torch=torch.__version__,
+                  triton=triton.__version__, interpreted=device.type != "cuda", mode=mode,
+                  cpu_threads=threads,
+                  sizes=SIZES[mode], peaks=peaks, results=rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""K/V write: scatter the new tokens' keys and values into their slots of the pool (ORCA §4.2).
+
+The Attention K/V manager hands each new token a slot; before attention runs, every layer writes
+that token's K and V there, so the attention kernel finds each request's whole context in the pool.
+"""
+from orca_lab.kernels._backend import (FLOAT_DTYPES, INDEX_DTYPES, cast_rne, check_indices,
+                                       check_same, check_tensor, next_pow2, use_triton)
+
+import triton  # noqa: E402  (after _backend, which sets TRITON_INTERPRET on CPU-only machines)
+import triton.language as tl  # noqa: E402
+
+# Elements of one token's [H, D] row that one program copies (the last chunk is masked).
+MAX_BLOCK = 1024
+
+
+# --------------------------------------------------------------------------------------- kernel
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_pool_ptr, v_pool_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kpn, stride_kph, stride_kpd,
+    stride_vpn, stride_vph, stride_vpd,
+    head_size, row_size,
+    INTERPRETED: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # Program (token, chunk) copies one chunk of that token's H*D keys and values; the flat index
+    # is split into (head, dim) so any strides work, including a pool sliced out of a larger one.
+    token = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < row_size
+    head, dim = offs // head_size, offs % head_size
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    k = tl.load(k_ptr + token * stride_kt + head * stride_kh + dim * stride_kd, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + head * stride_vh + dim * stride_vd, mask=mask)
+    tl.store(k_pool_ptr + slot * stride_kpn + head * stride_kph + dim * stride_kpd,
+             cast_rne(k, k_pool_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    tl.store(v_pool_ptr + slot * stride_vpn + head * stride_vph + dim * stride_vpd,
+             cast_rne(v, v_pool_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+
+
+# ------------------------------------------------------------------------------------ reference
+def write_kv_ref(k, v, k_pool, v_pool, slot_mapping):
+    slots = slot_mapping.long()
+    k_pool[slots] = k.to(k_pool.dtype)
+    v_pool[slots] = v.to(v_pool.dtype)
+
+
+# -------------------------------------------------------------------------------------- wrapper
+def _check_write_kv_args(k, v, k_pool, v_pool, slot_mapping):
+    check_tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES)
+    dev = k.device
+    check_tensor("v", v, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
+    check_same("v.shape", tuple(v.shape), tuple(k.shape), "value")
+    check_tensor("k_pool", k_pool, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("v_pool", v_pool, ndim=3, dtypes=(k_pool.dtype,), device=dev)
+    check_same("v_pool.shape", tuple(v_pool.shape), tuple(k_pool.shape), "value")
+    check_same("k_pool.shape[1:] (heads, head size)", tuple(k_pool.shape[1:]), tuple(k.shape[1:]),
+               "value")
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=dev)
+    check_same("len(slot_mapping)", slot_mapping.numel(), k.shape[0], "length (T)")
+    check_indices("slot_mapping", slot_mapping, k_pool.shape[0], "n_slots")
+
+
+def write_kv_triton(k, v, k_pool, v_pool, slot_mapping):
+    T, H, D = k.shape
+    if T == 0:
+        return
+    block = min(next_pow2(H * D), MAX_BLOCK)
+    _write_kv_kernel[(T, triton.cdiv(H * D, block))](
+        k, v, k_pool, v_pool, slot_mapping,
+        *k.stride(), *v.stride(), *k_pool.stride(), *v_pool.stride(),
+        D, H * D, INTERPRETED=not k.is_cuda, BLOCK=block,
+    )
+
+
+def write_kv(k, v, k_pool, v_pool, slot_mapping, backend="auto"):
+    """``k, v [T, H, D]`` into ``k_pool, v_pool [n_slots, H, D]`` at rows ``slot_mapping [T]``, in place.
+
+    K/V of another float dtype are cast to the pool's (rounded to nearest).
+    """
+    _check_write_kv_args(k, v, k_pool, v_pool, slot_mapping)
+    if use_triton(backend, k):
+        return write_kv_triton(k, v, k_pool, v_pool, slot_mapping)
+    return write_kv_ref(k, v, k_pool, v_pool, slot_mapping)

@@ -1,0 +1,123 @@
+"""LayerNorm over the rows of ``[T, H]``, optionally fused with the residual add before it.
+
+Selective batching runs LayerNorm on the flattened ``[sum L, H]`` tokens of all requests at once
+(ORCA §4.2). Fusing ``x + residual`` into the same pass saves one read and one write of the activations,
+which is all a memory-bound op costs.
+"""
+import torch
+import torch.nn.functional as F
+
+from orca_lab.kernels._backend import (FLOAT_DTYPES, cast_rne, check_same, check_tensor, next_pow2,
+                                       use_triton)
+
+import triton  # noqa: E402  (after _backend, which sets TRITON_INTERPRET on CPU-only machines)
+import triton.language as tl  # noqa: E402
+
+# Columns per chunk: a row of up to this many elements is held in registers in one pass.
+MAX_BLOCK = 8192
+
+
+# --------------------------------------------------------------------------------------- kernel
+@triton.jit
+def _load_chunk(x_ptr, res_ptr, cols, mask, HAS_RESIDUAL: tl.constexpr,
+                INTERPRETED: tl.constexpr):
+    """One chunk of the row (x + residual) in fp32, rounded to x's dtype as the caller receives it."""
+    x = tl.load(x_ptr + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + cols, mask=mask, other=0.0)
+        x = cast_rne(x.to(tl.float32) + r.to(tl.float32), x.dtype, INTERPRETED)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _layer_norm_kernel(
+    x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, sum_ptr,
+    n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # One program per row; rows are contiguous, n_cols long. Statistics in fp32. A row longer than
+    # BLOCK is walked in chunks; the re-reads of passes 2 and 3 come from cache, not memory. They
+    # recompute x + residual rather than read back the stored sum: no store-then-load ordering
+    # between the program's threads to worry about.
+    row = tl.program_id(0).to(tl.int64)
+    x_ptr += row * n_cols
+    res_ptr += row * n_cols
+    y_ptr += row * n_cols
+    sum_ptr += row * n_cols
+
+    # Pass 1: the mean; x + residual is stored for the caller's next residual add.
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = _load_chunk(x_ptr, res_ptr, cols, mask, HAS_RESIDUAL, INTERPRETED)
+        if HAS_RESIDUAL:
+            tl.store(sum_ptr + cols, x.to(sum_ptr.dtype.element_ty), mask=mask)  # exact: rounded
+        acc += x
+    mean = tl.sum(acc, 0) / n_cols
+
+    # Pass 2: the variance around the mean (sum of squares minus mean^2 would cancel badly).
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = _load_chunk(x_ptr, res_ptr, cols, mask, HAS_RESIDUAL, INTERPRETED)
+        diff = tl.where(mask, x - mean, 0.0)
+        acc += diff * diff
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, 0) / n_cols + eps)
+
+    # Pass 3: normalize, scale and shift.
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = _load_chunk(x_ptr, res_ptr, cols, mask, HAS_RESIDUAL, INTERPRETED)
+        w = tl.load(w_ptr + cols, mask=mask).to(tl.float32)
+        b = tl.load(b_ptr + cols, mask=mask).to(tl.float32)
+        y = (x - mean) * rstd * w + b
+        tl.store(y_ptr + cols, cast_rne(y, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+
+
+# ------------------------------------------------------------------------------------ reference
+def layer_norm_ref(x, weight, bias, eps=1e-5, residual=None):
+    if residual is not None:
+        x = x + residual
+        return F.layer_norm(x, x.shape[-1:], weight, bias, eps), x
+    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+
+# -------------------------------------------------------------------------------------- wrapper
+def _check_layer_norm_args(x, weight, bias, eps, residual):
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        check_tensor(name, p, ndim=1, dtypes=(x.dtype,), device=x.device)
+        check_same(f"{name}.shape[0]", p.shape[0], x.shape[-1], "size (x.shape[-1])")
+    if residual is not None:
+        check_tensor("residual", residual, dtypes=(x.dtype,), device=x.device)
+        check_same("residual.shape", tuple(residual.shape), tuple(x.shape), "value (x.shape)")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a positive float, got {eps!r}")
+
+
+def layer_norm_triton(x, weight, bias, eps, residual=None):
+    n_cols = x.shape[-1]
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    has_res = residual is not None
+    total = torch.empty_like(x) if has_res else x  # x + residual; unused (never written) without one
+    res = residual.contiguous() if has_res else x
+    if x.numel():
+        _layer_norm_kernel[(x.numel() // n_cols,)](
+            x, res, weight, bias, y, total, n_cols, float(eps),
+            HAS_RESIDUAL=has_res, INTERPRETED=not x.is_cuda, BLOCK=min(next_pow2(n_cols), MAX_BLOCK),
+        )
+    return (y, total) if has_res else y
+
+
+def layer_norm(x, weight, bias, eps=1e-5, residual=None, backend="auto"):
+    """``LN(x)``, or with ``residual`` given, ``(LN(x + residual), x + residual)``."""
+    _check_layer_norm_args(x, weight, bias, eps, residual)
+    if use_triton(backend, x):
+        return layer_norm_triton(x, weight, bias, eps, residual)
+    return layer_norm_ref(x, weight, bias, eps, residual)

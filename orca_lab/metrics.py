@@ -1,0 +1,54 @@
+"""Per-request and run-level metrics (ORCA §6: median normalized latency vs throughput).
+
+Normalized latency = end-to-end latency / generated tokens. TTFT = first token - arrival.
+TPOT = (finish - first token) / (generated - 1).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+
+def per_request(result) -> pd.DataFrame:
+    df = result.requests_df()
+    df = df[df["t_finish"].notna()].copy()
+    df["latency"] = df["t_finish"] - df["arrival"]
+    df["norm_latency"] = df["latency"] / df["n_generated"]
+    df["ttft"] = df["t_first_token"] - df["arrival"]
+    df["queueing"] = df["t_scheduled"] - df["arrival"]
+    steps = (df["n_generated"] - 1).where(df["n_generated"] > 1)
+    df["tpot"] = (df["t_finish"] - df["t_first_token"]) / steps
+    return df
+
+
+def summarize(result, slo_norm_latency: float | None = None) -> dict:
+    """One row of numbers for a run. Latencies in ms; throughput over first arrival..last finish."""
+    df = per_request(result)
+    it = result.iterations_df()
+    last_stage = it[it["stage"] == it["stage"].max()] if len(it) else it
+    duration = max(result.duration, 1e-12)
+    ms = lambda s, q=50: float(np.percentile(s.dropna(), q) * 1e3) if s.notna().any() else float("nan")
+    row = {
+        "system": result.system,
+        "n_requests": int(len(df)),
+        "duration_s": float(result.duration),
+        "throughput_rps": len(df) / duration,
+        "throughput_tok_s": float(df["n_generated"].sum()) / duration,
+        "median_norm_latency_ms": ms(df["norm_latency"]),
+        "p90_norm_latency_ms": ms(df["norm_latency"], 90),
+        "p99_norm_latency_ms": ms(df["norm_latency"], 99),
+        "p50_latency_ms": ms(df["latency"]),
+        "p90_latency_ms": ms(df["latency"], 90),
+        "p99_latency_ms": ms(df["latency"], 99),
+        "median_ttft_ms": ms(df["ttft"]),
+        "median_tpot_ms": ms(df["tpot"]),
+        "n_iterations": int(len(last_stage)),
+        "tokens_per_iteration": float(last_stage["n_tokens"].mean()) if len(last_stage) else 0.0,
+    }
+    if slo_norm_latency is not None:   # goodput: requests/s that met the normalized-latency SLO
+        row["goodput_rps"] = float((df["norm_latency"] <= slo_norm_latency).sum()) / duration
+    return row
+
+
+def compare_table(results) -> pd.DataFrame:
+    return pd.DataFrame([summarize(r) for r in results]).set_index("system")

@@ -1,0 +1,114 @@
+"""Request traces: the paper's synthetic workload, homogeneous traces, and their files (ORCA §6).
+
+The paper draws input lengths from U{32..512} and max_gen_tokens from U{1..128}, never stops early
+(no EOS), and sends requests as a Poisson process whose rate is swept. ``scale`` shrinks the lengths
+for small machines while keeping their shape.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from orca_lab.config import check_range
+from orca_lab.engine.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class TraceItem:
+    arrival: float            # seconds after the start of the run
+    prompt: tuple[int, ...]
+    max_gen_tokens: int
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(max_gen_tokens=self.max_gen_tokens)
+
+    @property
+    def max_tokens(self) -> int:
+        return len(self.prompt) + self.max_gen_tokens
+
+
+def arrivals(n: int, rate: float | None, rng: np.random.Generator, cv: float = 1.0) -> np.ndarray:
+    """Arrival times of ``n`` requests at ``rate`` req/s; None = offline (all at time 0).
+    ``cv`` is the inter-arrival coefficient of variation: 1 is Poisson, above 1 is bursty (gamma)."""
+    if rate is None:
+        return np.zeros(n)
+    check_range("rate", rate, 1e-9, None, kind=float)
+    check_range("cv", cv, 1e-3, 100.0, kind=float)
+    shape = 1.0 / cv ** 2
+    gaps = rng.gamma(shape, 1.0 / (rate * shape), size=n)
+    return np.cumsum(gaps) - gaps[0]
+
+
+def paper_trace(n: int, rate: float | None = None, seed: int = 0, input_range=(32, 512),
+                gen_range=(1, 128), scale: float = 1.0, vocab_size: int = 50257,
+                cv: float = 1.0) -> list[TraceItem]:
+    """The paper's workload: input ~ U{input_range}, max_gen_tokens ~ U{gen_range}, lengths
+    multiplied by ``scale``."""
+    check_range("n", n, 1, 10_000_000)
+    check_range("scale", scale, 1e-3, 1000.0, kind=float)
+    lo_in, hi_in = (_scaled(x, scale) for x in input_range)
+    lo_gen, hi_gen = (_scaled(x, scale) for x in gen_range)
+    rng = np.random.default_rng(seed)
+    in_lens = rng.integers(lo_in, hi_in + 1, size=n)
+    gen_lens = rng.integers(lo_gen, hi_gen + 1, size=n)
+    return _items(rng, arrivals(n, rate, rng, cv), in_lens, gen_lens, vocab_size)
+
+
+def homogeneous_trace(n: int, input_len: int, gen_len: int, rate: float | None = None, seed: int = 0,
+                      vocab_size: int = 50257, cv: float = 1.0) -> list[TraceItem]:
+    """Every request with the same input length and max_gen_tokens (the paper's Figure 11)."""
+    check_range("n", n, 1, 10_000_000)
+    check_range("input_len", input_len, 1, 1 << 20)
+    check_range("gen_len", gen_len, 1, 1 << 20)
+    rng = np.random.default_rng(seed)
+    return _items(rng, arrivals(n, rate, rng, cv), np.full(n, input_len), np.full(n, gen_len), vocab_size)
+
+
+def _scaled(x: int, scale: float) -> int:
+    return max(1, int(round(x * scale)))
+
+
+def _items(rng, times, in_lens, gen_lens, vocab_size) -> list[TraceItem]:
+    check_range("vocab_size", vocab_size, 2, 1 << 24)
+    return [TraceItem(float(t), tuple(rng.integers(0, vocab_size, size=int(L)).tolist()), int(g))
+            for t, L, g in zip(times, in_lens, gen_lens)]
+
+
+def save_trace(items, path):
+    """One JSON object per line: ``{"arrival": s, "prompt": [ids], "max_gen_tokens": n}``."""
+    with open(path, "w") as f:
+        for it in items:
+            f.write(json.dumps({**asdict(it), "prompt": list(it.prompt)}) + "\n")
+
+
+def load_trace(path) -> list[TraceItem]:
+    """Read a trace file, refusing a malformed line with its number and the field at fault."""
+    items = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            items.append(_parse_item(json.loads(line)))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"{path}:{n}: malformed trace line: {e}") from None
+    if not items:
+        raise ValueError(f"{path}: the trace holds no request")
+    return items
+
+
+def _parse_item(obj) -> TraceItem:
+    if not isinstance(obj, dict):
+        raise TypeError("each line must be a JSON object with arrival, prompt, max_gen_tokens")
+    arrival = obj["arrival"]
+    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not math.isfinite(arrival) \
+            or arrival < 0:
+        raise ValueError(f"arrival={arrival!r} must be a finite number >= 0")
+    prompt = obj["prompt"]
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and t >= 0 for t in prompt):
+        raise ValueError("prompt must be a non-empty list of token ids >= 0")
+    check_range("max_gen_tokens", obj["max_gen_tokens"], 1, 1 << 20)
+    return TraceItem(float(arrival), tuple(prompt), obj["max_gen_tokens"])

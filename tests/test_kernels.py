@@ -1,0 +1,376 @@
+"""The selective-batching kernels against float64 oracles, on both backends.
+
+On a machine without a GPU the Triton path runs in Triton's interpreter (``orca_lab.kernels._backend``
+turns it on), so sizes stay small. Outputs are poisoned with NaN before each run, so an element the
+kernel forgets to write fails the test. The error bound is FlashAttention's rule: no larger than twice
+the error of the same computation done by PyTorch in the same dtype (plus a tiny floor for fp32).
+"""
+import json
+import math
+
+import pytest
+import torch
+
+from orca_lab.kernels import attention, bias_gelu, gelu, kv_write, layer_norm, layernorm
+from orca_lab.kernels import ragged_attention, write_kv
+from orca_lab.kernels import bench
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+FP32_FLOOR = 1e-5
+
+
+# ------------------------------------------------------------------------------------- helpers
+@pytest.fixture
+def poison(monkeypatch):
+    """Every float tensor from torch.empty / empty_like starts as NaN, not as leftover memory."""
+    for name in ("empty", "empty_like"):
+        real = getattr(torch, name)
+
+        def poisoned(*args, _real=real, **kwargs):
+            t = _real(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() and t.device.type != "meta" else t
+
+        monkeypatch.setattr(torch, name, poisoned)
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Validation must refuse bad input before any kernel is launched."""
+    class Bomb:
+        def __getitem__(self, grid):
+            raise AssertionError("kernel launched before the arguments were checked")
+
+    for module, kernel in ((attention, "_ragged_attention_kernel"), (kv_write, "_write_kv_kernel"),
+                           (layernorm, "_layer_norm_kernel"), (gelu, "_bias_gelu_kernel")):
+        monkeypatch.setattr(module, kernel, Bomb())
+
+
+def assert_close_as_torch(out, torch_out, oracle, dtype):
+    """FlashAttention's rule: max error vs float64 <= 2x the same-dtype PyTorch error."""
+    assert not torch.isnan(out).any(), "an output element was never written"
+    assert out.dtype == dtype and out.shape == oracle.shape
+    err = (out.double() - oracle).abs().max().item()
+    torch_err = (torch_out.double() - oracle).abs().max().item()
+    floor = FP32_FLOOR if dtype == torch.float32 else 0.0
+    assert err <= 2 * torch_err + floor, f"error {err:.3g} vs PyTorch's {torch_err:.3g} in {dtype}"
+
+
+# ------------------------------------------------------------------------------------ attention
+def make_batch(q_lens, kv_lens, heads, head_size, dtype, seed=0, slot_dtype=torch.int32):
+    """A ragged batch whose K/V sit in shuffled, non-contiguous slots of a larger pool."""
+    g = torch.Generator().manual_seed(seed)
+    n_keys = sum(kv_lens)
+    n_slots = 2 * n_keys + 3
+    q = torch.randn(sum(q_lens), heads, head_size, generator=g).to(dtype)
+    k_pool = torch.randn(n_slots, heads, head_size, generator=g).to(dtype)
+    v_pool = torch.randn(n_slots, heads, head_size, generator=g).to(dtype)
+    slot_ids = torch.randperm(n_slots, generator=g)[:n_keys].to(slot_dtype)
+    offsets = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k_pool, v_pool, slot_ids, offsets(q_lens), offsets(kv_lens)
+
+
+def attention_oracle(q, k_pool, v_pool, slot_ids, cu_q, cu_k, scale):
+    """float64, one query at a time: query i of a request sees its first kv_len - q_len + i + 1 keys."""
+    q, k_pool, v_pool = q.double(), k_pool.double(), v_pool.double()
+    out = torch.full_like(q, float("nan"))
+    for b in range(len(cu_q) - 1):
+        qs, qe, ks, ke = cu_q[b].item(), cu_q[b + 1].item(), cu_k[b].item(), cu_k[b + 1].item()
+        keys, values = k_pool[slot_ids[ks:ke].long()], v_pool[slot_ids[ks:ke].long()]
+        for i in range(qe - qs):
+            seen = (ke - ks) - (qe - qs) + i + 1
+            p = torch.softmax(torch.einsum("hd,khd->hk", q[qs + i], keys[:seen]) * scale, dim=-1)
+            out[qs + i] = torch.einsum("hk,khd->hd", p, values[:seen])
+    return out
+
+
+# (q_len, kv_len) per request: prefill (q = kv), decode (q = 1, long context), partial (1 < q < kv),
+# a decode whose whole context is new (1, 1). T = 17: not a multiple of any block size.
+MIXED = ([7, 1, 5, 1, 3], [7, 40, 23, 1, 3])
+BATCHES = {"one-prefill": ([19], [19]), "one-decode": ([1], [50]),
+           "no-new-tokens-in-middle": ([3, 0, 1], [4, 6, 9])}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_size", [13, 64, 80])
+def test_attention_mixed_batch(poison, dtype, head_size):
+    check_attention(*MIXED, head_size, dtype)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_attention_single_request(poison, batch, dtype):
+    check_attention(*BATCHES[batch], 64, dtype)
+
+
+def test_attention_strided_q_int64_slots_and_scale(poison):
+    """q sliced out of a fused QKV projection (non-contiguous), int64 slot ids, explicit scale."""
+    q, k_pool, v_pool, slot_ids, cu_q, cu_k = make_batch(*MIXED, 2, 16, torch.float32, seed=3,
+                                                         slot_dtype=torch.int64)
+    qkv = torch.stack([q, q.flip(0), q.flip(1)], dim=1)  # [T, 3, H, D]
+    check_attention(*MIXED, 16, torch.float32, batch=(qkv[:, 0], k_pool, v_pool, slot_ids, cu_q, cu_k),
+                    scale=0.3)
+
+
+def check_attention(q_lens, kv_lens, head_size, dtype, batch=None, scale=None):
+    args = batch or make_batch(q_lens, kv_lens, 2, head_size, dtype, seed=head_size)
+    oracle = attention_oracle(*args, scale or 1 / math.sqrt(head_size))
+    torch_out = ragged_attention(*args, scale=scale, backend="torch")
+    out = ragged_attention(*args, scale=scale, backend="triton")
+    assert_close_as_torch(out, torch_out, oracle, dtype)
+    # The torch backend itself must be right, not just close to a kernel sharing its bug.
+    tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
+    assert (torch_out.double() - oracle).abs().max().item() < tol
+
+
+def test_attention_auto_is_torch_on_cpu(monkeypatch):
+    args = make_batch(*MIXED, 2, 16, torch.float32)
+    monkeypatch.setattr(attention, "_ragged_attention_kernel", None)  # would fail if called
+    out = ragged_attention(*args)
+    assert torch.equal(out, ragged_attention(*args, backend="torch"))
+
+
+# --------------------------------------------------------------------------------------- write_kv
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_size", [13, 80])
+def test_write_kv(dtype, head_size):
+    g = torch.Generator().manual_seed(1)
+    T, H, n_slots = 11, 3, 40
+    k, v = (torch.randn(T, H, head_size, generator=g).to(dtype) for _ in range(2))
+    slots = torch.randperm(n_slots, generator=g)[:T].int()
+    for backend in ("torch", "triton"):
+        k_pool = torch.full((n_slots, H, head_size), float("nan"), dtype=dtype)
+        v_pool = k_pool.clone()
+        write_kv(k, v, k_pool, v_pool, slots, backend=backend)
+        assert torch.equal(k_pool[slots.long()], k) and torch.equal(v_pool[slots.long()], v)
+        untouched = torch.ones(n_slots, dtype=torch.bool)
+        untouched[slots.long()] = False
+        assert k_pool[untouched].isnan().all() and v_pool[untouched].isnan().all()
+
+
+def test_write_kv_into_strided_pool_with_cast():
+    """A one-layer view of a [n_slots, L, H, D] pool; fp32 K/V written into an fp16 pool."""
+    g = torch.Generator().manual_seed(2)
+    pools = torch.full((30, 2, 4, 16), float("nan"), dtype=torch.float16)
+    k, v = (torch.randn(5, 4, 16, generator=g) for _ in range(2))
+    slots = torch.tensor([29, 0, 7, 8, 3])
+    write_kv(k, v, pools[:, 0], pools[:, 1], slots, backend="triton")
+    assert torch.equal(pools[slots, 0], k.half()) and torch.equal(pools[slots, 1], v.half())
+    assert pools[:, 0].isnan().sum() == pools[:, 1].isnan().sum() == (30 - 5) * 4 * 16
+
+
+# -------------------------------------------------------------------------------------- layer_norm
+def ln_inputs(rows, width, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, residual = (torch.randn(rows, width, generator=g).to(dtype) * 3 + 1 for _ in range(2))
+    weight, bias = torch.rand(width, generator=g).to(dtype) + 0.5, torch.randn(width, generator=g).to(dtype)
+    return x, weight, bias, residual
+
+
+def ln_oracle(x, weight, bias, eps=1e-5):
+    x = x.double()
+    mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+    return (x - mean) / torch.sqrt(var + eps) * weight.double() + bias.double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("width", [200, 768])
+def test_layer_norm(poison, dtype, width):
+    x, w, b, _ = ln_inputs(9, width, dtype)
+    oracle = ln_oracle(x, w, b)
+    assert_close_as_torch(layer_norm(x, w, b, backend="triton"), layer_norm(x, w, b, backend="torch"),
+                          oracle, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("width", [200, 768])
+def test_layer_norm_residual(poison, dtype, width):
+    x, w, b, r = ln_inputs(9, width, dtype)
+    y64 = ln_oracle(x.double() + r.double(), w, b)
+    y_torch, sum_torch = layer_norm(x, w, b, residual=r, backend="torch")
+    y, total = layer_norm(x, w, b, residual=r, backend="triton")
+    assert_close_as_torch(y, y_torch, y64, dtype)
+    assert torch.equal(total, sum_torch)  # one rounding of x + residual, as PyTorch does it
+
+
+def test_layer_norm_chunked_row_and_3d_input(poison, monkeypatch):
+    """A row longer than one block is walked in chunks (forced small here); leading dims flatten."""
+    monkeypatch.setattr(layernorm, "MAX_BLOCK", 64)
+    x, w, b, r = ln_inputs(6, 200, torch.float32, seed=4)
+    x, r = x.view(2, 3, 200), r.view(2, 3, 200)
+    y64 = ln_oracle(x.double() + r.double(), w, b)
+    y, _ = layer_norm(x, w, b, residual=r, backend="triton")
+    assert_close_as_torch(y, layer_norm(x, w, b, residual=r, backend="torch")[0], y64, torch.float32)
+
+
+# ------------------------------------------------------------------------------------- bias_gelu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(7, 200), (3, 5, 768)])
+def test_bias_gelu(poison, dtype, shape):
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(*shape, generator=g) * 4).to(dtype)  # wide range: both tails of the sigmoid
+    bias = torch.randn(shape[-1], generator=g).to(dtype)
+    u = x.double() + bias.double()
+    oracle = 0.5 * u * (1 + torch.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
+    assert_close_as_torch(bias_gelu(x, bias, backend="triton"), bias_gelu(x, bias, backend="torch"),
+                          oracle, dtype)
+
+
+# ------------------------------------------------------------------------------------ validation
+def _attn_args(**change):
+    q, k_pool, v_pool, slot_ids, cu_q, cu_k = make_batch([2, 1], [3, 4], 2, 8, torch.float32)
+    args = dict(q=q, k_pool=k_pool, v_pool=v_pool, slot_ids=slot_ids, cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k)
+    return {**args, **change}
+
+
+def _i32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+META = torch.device("meta")
+ATTENTION_ERRORS = {
+    "q-not-tensor": (dict(q=[[1.0]]), TypeError, "q must be a torch.Tensor"),
+    "q-2d": (dict(q=torch.randn(3, 16)), ValueError, "q must be 3-D"),
+    "q-int": (dict(q=torch.ones(3, 2, 8, dtype=torch.int32)), TypeError, "q has dtype"),
+    "q-fp64": (dict(q=torch.randn(3, 2, 8, dtype=torch.float64)), TypeError, "allowed: float32"),
+    "pool-dtype": (dict(k_pool=torch.randn(17, 2, 8).half()), TypeError, "k_pool has dtype"),
+    "pool-device": (dict(v_pool=torch.empty(17, 2, 8, device=META)), ValueError, "v_pool is on meta"),
+    "pool-head-size": (dict(k_pool=torch.randn(17, 2, 9)), ValueError, r"k_pool.shape\[1:\]"),
+    "pool-heads": (dict(v_pool=torch.randn(17, 3, 8)), ValueError, r"v_pool.shape\[1:\]"),
+    "pool-shapes": (dict(v_pool=torch.randn(16, 2, 8)), ValueError, "v_pool.shape has"),
+    "head-size-257": (dict(q=torch.randn(3, 1, 257), k_pool=torch.randn(17, 1, 257),
+                           v_pool=torch.randn(17, 1, 257)), ValueError, "size 1 to 256"),
+    "head-size-0": (dict(q=torch.randn(3, 2, 0), k_pool=torch.randn(17, 2, 0),
+                         v_pool=torch.randn(17, 2, 0)), ValueError, "q has 2 heads of size 0"),
+    "slots-float": (dict(slot_ids=torch.zeros(7)), TypeError, "slot_ids has dtype"),
+    "slots-2d": (dict(slot_ids=torch.zeros(7, 1, dtype=torch.int32)), ValueError, "slot_ids must be 1-D"),
+    "cu-float": (dict(cu_seqlens_q=torch.tensor([0.0, 2, 3])), TypeError, "cu_seqlens_q has dtype"),
+    "cu-one-entry": (dict(cu_seqlens_q=_i32(0), cu_seqlens_k=_i32(0)), ValueError, "B\\+1 >= 2"),
+    "cu-lengths": (dict(cu_seqlens_k=_i32(0, 3, 5, 7)), ValueError, r"len\(cu_seqlens_k\)"),
+    "cu-q-start": (dict(cu_seqlens_q=_i32(1, 2, 3)), ValueError,
+                   "cu_seqlens_q must start at 0 and end at T=3"),
+    "cu-q-end": (dict(cu_seqlens_q=_i32(0, 2, 2)), ValueError, "end at T=3"),
+    "cu-q-decreasing": (dict(cu_seqlens_q=_i32(0, 4, 3)), ValueError, "non-decreasing"),
+    "cu-k-end": (dict(cu_seqlens_k=_i32(0, 3, 6)), ValueError, r"len\(slot_ids\)=7"),
+    "q-longer-than-kv": (dict(cu_seqlens_k=_i32(0, 1, 7)), ValueError,
+                         "request 0 has 2 queries but only 1 keys"),
+    "slot-too-big": (dict(slot_ids=_i32(0, 1, 2, 3, 4, 5, 17)), ValueError,
+                     r"\[0, 17\], allowed \[0, n_slots=17\)"),
+    "slot-negative": (dict(slot_ids=_i32(-1, 1, 2, 3, 4, 5, 6)), ValueError, "slot_ids holds values"),
+    "cu-device": (dict(cu_seqlens_k=torch.empty(3, dtype=torch.int32, device=META)), ValueError,
+                  "cu_seqlens_k is on meta"),
+    "scale-str": (dict(scale="0.1"), TypeError, "scale must be a float"),
+    "backend": (dict(backend="cuda"), ValueError, "backend='cuda' is not one of"),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", ATTENTION_ERRORS)
+def test_attention_refuses(no_launch, backend, case):
+    change, error, match = ATTENTION_ERRORS[case]
+    with pytest.raises(error, match=match):
+        ragged_attention(**_attn_args(**{"backend": backend, **change}))
+
+
+def _kv_args(**change):
+    args = dict(k=torch.randn(3, 2, 8), v=torch.randn(3, 2, 8), k_pool=torch.zeros(10, 2, 8),
+                v_pool=torch.zeros(10, 2, 8), slot_mapping=_i32(4, 0, 9))
+    return {**args, **change}
+
+
+KV_ERRORS = {
+    "k-not-tensor": (dict(k=3.0), TypeError, "k must be a torch.Tensor"),
+    "k-2d": (dict(k=torch.randn(3, 16)), ValueError, "k must be 3-D"),
+    "v-int": (dict(v=torch.ones(3, 2, 8, dtype=torch.int64)), TypeError, "v has dtype"),
+    "v-shape": (dict(v=torch.randn(4, 2, 8)), ValueError, "v.shape has"),
+    "v-device": (dict(v=torch.empty(3, 2, 8, device=META)), ValueError, "v is on meta"),
+    "pool-int": (dict(k_pool=torch.zeros(10, 2, 8, dtype=torch.int8)), TypeError, "k_pool has dtype"),
+    "pool-dtypes": (dict(v_pool=torch.zeros(10, 2, 8).half()), TypeError, "v_pool has dtype"),
+    "pool-shapes": (dict(v_pool=torch.zeros(11, 2, 8)), ValueError, "v_pool.shape has"),
+    "pool-head-size": (dict(k_pool=torch.zeros(10, 2, 4), v_pool=torch.zeros(10, 2, 4)), ValueError,
+                       r"k_pool.shape\[1:\]"),
+    "slots-float": (dict(slot_mapping=torch.tensor([4.0, 0, 9])), TypeError, "slot_mapping has dtype"),
+    "slots-length": (dict(slot_mapping=_i32(4, 0)), ValueError,
+                     r"len\(slot_mapping\) has length \(T\) 2, expected 3"),
+    "slot-too-big": (dict(slot_mapping=_i32(4, 0, 10)), ValueError, "allowed \\[0, n_slots=10\\)"),
+    "slot-negative": (dict(slot_mapping=_i32(4, -2, 1)), ValueError, "slot_mapping holds values"),
+    "backend": (dict(backend="gpu"), ValueError, "backend='gpu'"),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", KV_ERRORS)
+def test_write_kv_refuses(no_launch, backend, case):
+    change, error, match = KV_ERRORS[case]
+    with pytest.raises(error, match=match):
+        write_kv(**_kv_args(**{"backend": backend, **change}))
+
+
+def _ln_args(**change):
+    x, weight, bias, _ = ln_inputs(3, 8, torch.float32)
+    return {**dict(x=x, weight=weight, bias=bias), **change}
+
+
+LN_ERRORS = {
+    "x-list": (dict(x=[1.0]), TypeError, "x must be a torch.Tensor"),
+    "x-int": (dict(x=torch.ones(3, 8, dtype=torch.int32)), TypeError, "x has dtype"),
+    "x-scalar": (dict(x=torch.tensor(1.0)), ValueError, "non-empty last dimension"),
+    "x-empty-row": (dict(x=torch.randn(3, 0)), ValueError, "non-empty last dimension"),
+    "weight-size": (dict(weight=torch.ones(7)), ValueError,
+                    r"weight.shape\[0\] has size \(x.shape\[-1\]\) 7"),
+    "weight-dtype": (dict(weight=torch.ones(8).half()), TypeError, "weight has dtype"),
+    "bias-2d": (dict(bias=torch.ones(1, 8)), ValueError, "bias must be 1-D"),
+    "bias-device": (dict(bias=torch.empty(8, device=META)), ValueError, "bias is on meta"),
+    "residual-shape": (dict(residual=torch.randn(2, 8)), ValueError, "residual.shape"),
+    "residual-dtype": (dict(residual=torch.randn(3, 8).half()), TypeError, "residual has dtype"),
+    "eps-negative": (dict(eps=-1e-5), ValueError, "eps must be a positive float"),
+    "eps-str": (dict(eps="1e-5"), ValueError, "eps must be a positive float"),
+    "backend": (dict(backend=None), ValueError, "backend=None"),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", LN_ERRORS)
+def test_layer_norm_refuses(no_launch, backend, case):
+    change, error, match = LN_ERRORS[case]
+    with pytest.raises(error, match=match):
+        layer_norm(**_ln_args(**{"backend": backend, **change}))
+
+
+GELU_ERRORS = {
+    "x-none": (dict(x=None), TypeError, "x must be a torch.Tensor"),
+    "x-int": (dict(x=torch.ones(3, 8, dtype=torch.int64)), TypeError, "x has dtype"),
+    "x-scalar": (dict(x=torch.tensor(2.0)), ValueError, "non-empty last dimension"),
+    "bias-size": (dict(bias=torch.ones(9)), ValueError,
+                  r"bias.shape\[0\] has size \(x.shape\[-1\]\) 9, expected 8"),
+    "bias-dtype": (dict(bias=torch.ones(8, dtype=torch.bfloat16)), TypeError, "bias has dtype"),
+    "bias-2d": (dict(bias=torch.ones(3, 8)), ValueError, "bias must be 1-D"),
+    "bias-device": (dict(bias=torch.empty(8, device=META)), ValueError, "bias is on meta"),
+    "backend": (dict(backend="Triton"), ValueError, "backend='Triton'"),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", GELU_ERRORS)
+def test_bias_gelu_refuses(no_launch, backend, case):
+    change, error, match = GELU_ERRORS[case]
+    args = {**dict(x=torch.randn(3, 8), bias=torch.randn(8), backend=backend), **change}
+    with pytest.raises(error, match=match):
+        bias_gelu(**args)
+
+
+# ------------------------------------------------------------------------------------- benchmark
+def test_bench_smoke(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    threads = str(torch.get_num_threads())  # leave the process's setting as it is
+    bench.main(["--quick", "--tiny", "--reps", "1", "--threads", threads, "--out", str(out)])
+    result = json.loads(out.read_text())
+    for field in ("device", "device_type", "torch", "triton", "interpreted", "peaks", "results"):
+        assert field in result
+    kernels = {row["kernel"] for row in result["results"]}
+    assert kernels == {"ragged_attention", "write_kv", "layer_norm", "bias_gelu"}
+    impls = {row["impl"] for row in result["results"] if row["kernel"] == "ragged_attention"}
+    assert impls == {"triton", "sdpa-loop", "padded-ft"}
+    for row in result["results"]:
+        assert row["time_ms"] > 0 and row["floor_ms"] > 0 and row["sizes"]
+    assert "interpreted" in capsys.readouterr().out
