@@ -3,5 +3,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q torch==2.13.0 -e ".[dev]"
+# Chromium lets kaleido export PNG/SVG/PDF and lets the browser test drive JupyterLab.
+if ! command -v chromium >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+            || echo "scripts/test.sh: could not install chromium; tests that need it will say so and skip"
+    else
+        echo "scripts/test.sh: not root, chromium not installed; tests that need it will say so and skip"
+    fi
+fi
 # pytest exits 5 when it collected no test: that must fail here, not pass silently.
 python3 -m pytest -q "$@"
