@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 FORMATS = ("html", "png", "svg", "pdf")
@@ -29,8 +30,10 @@ def export(fig, path, formats=None) -> list[Path]:
         fig.write_html(t, include_plotlyjs=True)   # self-contained: reports open offline
     if t_static:
         _ensure_browser(path)
-        for t in t_static:
-            fig.write_image(t)
+        with warnings.catch_warnings():   # plotly passes options the shared server does not need
+            warnings.filterwarnings("ignore", message="The kopts argument is ignored")
+            for t in t_static:
+                fig.write_image(t)
     return targets
 
 
