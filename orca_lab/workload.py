@@ -36,7 +36,9 @@ def arrivals(n: int, rate: float | None, rng: np.random.Generator, cv: float = 1
     ``cv`` is the inter-arrival coefficient of variation: 1 is Poisson, above 1 is bursty (gamma)."""
     if rate is None:
         return np.zeros(n)
-    check_range("rate", rate, 1e-9, None, kind=float)
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
+        raise ValueError(f"rate={rate!r} is not allowed: a finite number of requests/s > 0, "
+                         "or None for an offline trace")
     check_range("cv", cv, 1e-3, 100.0, kind=float)
     shape = 1.0 / cv ** 2
     gaps = rng.gamma(shape, 1.0 / (rate * shape), size=n)
