@@ -89,6 +89,7 @@ def model_config(name_or_config: str | ModelConfig) -> ModelConfig:
 
 DTYPES = ("float32", "float16", "bfloat16")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+EXECUTORS = ("auto", "local", "workers")
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,9 @@ class EngineConfig:
 
     ``n_slots`` is the K/V memory in token slots (one slot = K and V of one token, all layers);
     ``pipeline_parallel`` is the paper's ``n_workers``: that many batches are kept in flight.
+    ``executor``: "auto" runs tensor_parallel x pipeline_parallel worker processes when that is above 1,
+    else the model in this process; "local" emulates the pipeline stages in this process; "workers"
+    always uses worker processes (even 1 x 1).
     """
     max_bs: int = 32
     n_slots: int = 16384
@@ -106,6 +110,7 @@ class EngineConfig:
     dtype: str = "float32"
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    executor: str = "auto"
 
     def __post_init__(self):
         check_range("max_bs", self.max_bs, 1, 65536)
@@ -117,6 +122,7 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r} is not allowed: use 'cpu', 'cuda' or 'cuda:N'")
         check_range("tensor_parallel", self.tensor_parallel, 1, 1024)
         check_range("pipeline_parallel", self.pipeline_parallel, 1, 1024)
+        check_choice("executor", self.executor, EXECUTORS)
 
     @property
     def n_workers(self) -> int:

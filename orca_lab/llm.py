@@ -10,6 +10,7 @@ from orca_lab.engine.engine import Engine, RunResult
 from orca_lab.engine.executor import LocalExecutor
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.model import GPT
+from orca_lab.engine.parallel import WorkerExecutor, check_degrees, uses_workers
 from orca_lab.engine.request import SamplingParams
 from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler
 from orca_lab.tokenizer import ByteTokenizer
@@ -24,9 +25,7 @@ class LLM:
                  tokenizer=None, *, gpt: GPT | None = None):
         self.engine_config = engine or EngineConfig()
         ec = self.engine_config
-        if ec.tensor_parallel > 1:
-            raise ValueError(f"tensor_parallel={ec.tensor_parallel}: this build runs the model in one "
-                             "process only; allowed tensor_parallel=1")
+        check_degrees(gpt.cfg if gpt is not None else model_config(model), ec)
         if ec.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={ec.device!r} but no CUDA device is available: use device='cpu'")
         dtype = getattr(torch, ec.dtype)
@@ -51,14 +50,16 @@ class LLM:
         if system not in SYSTEMS:
             raise ValueError(f"system={system!r} is not allowed: choose one of {SYSTEMS}")
         ec, cfg = self.engine_config, self.cfg
-        kv = KVSlotManager(ec.n_slots, cfg.n_layers, cfg.n_heads, cfg.head_dim, ec.device, getattr(torch, ec.dtype))
+        workers = uses_workers(ec)      # workers hold the K/V pools; the master keeps only the accounting
+        shape = () if workers else (cfg.n_layers, cfg.n_heads, cfg.head_dim)
+        kv = KVSlotManager(ec.n_slots, *shape, device=ec.device, dtype=getattr(torch, ec.dtype))
         if system == "orca":
             scheduler = OrcaScheduler(kv, ec.max_bs)
         else:
             if mbs is not None and not 1 <= mbs <= ec.max_bs:
                 raise ValueError(f"mbs={mbs} is out of range: allowed [1, max_bs={ec.max_bs}]")
             scheduler = RequestLevelScheduler(kv, ec.max_bs, cfg.max_seq_len, mbs)
-        executor = LocalExecutor(self.model, kv, ec.n_workers, ec.device)
+        executor = WorkerExecutor.for_llm(self) if workers else LocalExecutor(self.model, kv, ec.n_workers, ec.device)
         config = {"model": cfg.name, "system": system, "mbs": mbs, **vars(ec)}
         return Engine(scheduler, executor, cfg.vocab_size, cfg.max_seq_len, config)
 

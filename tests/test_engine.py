@@ -23,11 +23,15 @@ def ragged_trace(vocab, n=10, seed=0):
     return [TraceItem(0.0, tuple(p), g) for p, g in zip(prompts, gens)]
 
 
-@pytest.mark.parametrize("system,n_workers", [("orca", 1), ("orca", 3), ("ft", 1), ("ft", 2)])
-def test_batched_greedy_equals_each_request_alone(tiny_llm, system, n_workers):
-    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=3, n_slots=4096, pipeline_parallel=n_workers))
+@pytest.mark.parametrize("system,n_workers,mbs", [("orca", 1, None), ("orca", 3, None), ("ft", 1, None),
+                                                   ("ft", 2, 2), ("ft", 2, 1)])
+def test_batched_greedy_equals_each_request_alone(tiny_llm, system, n_workers, mbs):
+    """In this process; with n_workers > 1 the pipeline stages are emulated (test_parallel.py runs
+    real worker processes)."""
+    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=3, n_slots=4096, pipeline_parallel=n_workers,
+                                                      executor="local"))
     trace = ragged_trace(llm.cfg.vocab_size, seed=n_workers)
-    result = llm.serve(trace, system=system, mbs=2 if system == "ft" and n_workers > 1 else None)
+    result = llm.serve(trace, system=system, mbs=mbs)
     mixed = [it for it in result.iterations if {"prefill", "decode"} <= set(it.phases)]
     if system == "orca":
         assert mixed, "the trace should mix initiation and increment phases in one iteration"
@@ -100,12 +104,24 @@ def test_select_breaks_instead_of_skipping():
 
 
 def test_n_workers_batches_in_flight(tiny_llm):
-    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=2, n_slots=4096, pipeline_parallel=3))
+    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=2, n_slots=4096, pipeline_parallel=3,
+                                                      executor="local"))
     result = llm.serve(ragged_trace(llm.cfg.vocab_size, n=8))
     assert max(it.in_flight for it in result.iterations) == 3
     assert {it.stage for it in result.iterations} == {0, 1, 2}
     first = [it for it in result.iterations if it.stage == 0][:3]
     assert len({it.rids for it in first}) == 3 and not set(first[0].rids) & set(first[1].rids)
+
+
+def test_baseline_micro_batches_take_turns_through_the_pipeline(tiny_llm):
+    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=4, n_slots=4096, pipeline_parallel=2,
+                                                      executor="local"))
+    trace = [TraceItem(0.0, tuple(range(1, 4 + i)), 2 + i) for i in range(4)]
+    result = llm.serve(trace, system="ft", mbs=1)
+    order = [it.rids for it in result.iterations if it.stage == 0]
+    assert order[:8] == [(0,), (1,), (2,), (3,)] * 2                        # round robin, 4 micro-batches
+    assert len(order) == 4 * (3 + 3 + 5 - 3)                                 # each runs FT's fixed step count
+    assert max(it.in_flight for it in result.iterations) == 2
 
 
 def test_baseline_pads_holds_early_finishers_and_reserves_max_length(tiny_llm):
@@ -166,7 +182,7 @@ def test_bad_engine_config_names_the_field(kw, match):
 
 def test_more_stages_than_layers_is_refused(tiny_llm):
     with pytest.raises(ValueError, match=r"pipeline_parallel=5 is out of range: allowed \[1, 4\]"):
-        LLM(gpt=tiny_llm.model, engine=EngineConfig(pipeline_parallel=5)).new_engine()
+        LLM(gpt=tiny_llm.model, engine=EngineConfig(pipeline_parallel=5, executor="local")).new_engine()
 
 
 def test_kv_manager_reports_used_reserved_and_free():

@@ -123,6 +123,7 @@ class RequestLevelScheduler(Scheduler):
         self.queue: list[Request] = []
         self.active: list[Request] = []
         self.micro: list[_MicroBatch] = []
+        self.n_positions = 0      # positions the active batch feeds: its longest request's, less one
 
     def reservation(self, req: Request) -> int:
         return self.max_seq_len
@@ -135,17 +136,22 @@ class RequestLevelScheduler(Scheduler):
         return bool(self.queue or self.active)
 
     def select(self, now: float = 0.0) -> Batch | None:
+        """The next step of the idle micro-batch that has run the fewest steps (they take turns
+        through the pipeline), until the batch's longest request has produced its last token."""
         if not self.active:
             self._form_batch(now)
-        for mb in self.micro:
-            if not mb.in_flight and not self._batch_done():
-                mb.in_flight = True
-                batch = Batch.padded_step(mb.requests, mb.start, mb.q_len)
-                mb.batches.append(batch)
-                for req in mb.requests:
-                    req.state = RequestState.RUNNING
-                return batch
-        return None
+        if self._batch_done():
+            return None
+        idle = [m for m in self.micro if not m.in_flight and m.start < self.n_positions]
+        mb = min(idle, key=lambda m: len(m.batches), default=None)
+        if mb is None:
+            return None
+        mb.in_flight = True
+        batch = Batch.padded_step(mb.requests, mb.start, mb.q_len)
+        mb.batches.append(batch)
+        for req in mb.requests:
+            req.state = RequestState.RUNNING
+        return batch
 
     def _form_batch(self, now: float):
         while self.queue and len(self.active) < self.max_bs and self.kv.can_reserve(self.max_seq_len):
@@ -155,6 +161,7 @@ class RequestLevelScheduler(Scheduler):
             self.active.append(req)
         if self.active:
             shortest = min(len(r.prompt) for r in self.active)
+            self.n_positions = max(r.max_tokens for r in self.active) - 1   # FT's fixed step count
             self.micro = [_MicroBatch(self.active[i:i + self.mbs], 0, shortest)
                           for i in range(0, len(self.active), self.mbs)]
 

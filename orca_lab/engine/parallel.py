@@ -1,0 +1,413 @@
+"""ORCA's distributed execution engine (§4.3): worker processes driven by the engine master.
+
+``EngineConfig(tensor_parallel=T, pipeline_parallel=P)`` makes ``LLM.new_engine`` start a
+``WorkerPool`` of T x P workers (``worker.py``) and drive it through a ``WorkerExecutor``:
+- ``submit(batch)`` sends the iteration's control message to the first stage (``control.py``) and
+  returns at once; the scheduler keeps ``n_workers = P`` batches in flight, so no stage idles;
+- ``wait()`` takes the oldest batch's tokens from the last stage, with every stage's start and end
+  (wall clock, turned into this executor's clock) for the pipeline trace;
+- activations never pass through the master: they go worker to worker (``data_plane.py``).
+
+Lifecycle: the pool picks its ports on 127.0.0.1 (the OS chooses them), stops its workers on
+``close()``, on leaving a ``with`` block, when garbage-collected or at interpreter exit; while waiting
+it polls the workers' liveness, so a worker that dies makes ``wait`` raise ``RuntimeError`` within
+about a second, after stopping the others. Engines of one LLM can share a pool
+(``with WorkerPool(llm): llm.serve(...)``) instead of starting one each.
+
+Across nodes, with torchrun (env:// rendezvous; rank 0 is the engine master and also worker 0)::
+
+    torchrun --nnodes 2 --nproc-per-node 2 --node-rank $NODE --master-addr $HOST0 --master-port 29500 \\
+        -m orca_lab.engine.torchrun --model tiny --tp 2 --pp 2 --n-requests 32 --out results/torchrun
+
+(see ``torchrun.py`` and docs/distributed.md).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections import deque
+from multiprocessing import get_context
+from multiprocessing.connection import wait as wait_any
+
+import torch
+import torch.distributed as dist
+
+from orca_lab.engine.control import (ControlMessage, Inbox, Reset, StageReport, Stop, WorkerError, connect,
+                                     decode_address, encode_address)
+from orca_lab.engine.executor import Completion, RealClock, StageTime, split_layers
+from orca_lab.engine.request import RequestState
+from orca_lab.engine.worker import MASTER, STORE_TIMEOUT, Worker, WorkerSpec, worker_process
+
+POLL_S = 0.25               # liveness is checked at least this often while waiting
+
+
+# -- which degrees are allowed, and when workers are used ------------------------------------------
+def uses_workers(ec) -> bool:
+    """Worker processes for any parallel degree above 1 (``executor="auto"``), or when asked."""
+    return ec.executor == "workers" or (ec.executor == "auto" and ec.tensor_parallel * ec.pipeline_parallel > 1)
+
+
+def check_degrees(cfg, ec):
+    """Refuse degrees the model or the machine cannot take, naming the field and the allowed range."""
+    T, P = ec.tensor_parallel, ec.pipeline_parallel
+    if cfg.n_heads % T:
+        allowed = [d for d in range(1, cfg.n_heads + 1) if cfg.n_heads % d == 0]
+        raise ValueError(f"tensor_parallel={T} is not allowed: it must divide n_heads={cfg.n_heads} "
+                         f"(allowed: {', '.join(map(str, allowed))})")
+    split_layers(cfg.n_layers, P)                       # refuses more stages than layers
+    if T > 1 and not uses_workers(ec):
+        raise ValueError(f"tensor_parallel={T} needs worker processes: executor='local' allows "
+                         "tensor_parallel=1 only (use executor='auto' or 'workers')")
+    if uses_workers(ec) and ec.device.startswith("cuda"):
+        n = torch.cuda.device_count()
+        if T * P > n:
+            raise ValueError(f"tensor_parallel x pipeline_parallel = {T} x {P} = {T * P} exceeds the {n} "
+                             f"GPU(s) available: allowed tensor_parallel * pipeline_parallel in [1, {n}]")
+
+
+# -- the pool -------------------------------------------------------------------------------------
+_ATTACHED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # LLM -> WorkerPool
+
+
+class WorkerPool:
+    """T x P workers serving one model, their control channels and their liveness.
+
+    ``WorkerPool(llm)`` starts the workers on this machine and attaches the pool to ``llm``: its
+    engines use it until it is closed. ``threads`` is the torch thread count of each worker
+    (``OMP_NUM_THREADS``): 1 keeps processes that share few cores from stalling one another.
+    """
+
+    def __init__(self, llm, *, threads: int = 1, attach: bool = True, start_timeout: float = 180.0,
+                 stall_timeout: float = 300.0, _torchrun: tuple | None = None):
+        ec = llm.engine_config
+        check_degrees(llm.cfg, ec)
+        self.cfg, self.engine, self.model_ref = llm.cfg, ec, weakref.ref(llm.model)
+        self.tp, self.pp = ec.tensor_parallel, ec.pipeline_parallel
+        self.stall_timeout = stall_timeout
+        self.owner = None                                 # the executor now driving the workers
+        self.broken: str | None = None
+        self._iteration = 0
+        self._got: dict[int, dict[int, StageReport]] = {}
+        self._procs, self._thread, self._control, self._reports = [], [], [], {}
+        self._cleanup: list = []
+        self._store_port: list[int] = []               # when this process hosts the rendezvous store
+        self._grace = {"s": 10.0}                      # how long workers get to stop by themselves
+        # runs on close(), on garbage collection and at interpreter exit: never a worker left behind
+        self._finalizer = weakref.finalize(self, _teardown, self._procs, self._thread, self._control,
+                                           self._reports, self._cleanup, self._grace)
+        try:
+            store = self._start(llm, threads, _torchrun)
+            self._handshake(store, time.monotonic() + start_timeout)
+        except BaseException:
+            self._grace["s"] = 0
+            self._finalizer()
+            raise
+        if attach:
+            self.attach(llm)
+
+    @classmethod
+    def rank0(cls, llm, store, spec) -> "WorkerPool":
+        """Under torchrun: the other ranks are already running ``Worker.serve``; this process is rank 0,
+        the engine master, and runs worker 0 in a thread (``torchrun.py``)."""
+        return cls(llm, _torchrun=(store, spec))
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    @property
+    def ports(self) -> list[int]:
+        """The loopback ports this process listens on for the pool (freed by ``close``)."""
+        return [self._inbox.address[1]] + self._store_port
+
+    def _start(self, llm, threads, torchrun):
+        """Spawn the workers here (or start rank 0's worker thread under torchrun); return the
+        rendezvous store."""
+        if torchrun is not None:
+            store, spec = torchrun
+            self._secret = spec.secret
+            self._open_inbox(store, spec.host)
+            self._thread.append(_start_thread(spec, store))
+            return store
+        self._secret, session = secrets.token_bytes(16), f"pool-{secrets.token_hex(4)}"
+        tmp = tempfile.mkdtemp(prefix="orca_lab_workers_")
+        self._cleanup.append(lambda: shutil.rmtree(tmp, ignore_errors=True))
+        weights = os.path.join(tmp, "weights.pt")
+        torch.save({k: v.detach().cpu() for k, v in llm.model.state_dict().items()}, weights)
+        tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
+        store_box, self._store_port = [tcp], [tcp.port]  # dropping the last reference frees the port
+        self._cleanup.append(store_box.clear)
+        store = dist.PrefixStore(session, tcp)
+        self._open_inbox(store, "127.0.0.1")
+        ctx = _context()
+        for rank in range(self.tp * self.pp):
+            spec = WorkerSpec(self.cfg, self.engine, rank, self._secret, ("127.0.0.1", tcp.port), session,
+                              weights, host="127.0.0.1", local_rank=rank, threads=threads)
+            proc = ctx.Process(target=worker_process, args=(spec,), name=f"orca-worker-{rank}", daemon=True)
+            with _main_hidden():
+                proc.start()
+            self._procs.append(proc)
+        return store
+
+    def _open_inbox(self, store, host):
+        self._inbox = Inbox(host, self._secret)
+        self._cleanup.append(self._inbox.close)
+        store.set("master", encode_address(self._inbox.address))
+
+    def _handshake(self, store, deadline):
+        """Connect to every stage-0 worker, accept one report channel per stage, and wait until
+        every worker says it is ready; a worker that dies meanwhile fails the start at once."""
+        for t in range(self.tp):
+            address = decode_address(self._await(store, [f"inbox/{t}"], deadline, "open its control inbox")[0])
+            self._control.append(connect(address, self._secret, MASTER))
+        while len(self._reports) < self.pp:
+            got = self._inbox.accept(POLL_S)
+            if got is not None:
+                self._reports[got[0]] = got[1]
+            self._check_alive("during start-up")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {len(self._reports)} of {self.pp} stages connected to the master in time")
+        self._await(store, [f"ready/{r}" for r in range(self.tp * self.pp)], deadline, "start")
+
+    def _await(self, store, keys, deadline, what):
+        while not store.check(keys):
+            self._check_alive("during start-up")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the workers did not {what} in time ({keys[0]} ...)")
+            time.sleep(0.02)
+        return [store.get(k) for k in keys]
+
+    # -- attachment: engines of these LLMs borrow this pool ----------------------------------------
+    def attach(self, llm):
+        if llm.model is not self.model_ref() or llm.cfg != self.cfg or _worker_fields(llm.engine_config) != \
+                _worker_fields(self.engine):
+            raise ValueError("this worker pool serves another model or another parallel/K/V configuration")
+        _ATTACHED[llm] = self
+
+    def _detach_all(self):
+        for llm in [k for k, v in _ATTACHED.items() if v is self]:
+            del _ATTACHED[llm]
+
+    # -- the control plane, master side ----------------------------------------------------------
+    def claim(self, executor):
+        """``executor`` drives the workers from now on; they forget the previous engine's requests."""
+        self._check_usable()
+        self.owner = executor
+        self.send(Reset())
+
+    def next_iteration(self) -> int:
+        self._iteration += 1
+        return self._iteration
+
+    def send(self, msg):
+        raw = pickle.dumps(msg)                     # pickled once, the same bytes to every tensor rank
+        try:
+            for conn in self._control:
+                conn.send_bytes(raw)
+        except OSError as e:
+            self._check_alive("")
+            self._fail(f"the control channel to stage 0 broke ({e})")
+
+    def collect(self, iteration: int, timeout: float | None) -> list[StageReport] | None:
+        """Every stage's report of ``iteration`` (tokens in the last), or None after ``timeout``."""
+        self._check_usable()
+        end = None if timeout is None else time.monotonic() + timeout
+        stall = time.monotonic() + self.stall_timeout
+        while len(self._got.get(iteration, ())) < self.pp:
+            left = POLL_S if end is None else max(0.0, min(POLL_S, end - time.monotonic()))
+            for conn in wait_any(list(self._reports), left):
+                self._take(conn)
+                stall = time.monotonic() + self.stall_timeout
+            self._check_alive("")
+            if time.monotonic() > stall:
+                self._fail(f"no stage reported for {self.stall_timeout:.0f} s while iteration {iteration} was in flight")
+            if end is not None and time.monotonic() >= end and len(self._got.get(iteration, ())) < self.pp:
+                return None
+        reports = self._got.pop(iteration)
+        for stale in [i for i in self._got if i < iteration]:   # left by an engine that was abandoned
+            del self._got[stale]
+        return [reports[s] for s in range(self.pp)]
+
+    def _take(self, conn):
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            time.sleep(0.2)                         # let the process be reaped: its exit code says more
+            self._check_alive("")
+            self._fail(f"worker rank {self._reports[conn]} closed its control channel")
+        if isinstance(msg, WorkerError):
+            self._fail(f"worker rank {msg.rank} failed:\n{msg.text}")
+        self._got.setdefault(msg.iteration, {})[msg.stage] = msg
+
+    # -- liveness and shutdown -------------------------------------------------------------------
+    def _check_alive(self, when: str):
+        dead = [f"worker rank {r} (stage {r // self.tp}, tensor rank {r % self.tp}, pid {p.pid}) exited "
+                f"{_exit_text(p.exitcode)}" for r, p in enumerate(self._procs) if p.exitcode is not None]
+        dead += [f"worker rank 0 (thread) ended" for th in self._thread if not th.is_alive()]
+        if dead:
+            self._fail("; ".join(dead) + (f" {when}" if when else ""))
+
+    def _check_usable(self):
+        if self.broken:
+            raise RuntimeError(self.broken)
+        if not self._finalizer.alive:
+            raise RuntimeError("this worker pool is closed")
+
+    def _fail(self, reason: str):
+        self.broken = f"{reason}; the other workers were stopped"
+        self._detach_all()
+        self._grace["s"] = 0                       # the others may be stuck waiting for the dead one
+        self._finalizer()
+        raise RuntimeError(self.broken)
+
+    def close(self):
+        """Stop every worker: Stop travels down the control plane; stragglers are terminated."""
+        self._detach_all()
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _teardown(procs, threads, control, reports, cleanup, grace):
+    """Let the workers stop (Stop down the control plane, up to ``grace["s"]``), make sure none
+    outlives the pool, close every channel, free ports and files."""
+    if grace["s"]:
+        with contextlib.suppress(OSError):
+            for conn in control:
+                conn.send_bytes(pickle.dumps(Stop()))
+        end = time.monotonic() + grace["s"]
+        for member in list(procs) + list(threads):
+            member.join(max(0.0, end - time.monotonic()))
+    for conn in list(control) + list(reports):
+        conn.close()
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    for f in cleanup:
+        f()
+
+
+def _worker_fields(ec) -> tuple:
+    """The settings the workers depend on (max_bs is the scheduler's alone)."""
+    return (ec.n_slots, ec.dtype, ec.device, ec.tensor_parallel, ec.pipeline_parallel,
+            ec.attention_backend, ec.fused_ops_backend)
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        return f"on signal {signal.Signals(-code).name}"
+    return f"with code {code}"
+
+
+def _context():
+    """Workers are forked from a fork server that imported torch and this package once (a clean,
+    single-threaded process: safe to fork, unlike this one), so a pool starts in about a second
+    instead of paying every worker's imports. ``torch._dynamo`` too: building modules on the meta
+    device imports it lazily, ~3 s per worker otherwise. The server lives as long as this process."""
+    ctx = get_context("forkserver")
+    ctx.set_forkserver_preload(["orca_lab.engine.worker", "torch._dynamo"])
+    return ctx
+
+
+@contextlib.contextmanager
+def _main_hidden():
+    """A worker runs library code only, so it need not re-run the user's ``__main__`` script, as
+    multiprocessing does by default (which breaks scripts without an ``if __name__ == "__main__"``
+    guard and re-does their work in every worker). Without ``__file__`` and ``__spec__`` the child has
+    no main module to re-import."""
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
+
+
+def _start_thread(spec, store) -> threading.Thread:
+    """Rank 0's worker under torchrun: a thread of the master's process."""
+    th = threading.Thread(target=lambda: Worker(spec, store).serve(), name="orca-worker-0", daemon=True)
+    th.start()
+    return th
+
+
+# -- the executor ---------------------------------------------------------------------------------
+class WorkerExecutor:
+    """The executor interface over a WorkerPool (see ``executor.py``)."""
+
+    def __init__(self, pool: WorkerPool, owns_pool: bool = False):
+        self.pool, self.owns_pool = pool, owns_pool
+        self.n_workers = pool.pp
+        self.clock = RealClock()
+        self._wall0 = time.time() - self.clock.now()    # workers stamp wall-clock time
+        self.in_flight: deque = deque()                 # (iteration id, batch), oldest first
+        self.known: dict = {}                           # rid -> Request the workers hold slots for
+        pool.claim(self)
+
+    @classmethod
+    def for_llm(cls, llm) -> "WorkerExecutor":
+        """The pool attached to ``llm``, or a pool of its own that ``close()`` stops."""
+        pool = _ATTACHED.get(llm)
+        if pool is not None and not pool.broken:
+            return cls(pool)
+        return cls(WorkerPool(llm, attach=False), owns_pool=True)
+
+    def submit(self, batch):
+        self._check_owner()
+        release = [rid for rid, r in self.known.items() if r.state is RequestState.FINISHED]
+        for rid in release:
+            del self.known[rid]
+        reserve = {}
+        for r in batch.requests:
+            if r.rid not in self.known:
+                self.known[r.rid] = r
+                reserve[r.rid] = (tuple(r.slots.tolist() if torch.is_tensor(r.slots) else r.slots), r.params)
+        iteration = self.pool.next_iteration()
+        self.pool.send(ControlMessage.of(batch, iteration, reserve, release))
+        self.in_flight.append((iteration, batch))
+
+    def wait(self, timeout: float | None = None) -> Completion | None:
+        self._check_owner()
+        iteration, batch = self.in_flight[0]
+        reports = self.pool.collect(iteration, timeout)
+        if reports is None:
+            return None
+        self.in_flight.popleft()
+        stages = [StageTime(r.stage, r.start - self._wall0, r.end - self._wall0) for r in reports]
+        return Completion(batch, reports[-1].tokens, stages)
+
+    def _check_owner(self):
+        if self.pool.owner is not self:
+            raise RuntimeError("another engine has taken over this worker pool; create a new engine")
+
+    def close(self):
+        self.in_flight.clear()
+        if self.owns_pool:
+            self.pool.close()
+        elif self.pool.owner is self:
+            self.pool.owner = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,108 @@
+"""The engine across nodes with torchrun (env:// rendezvous): every rank is a worker, rank 0 is also the
+engine master (ORCA §4.3's engine master plus worker 1, in one process: the worker runs in a thread).
+
+Two nodes, a pipeline stage per node, tensor parallel inside each node (ORCA's 175B setup, scaled)::
+
+    torchrun --nnodes 2 --nproc-per-node 2 --node-rank $NODE --master-addr $HOST0 --master-port 29500 \\
+        -m orca_lab.engine.torchrun --model tiny --tp 2 --pp 2 --n-requests 32 --out results/torchrun
+
+One machine, no GPU (gloo)::
+
+    OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo torchrun --standalone --nproc-per-node 4 \\
+        -m orca_lab.engine.torchrun --tp 2 --pp 2 --device cpu
+
+Ranks are stage-major (rank = stage * tp + tensor rank), so with ``--nproc-per-node tp`` each node is
+one stage. Control channels listen on ``ORCA_LAB_CONTROL_HOST`` if set, else on the local address that
+routes to ``MASTER_ADDR``; set ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` for the data plane as
+usual. Every rank builds the same weights (``--model`` and ``--seed``, or ``--checkpoint``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from orca_lab.config import EngineConfig, model_config
+from orca_lab.engine.model import config_from_hf
+from orca_lab.engine.parallel import WorkerPool
+from orca_lab.engine.worker import Worker, WorkerSpec
+from orca_lab.llm import SYSTEMS, LLM
+
+
+def control_host() -> str:
+    """The address peers reach this node's control inboxes at."""
+    if os.environ.get("ORCA_LAB_CONTROL_HOST"):
+        return os.environ["ORCA_LAB_CONTROL_HOST"]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:   # connecting UDP sends no packet
+        s.connect((os.environ.get("MASTER_ADDR", "127.0.0.1"), 1))
+        return s.getsockname()[0]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="torchrun ... -m orca_lab.engine.torchrun", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--checkpoint", default=None, help="GPT-2 checkpoint directory (else random weights)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (the paper's n_workers)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--max-bs", type=int, default=8)
+    p.add_argument("--mbs", type=int, default=None, help="the baseline's micro-batch size")
+    p.add_argument("--n-slots", type=int, default=16384)
+    p.add_argument("--systems", default="orca,ft", help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    p.add_argument("--n-requests", type=int, default=16)
+    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals (req/s); default: all at 0")
+    p.add_argument("--scale", type=float, default=0.1, help="multiplies the paper's lengths")
+    p.add_argument("--out", default=None, help="directory for torchrun.json (runs + environment)")
+    return p, p.parse_args(argv)
+
+
+def main(argv=None):
+    p, args = parse_args(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != args.tp * args.pp:
+        p.error(f"WORLD_SIZE={world} must equal --tp x --pp = {args.tp * args.pp}")
+    ec = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots, device=args.device, executor="workers",
+                      tensor_parallel=args.tp, pipeline_parallel=args.pp)
+    cfg = config_from_hf(json.loads((Path(args.checkpoint) / "config.json").read_text())) \
+        if args.checkpoint else model_config(args.model)
+    store, _, _ = next(dist.rendezvous("env://"))
+    store = dist.PrefixStore("orca_lab", store)
+    if rank == 0:
+        store.set("secret", secrets.token_hex(16))      # first frame of every control connection
+    spec = WorkerSpec(cfg, ec, rank, bytes.fromhex(store.get("secret").decode()), weights=args.checkpoint,
+                      seed=args.seed, host=control_host(), local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+    if rank != 0:
+        Worker(spec, store).serve()
+        return
+    # the master keeps a full copy of the weights only because LLM builds one; the workers own theirs
+    llm = LLM.from_pretrained(args.checkpoint, engine=ec) if args.checkpoint else LLM(cfg, args.seed, engine=ec)
+    with WorkerPool.rank0(llm, store, spec):
+        serve_and_report(llm, args)
+
+
+def serve_and_report(llm, args):
+    from orca_lab.cli import environment
+    from orca_lab.metrics import compare_table
+    from orca_lab.workload import paper_trace
+
+    trace = paper_trace(args.n_requests, rate=args.rate, seed=args.seed, scale=args.scale,
+                        vocab_size=llm.cfg.vocab_size)
+    results = [llm.serve(trace, system=s, mbs=args.mbs if s == "ft" else None) for s in args.systems.split(",")]
+    print(compare_table(results).to_string(float_format=lambda v: f"{v:,.3f}"))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        report = {"args": vars(args), "environment": environment(), "runs": [r.to_json() for r in results]}
+        (out / "torchrun.json").write_text(json.dumps(report, default=str))
+
+
+if __name__ == "__main__":
+    main()
