@@ -1,0 +1,46 @@
+"""What the figures and the animation read from a ``RunResult``: its iterations grouped by index,
+one label and one colour per request, one look per phase. Shared so that request C is the same
+colour in the timeline, the K/V figure and the animation."""
+from __future__ import annotations
+
+import string
+from collections import defaultdict
+
+from plotly.colors import qualitative
+
+PALETTE = qualitative.D3 + qualitative.Set2 + qualitative.Pastel1
+# prefill hatched, decode solid, held (the baseline computes a finished request) crossed
+PHASE_PATTERN = {"prefill": "/", "decode": "", "held": "x"}
+
+
+def as_list(results) -> list:
+    return list(results) if isinstance(results, (list, tuple)) else [results]
+
+
+def by_iteration(result) -> dict[int, list]:
+    """``{iteration: [record of stage 0, stage 1, ...]}`` in iteration order."""
+    groups = defaultdict(list)
+    for rec in result.iterations:
+        groups[rec.iteration].append(rec)
+    return {i: sorted(groups[i], key=lambda r: r.stage) for i in sorted(groups)}
+
+
+def n_stages(result) -> int:
+    return 1 + max((r.stage for r in result.iterations), default=0)
+
+
+def request_labels(result) -> dict[int, str]:
+    """Letters, as in the paper's Figure 8, while there are at most 26 requests; numbers after."""
+    rids = sorted({r.rid for r in result.requests} | {rid for it in result.iterations for rid in it.rids})
+    if len(rids) <= 26:
+        return {rid: string.ascii_uppercase[i] for i, rid in enumerate(rids)}
+    return {rid: str(rid) for rid in rids}
+
+
+def request_color(rid: int) -> str:
+    return PALETTE[rid % len(PALETTE)]
+
+
+def n_slots_of(result, n_slots: int | None = None) -> int | None:
+    """The K/V pool size: given, or as recorded in the run's engine configuration."""
+    return n_slots if n_slots is not None else result.config.get("n_slots")
