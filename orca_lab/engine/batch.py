@@ -7,7 +7,9 @@ batch is padded instead: every request brings the same number of tokens at the s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
+import numpy as np
 import torch
 
 
@@ -77,30 +79,43 @@ class BatchTensors:
     cu_seqlens_k: torch.Tensor  # [B+1] int32
     last_idx: torch.Tensor      # [B]: row of each request's last new token in [T]
     padded: bool
+    attn_plan: object = field(default=None, repr=False, compare=False)  # set by the model, per iteration
 
     @classmethod
     def build(cls, batch: Batch, device) -> "BatchTensors":
-        q_lens = torch.tensor(batch.q_lens, dtype=torch.int64)
-        kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int64)
-        cu_q = torch.zeros(len(batch) + 1, dtype=torch.int64)
-        cu_q[1:] = q_lens.cumsum(0)
-        cu_k = torch.zeros_like(cu_q)
-        cu_k[1:] = kv_lens.cumsum(0)
-        starts = torch.tensor(batch.starts, dtype=torch.int64)
-        # position of every new token: its request's start plus its offset inside the request
-        offsets = torch.arange(int(cu_q[-1])) - torch.repeat_interleave(cu_q[:-1], q_lens)
-        positions = torch.repeat_interleave(starts, q_lens) + offsets
-        ids = torch.tensor([t for seq in batch.tokens for t in seq], dtype=torch.int64)
+        """Index arithmetic on the host in numpy (microseconds, where a torch op costs several), then
+        two gathers from all the batch's reserved slots laid back to back: no per-request tensor op."""
+        q_lens, starts = np.array(batch.q_lens), np.array(batch.starts)
+        kv_lens = starts + q_lens
+        cu_q, cu_k = _offsets(q_lens), _offsets(kv_lens)
         slots = [r.slots for r in batch.requests]
-        slot_mapping = torch.cat([s[st:st + q] for s, st, q in zip(slots, batch.starts, batch.q_lens)])
-        kv_slots = [s[:k] for s, k in zip(slots, batch.kv_lens)]
+        first = _offsets([s.shape[0] for s in slots])[:-1]        # each request's first row in `reserved`
+        # token j of request b sits at position starts[b] + j, in row first[b] + starts[b] + j
+        positions = _ramp(starts - cu_q[:-1], q_lens)
+        new_rows = _ramp(first + starts - cu_q[:-1], q_lens)
+        kv_rows = _ramp(first - cu_k[:-1], kv_lens)
+        reserved = torch.cat(slots)
+        rows = torch.from_numpy(np.concatenate([new_rows, kv_rows])).to(reserved.device)
+        slot_mapping, kv_slot_ids = reserved.index_select(0, rows).split([len(new_rows), len(kv_rows)])
+        ids = torch.tensor(list(chain.from_iterable(batch.tokens)), dtype=torch.int64)
+        positions = torch.from_numpy(positions)
         if batch.padded:
             B, L = len(batch), batch.q_lens[0]
             ids, positions = ids.view(B, L), positions[:L]
-            kv_slot_ids = torch.stack(kv_slots)
-        else:
-            kv_slot_ids = torch.cat(kv_slots)
+            kv_slot_ids = kv_slot_ids.view(B, -1)
+        cu = torch.from_numpy(np.stack([cu_q, cu_k]).astype(np.int32)).to(device)
         to = dict(device=device, non_blocking=True)
         return cls(ids.to(**to), positions.to(**to), slot_mapping.to(**to), kv_slot_ids.to(**to),
-                   cu_q.to(device, torch.int32), cu_k.to(device, torch.int32),
-                   (cu_q[1:] - 1).to(**to), batch.padded)
+                   cu[0], cu[1], torch.from_numpy(cu_q[1:] - 1).to(**to), batch.padded)
+
+
+def _offsets(lens) -> np.ndarray:
+    """``[0, l0, l0 + l1, ...]``: where each request's rows start, and the total."""
+    out = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=out[1:])
+    return out
+
+
+def _ramp(base: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """``base[b] + i`` for the i-th of all ``sum(lens)`` rows, where row i belongs to request b."""
+    return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(base, lens)

@@ -3,6 +3,12 @@
 Interface: ``submit(batch)`` never waits; ``wait(timeout)`` returns the oldest batch in flight once it
 is done (or None at the timeout); ``clock`` is the time the engine lives in; ``close()`` frees all.
 Here: the model in this process. Worker processes and the simulator's cost model live elsewhere.
+
+Threads: orca_lab never calls ``torch.set_num_threads`` (importing or running a library should not
+change its process); the caller picks. On a small CPU shared with other processes, one intra-op
+thread is the safe choice for this engine: its ops are small, and with two OpenMP threads each op
+waits at a barrier for a thread a neighbour may be holding (small ops measured 20-100x slower on a
+busy 2-core machine). The benchmarks take ``--threads`` (default 1) and record it with the results.
 """
 from __future__ import annotations
 

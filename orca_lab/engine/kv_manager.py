@@ -6,6 +6,7 @@ The pool holds one K and one V row per slot and layer; slots of a request need n
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,8 @@ class KVSlotManager:
         """``n_layers == 0`` keeps only the accounting (the simulator); else K and V pools
         ``[n_layers, n_slots, n_heads, head_dim]`` are allocated once, here."""
         self.n_slots = n_slots
-        self._free = list(range(n_slots - 1, -1, -1))   # a stack: the lowest ids are handed out first
+        self._spans: list[list[int]] = [[0, n_slots]]   # free runs [start, end), sorted, never adjacent
+        self._runs: dict[int, list[tuple[int, int]]] = {}  # rid -> the runs it holds
         self._holders: dict[int, object] = {}           # rid -> Request holding a reservation
         self.n_reserved = 0                              # Algorithm 1's n_rsrv
         self.device = torch.device(device)
@@ -42,25 +44,68 @@ class KVSlotManager:
         return self.n_reserved + n <= self.n_slots
 
     def reserve(self, req, n: int):
-        """Give ``req`` ``n`` slots (``req.slots``); the caller checked ``can_reserve``."""
+        """Give ``req`` ``n`` slots (``req.slots``); the caller checked ``can_reserve``.
+
+        The slots are one contiguous run of the pool whenever a free run is long enough (first
+        fit, lowest ids first): attention then reads a request's K/V in place, without a gather.
+        Otherwise the lowest free runs are chained; slots need not be contiguous.
+        """
         if req.rid in self._holders:
             raise RuntimeError(f"request {req.rid} already holds a K/V reservation")
         if not self.can_reserve(n):
             raise RuntimeError(f"cannot reserve {n} slots: {self.n_slots - self.n_reserved} left")
-        ids = self._free[-n:]
-        del self._free[-n:]
-        ids.reverse()
-        req.slots = torch.tensor(ids, dtype=torch.int64, device=self.device) if self.k is not None else ids
+        runs = self._take(n)
+        if self.k is None:
+            req.slots = [i for a, b in runs for i in range(a, b)]
+        else:
+            req.slots = torch.cat([torch.arange(a, b, device=self.device) for a, b in runs])
+        self._runs[req.rid] = runs
         self._holders[req.rid] = req
         self.n_reserved += n
 
     def release(self, req):
         """Free every slot of a finished request: the scheduler said it is done."""
-        held = self._holders.pop(req.rid)
-        ids = held.slots.tolist() if torch.is_tensor(held.slots) else held.slots
-        self._free.extend(reversed(ids))
-        self.n_reserved -= len(ids)
+        del self._holders[req.rid]
+        for a, b in self._runs.pop(req.rid):
+            self._give(a, b)
+            self.n_reserved -= b - a
         req.slots = None
+
+    def _take(self, n: int) -> list[tuple[int, int]]:
+        for i, (a, b) in enumerate(self._spans):
+            if b - a >= n:
+                self._shrink(i, n)
+                return [(a, a + n)]
+        runs = []
+        while n:
+            a, b = self._spans[0]
+            got = min(n, b - a)
+            runs.append((a, a + got))
+            self._shrink(0, got)
+            n -= got
+        return runs
+
+    def _shrink(self, i: int, n: int):
+        """Hand out the first ``n`` slots of free run ``i``."""
+        if self._spans[i][1] - self._spans[i][0] == n:
+            del self._spans[i]
+        else:
+            self._spans[i][0] += n
+
+    def _give(self, a: int, b: int):
+        """Put run ``[a, b)`` back, merged with the free runs it touches."""
+        i = bisect.bisect_left(self._spans, [a, b])
+        if i < len(self._spans) and self._spans[i][0] == b:     # touches the next free run
+            b = self._spans.pop(i)[1]
+        if i > 0 and self._spans[i - 1][1] == a:                # touches the previous one
+            self._spans[i - 1][1] = b
+        else:
+            self._spans.insert(i, [a, b])
+
+    @property
+    def _free(self) -> list[int]:
+        """Every free slot id, lowest first."""
+        return [i for a, b in self._spans for i in range(a, b)]
 
     def layer(self, i: int):
         """One layer's ``(k_pool, v_pool)``, each ``[n_slots, n_heads, head_dim]``."""

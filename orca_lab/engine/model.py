@@ -7,6 +7,7 @@ The request-level baseline runs the same weights on padded ``[B, L, H]`` batches
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -15,6 +16,8 @@ from torch import nn
 
 from orca_lab import kernels
 from orca_lab.config import ModelConfig
+from orca_lab.kernels._backend import use_triton
+from orca_lab.kernels.attention import attention_plan, ragged_attention_torch
 
 
 class Block(nn.Module):
@@ -33,17 +36,22 @@ class Block(nn.Module):
 
     def forward(self, x, attend, backend: str):
         """Pre-LayerNorm block on the residual stream ``x [T, H]``; ``attend(q, k, v)`` is the only
-        op that looks across tokens."""
-        h = kernels.layer_norm(x, self.ln_1.weight, self.ln_1.bias, self.eps, backend=backend)
+        op that looks across tokens. The kernels skip their argument checks (``check=False``): the
+        engine built every argument itself, and the checks cost more than a small layer."""
+        h = kernels.layer_norm(x, self.ln_1.weight, self.ln_1.bias, self.eps, backend=backend, check=False)
         qkv = F.linear(h, self.c_attn.weight, self.c_attn.bias).view(len(x), 3, self.n_heads, self.head_dim)
-        a = self._reduce(F.linear(attend(*qkv.unbind(1)).flatten(1), self.attn_proj.weight))
-        h, x = kernels.layer_norm(a + self.attn_proj.bias, self.ln_2.weight, self.ln_2.bias, self.eps,
-                                  residual=x, backend=backend)
-        m = kernels.bias_gelu(F.linear(h, self.c_fc.weight), self.c_fc.bias, backend=backend)
-        return x + self._reduce(F.linear(m, self.mlp_proj.weight)) + self.mlp_proj.bias
+        a = self._row_parallel(attend(*qkv.unbind(1)).flatten(1), self.attn_proj)
+        h, x = kernels.layer_norm(a, self.ln_2.weight, self.ln_2.bias, self.eps, residual=x, backend=backend,
+                                  check=False)
+        m = kernels.bias_gelu(F.linear(h, self.c_fc.weight), self.c_fc.bias, backend=backend, check=False)
+        return x + self._row_parallel(m, self.mlp_proj)
 
-    def _reduce(self, t):
-        return t if self.all_reduce is None else self.all_reduce(t)
+    def _row_parallel(self, t, linear):
+        """A linear whose input is split by features under tensor parallelism: the ranks' partial
+        products are summed first, then the bias is added once. Alone, the bias rides in the matmul."""
+        if self.all_reduce is None:
+            return F.linear(t, linear.weight, linear.bias)
+        return self.all_reduce(F.linear(t, linear.weight)) + linear.bias
 
 
 class GPT(nn.Module):
@@ -73,7 +81,7 @@ class GPT(nn.Module):
 
     def head(self, x, bt) -> torch.Tensor:
         """Logits of each request's last new token only: ``[B, vocab]`` (LM head tied to wte)."""
-        h = F.layer_norm(x[bt.last_idx], (self.cfg.d_model,), self.ln_f.weight, self.ln_f.bias,
+        h = F.layer_norm(x.index_select(0, bt.last_idx), (self.cfg.d_model,), self.ln_f.weight, self.ln_f.bias,
                          self.cfg.layer_norm_eps)
         return F.linear(h, self.wte.weight)
 
@@ -81,14 +89,16 @@ class GPT(nn.Module):
         return self.head(self.run_layers(self.embed(bt), bt, kv), bt)
 
     def _attention(self, bt, k_pool, v_pool):
-        backend = self.attention_backend
+        backend, scale = self.attention_backend, 1.0 / math.sqrt(self.cfg.head_dim)
 
         def attend(q, k, v):
-            kernels.write_kv(k, v, k_pool, v_pool, bt.slot_mapping, backend=backend)
+            kernels.write_kv(k, v, k_pool, v_pool, bt.slot_mapping, backend=backend, check=False)
             if bt.padded:
                 return padded_attention(q, k_pool, v_pool, bt)
-            return kernels.ragged_attention(q, k_pool, v_pool, bt.kv_slot_ids, bt.cu_seqlens_q,
-                                            bt.cu_seqlens_k, backend=backend)
+            if use_triton(backend, q):
+                return kernels.ragged_attention(q, k_pool, v_pool, bt.kv_slot_ids, bt.cu_seqlens_q,
+                                                bt.cu_seqlens_k, scale, backend=backend, check=False)
+            return ragged_attention_torch(q, k_pool, v_pool, _plan(bt), scale, k, v)
         return attend
 
     # -- weights ----------------------------------------------------------------------------------
@@ -139,12 +149,22 @@ class GPT(nn.Module):
         (path / "config.json").write_text(json.dumps(config_to_hf(self.cfg), indent=2))
 
 
+def _plan(bt):
+    """The iteration's attention plan, built by the first layer and read by the others."""
+    if bt.attn_plan is None:
+        bt.attn_plan = attention_plan(bt.cu_seqlens_q.tolist(), bt.cu_seqlens_k.tolist(), bt.kv_slot_ids)
+    return bt.attn_plan
+
+
 def padded_attention(q, k_pool, v_pool, bt):
     """The baseline's dense attention: ``[B, L]`` queries over ``[B, kv_len]`` keys, causal."""
     B, L = bt.input_ids.shape
     kv_len = bt.kv_slot_ids.shape[1]
-    k, v = k_pool[bt.kv_slot_ids], v_pool[bt.kv_slot_ids]        # [B, kv_len, H, D]
-    mask = torch.ones(L, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - L)
+    rows = bt.kv_slot_ids.flatten()
+    k = k_pool.index_select(0, rows).view(B, kv_len, *k_pool.shape[1:])   # [B, kv_len, H, D]
+    v = v_pool.index_select(0, rows).view(B, kv_len, *v_pool.shape[1:])
+    # One new token sees its whole context: no mask needed.
+    mask = None if L == 1 else torch.ones(L, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - L)
     o = F.scaled_dot_product_attention(q.view(B, L, *q.shape[1:]).transpose(1, 2), k.transpose(1, 2),
                                        v.transpose(1, 2), attn_mask=mask)
     return o.transpose(1, 2).reshape(B * L, *q.shape[1:])

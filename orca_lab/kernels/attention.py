@@ -9,7 +9,9 @@ block by block, gathering them from the slot pool through ``slot_ids``, so memor
 the context and slots need not be contiguous.
 """
 import math
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -114,6 +116,83 @@ def ragged_attention_ref(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k
     return out
 
 
+# ------------------------------------------------------------------------------ fast CPU path
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How one iteration's ragged batch is attended by the PyTorch fast path: worked out once per
+    iteration, then read by every layer.
+
+    One 4-D SDPA per request (4-D takes CPU's fused kernel; 3-D does not). Keys and values are read
+    where they lie: a request whose slots are one contiguous run of the pool (the K/V manager hands out
+    runs) attends over a view of the pool, no copy; only a fragmented context is gathered.
+    """
+    # Per request with new tokens: (q_start, q_end, k_start, k_end, first, mask). ``first`` is its
+    # first slot when its context is one run of slots, else None; ``mask`` is None for plain causal.
+    requests: tuple
+    slot_ids: torch.Tensor     # every request's context slots, back to back (read when gathering)
+
+
+def attention_plan(cu_q: list[int], cu_k: list[int], slot_ids: torch.Tensor) -> AttentionPlan:
+    """The plan of a batch whose offsets ``cu_q``, ``cu_k`` are host lists (``B + 1`` entries)."""
+    plan = []
+    for b, first in enumerate(_contiguous_runs(cu_k, slot_ids)):
+        q_len, kv_len = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        if q_len == 0:
+            continue
+        # query i sees keys 0 .. kv_len - q_len + i: None when that is plain causal or all keys
+        mask = None if q_len in (1, kv_len) else torch.ones(
+            q_len, kv_len, dtype=torch.bool, device=slot_ids.device).tril(kv_len - q_len)
+        plan.append((cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1], first, mask))
+    return AttentionPlan(tuple(plan), slot_ids)
+
+
+def _contiguous_runs(cu_k, slot_ids) -> list:
+    """Per request, its first slot if its context is the run first, first + 1, ...; else None.
+    Host arithmetic in numpy: a few microseconds, where each torch op costs several."""
+    ids = slot_ids.cpu().numpy().astype(np.int64)
+    if ids.size == 0:
+        return [None] * (len(cu_k) - 1)
+    breaks = np.zeros(ids.size, dtype=np.int64)
+    np.cumsum(np.diff(ids) != 1, out=breaks[1:])          # breaks in the run up to each key
+    cu = np.asarray(cu_k)
+    starts, ends = np.minimum(cu[:-1], ids.size - 1), np.maximum(cu[1:] - 1, 0)
+    whole = (breaks[ends] == breaks[starts]).tolist()
+    return [int(f) if ok else None for f, ok in zip(ids[starts].tolist(), whole)]
+
+
+def ragged_attention_torch(q, k_pool, v_pool, plan: AttentionPlan, scale: float, k=None, v=None):
+    """The PyTorch fast path, no argument checks (the caller built ``plan`` for these tensors).
+
+    ``k, v``: the new tokens' keys and values, already written to the pools; a request whose
+    context is all new (a fresh prompt) may read them there instead. Everything is viewed heads
+    first once, so each request costs one slice per operand and one SDPA.
+    """
+    if not plan.requests:
+        return torch.empty_like(q)
+    # [1, H, rows, D] views; narrow() is the cheapest way to cut one request out of them
+    qh, kh, vh = (_heads_first(x) for x in (q, k_pool, v_pool))
+    direct = k is not None and k.dtype == k_pool.dtype
+    if direct:
+        kn, vn = _heads_first(k), _heads_first(v)
+    outs = []
+    for qs, qe, ks, ke, first, mask in plan.requests:
+        if direct and qe - qs == ke - ks:
+            kb, vb = kn.narrow(2, qs, qe - qs), vn.narrow(2, qs, qe - qs)
+        elif first is not None:
+            kb, vb = kh.narrow(2, first, ke - ks), vh.narrow(2, first, ke - ks)
+        else:
+            slots = plan.slot_ids[ks:ke]
+            kb, vb = _heads_first(k_pool.index_select(0, slots)), _heads_first(v_pool.index_select(0, slots))
+        outs.append(F.scaled_dot_product_attention(qh.narrow(2, qs, qe - qs), kb, vb, attn_mask=mask,
+                                                   is_causal=mask is None and qe - qs > 1, scale=scale))
+    return torch.cat(outs, dim=2)[0].transpose(0, 1)                       # [T, H, D]
+
+
+def _heads_first(x):
+    """``[L, H, D]`` -> ``[1, H, L, D]``, a view: 4-D SDPA takes CPU's fused kernel, 3-D does not."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
 # -------------------------------------------------------------------------------------- wrapper
 def _check_offsets(name, offsets, total, total_name):
     if offsets[0] != 0 or offsets[-1] != total:
@@ -198,16 +277,21 @@ def ragged_attention_triton(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlen
 
 
 def ragged_attention(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale=None,
-                     backend="auto"):
+                     backend="auto", *, check=True):
     """Attention of T flattened new tokens ``q [T, H, D]`` over each request's own K/V.
 
     Request b owns queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` and keys in the slots
     ``slot_ids[cu_seqlens_k[b]:cu_seqlens_k[b+1]]`` (its context, new tokens included and already
-    written). Returns ``[T, H, D]`` in q's dtype.
+    written). Returns ``[T, H, D]`` in q's dtype. ``check=False`` skips the argument checks: only
+    for a caller that built the arguments itself (the engine's hot path).
     """
-    cu_q = _check_attention_args(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale)
+    if check:
+        cu_q = _check_attention_args(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale)
+    else:
+        cu_q = cu_seqlens_q.tolist()
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if use_triton(backend, q):
         return ragged_attention_triton(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale,
                                        cu_q)
-    return ragged_attention_ref(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale)
+    plan = attention_plan(cu_q, cu_seqlens_k.tolist(), slot_ids)
+    return ragged_attention_torch(q, k_pool, v_pool, plan, scale)

@@ -115,9 +115,11 @@ def layer_norm_triton(x, weight, bias, eps, residual=None):
     return (y, total) if has_res else y
 
 
-def layer_norm(x, weight, bias, eps=1e-5, residual=None, backend="auto"):
-    """``LN(x)``, or with ``residual`` given, ``(LN(x + residual), x + residual)``."""
-    _check_layer_norm_args(x, weight, bias, eps, residual)
+def layer_norm(x, weight, bias, eps=1e-5, residual=None, backend="auto", *, check=True):
+    """``LN(x)``, or with ``residual`` given, ``(LN(x + residual), x + residual)``. ``check=False``
+    skips the argument checks (the engine's hot path, which built the arguments itself)."""
+    if check:
+        _check_layer_norm_args(x, weight, bias, eps, residual)
     if use_triton(backend, x):
         return layer_norm_triton(x, weight, bias, eps, residual)
     return layer_norm_ref(x, weight, bias, eps, residual)

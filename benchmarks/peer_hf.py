@@ -1,0 +1,256 @@
+"""orca_lab against its peer on this machine: Hugging Face transformers, on the same weights and trace.
+
+    python benchmarks/peer_hf.py [--presets tiny gpt2] [--rounds 3] [--threads 1] [--out results/peer_hf.json]
+
+One process, one GPT-2-architecture model per preset (seeded random weights, saved once in the Hugging
+Face layout and loaded by ``GPT2LMHeadModel.from_pretrained``), one paper-shaped trace scaled for a
+CPU (all requests at time 0: an offline throughput run), greedy decoding, EOS ignored. Four systems,
+alternated within each round so that a noisy neighbour hurts them alike:
+
+- ``orca``: orca_lab's ORCA engine (iteration-level scheduling, selective batching);
+- ``ft``: orca_lab's request-level baseline (FasterTransformer-style, padded batches);
+- ``hf_generate``: HF ``generate`` on static batches of ``max_bs`` requests in arrival order, left
+  padded, each batch run to its longest request (a request-level system, as ``ft``);
+- ``hf_cb``: HF continuous batching: the manager behind ``generate_batch``, fed through its
+  ``add_request`` so that each request gets its own ``max_new_tokens`` (``generate_batch`` takes one
+  for all). Its set-up (cache allocation, warm-up) is left out of its time.
+
+First every system's tokens are checked against ORCA's; then each round prints generated tokens/s,
+requests/s and median normalized latency (latency / generated tokens), and the ratios to ``hf_cb``.
+The JSON records the hardware, the versions and the thread setting. orca_lab never changes torch's
+thread count; this script does (``--threads``, default 1): on a small shared CPU two OpenMP threads
+stall on each other's barriers whenever another process holds a core.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from orca_lab import LLM, EngineConfig
+from orca_lab.cli import environment
+from orca_lab.metrics import summarize
+from orca_lab.workload import paper_trace
+
+SYSTEMS = ("orca", "ft", "hf_generate", "hf_cb")
+REFERENCE = "hf_cb"
+# Lengths are the paper's U{32..512} inputs and U{1..128} generated tokens times this scale.
+SCALES = {"tiny": 0.25, "gpt2": 0.125}
+
+
+# ------------------------------------------------------------------------------------ systems
+def run_orca_lab(llm, trace, system):
+    """One of orca_lab's engines; times from its own RunResult (first arrival to last finish)."""
+    result = llm.serve(trace, system=system)
+    outputs = [list(r.output) for r in sorted(result.requests, key=lambda r: r.rid)]
+    latencies = [r.t_finish - r.arrival for r in sorted(result.requests, key=lambda r: r.rid)]
+    return outputs, latencies, result.duration
+
+
+def run_hf_generate(hf, trace, max_bs):
+    """Static batches in arrival order: a batch leaves when its longest request is done."""
+    outputs, latencies = [], []
+    start = time.perf_counter()
+    for i in range(0, len(trace), max_bs):
+        items = trace[i:i + max_bs]
+        ids, mask = _left_padded([list(it.prompt) for it in items])
+        n_new = max(it.max_gen_tokens for it in items)
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
+                              do_sample=False, pad_token_id=0, eos_token_id=None)
+        done = time.perf_counter() - start
+        for row, it in zip(out[:, ids.shape[1]:].tolist(), items):
+            outputs.append(row[:it.max_gen_tokens])
+            latencies.append(done)
+    return outputs, latencies, time.perf_counter() - start
+
+
+def _left_padded(prompts):
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    return ids, mask
+
+
+def run_hf_cb(hf, trace, max_bs):
+    """HF continuous batching; latency from the manager's own finish time of each request."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    gen = GenerationConfig(max_new_tokens=max(it.max_gen_tokens for it in trace), do_sample=False,
+                           eos_token_id=-1, pad_token_id=0)
+    page = 256   # tokens per cache page; every request gets its pages, twice over, plus a margin
+    pages = sum(math.ceil(it.max_tokens / page) for it in trace)
+    cb = ContinuousBatchingConfig(page_size=page, num_blocks=2 * pages + 16, max_requests_per_batch=max_bs)
+    results = {}
+    with hf.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                block=True, timeout=30) as manager:
+        start = time.perf_counter()
+        for i, it in enumerate(trace):
+            manager.add_request(list(it.prompt), request_id=str(i), max_new_tokens=it.max_gen_tokens,
+                                eos_token_id=-1)
+        while len(results) < len(trace):
+            res = manager.get_result(timeout=1)
+            if res is not None and res.is_finished():
+                results[int(res.request_id)] = res
+            elif res is None and not manager.is_running():
+                raise RuntimeError("HF's continuous batching loop stopped before finishing the trace")
+    outs = [results[i] for i in range(len(trace))]
+    latencies = [r.lifespan[1] - start for r in outs]
+    return [list(r.generated_tokens) for r in outs], latencies, max(latencies)
+
+
+def run(system, llm, hf, trace, max_bs):
+    if system in ("orca", "ft"):
+        return run_orca_lab(llm, trace, system)
+    if system == "hf_generate":
+        return run_hf_generate(hf, trace, max_bs)
+    return run_hf_cb(hf, trace, max_bs)
+
+
+# ---------------------------------------------------------------------------------- measuring
+def timed_run(system, llm, hf, trace, max_bs):
+    """Outputs and metrics of one run. CPU seconds (this process, every thread) are recorded beside
+    the wall clock: on a shared machine they show how much of the wall time was spent waiting."""
+    cpu = time.process_time()
+    outputs, latencies, duration = run(system, llm, hf, trace, max_bs)
+    cpu = time.process_time() - cpu
+    n_gen = sum(len(o) for o in outputs)
+    norm = [lat / len(o) for lat, o in zip(latencies, outputs)]
+    return outputs, {"duration_s": duration, "cpu_s": cpu, "tokens_per_s": n_gen / duration,
+                     "tokens_per_cpu_s": n_gen / cpu, "requests_per_s": len(trace) / duration,
+                     "median_norm_latency_ms": 1e3 * statistics.median(norm)}
+
+
+def check_tokens(trace, runs) -> dict:
+    """Each system's outputs against ORCA's (itself tested equal to each request run alone)."""
+    ref = runs["orca"]
+    report = {}
+    for system, outs in runs.items():
+        bad = [i for i, (a, b) in enumerate(zip(outs, ref)) if a != b]
+        wrong_len = [i for i, (o, it) in enumerate(zip(outs, trace)) if len(o) != it.max_gen_tokens]
+        report[system] = {"requests": len(trace), "equal_to_orca": len(trace) - len(bad),
+                          "differ": bad, "wrong_length": wrong_len}
+    return report
+
+
+def bench_preset(preset, args, out_dir) -> dict:
+    scale = args.scale or SCALES.get(preset, 0.125)
+    engine = EngineConfig(max_bs=args.max_bs, n_slots=args.max_bs * 1024)   # ft reserves 1024 per request
+    llm = LLM(preset, seed=args.seed, engine=engine)
+    trace = paper_trace(args.n_requests, rate=None, seed=args.seed, scale=scale, vocab_size=llm.cfg.vocab_size)
+    hf = load_hf(llm, out_dir / f"{preset}_hf")
+    print(f"\n== {preset}: {args.n_requests} requests, inputs {min(len(t.prompt) for t in trace)}.."
+          f"{max(len(t.prompt) for t in trace)} (sum {sum(len(t.prompt) for t in trace)}), generated "
+          f"{min(t.max_gen_tokens for t in trace)}..{max(t.max_gen_tokens for t in trace)} (sum "
+          f"{sum(t.max_gen_tokens for t in trace)}), max_bs {args.max_bs}, {torch.get_num_threads()} thread(s)")
+    for system in SYSTEMS:     # warm-up: first calls (kernel selection, allocations) out of the way
+        run(system, llm, hf, trace[:2], args.max_bs)
+    rounds = []
+    for r in range(args.rounds):
+        row, outputs = {}, {}
+        for system in (SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]):    # alternate the order too
+            outputs[system], row[system] = timed_run(system, llm, hf, trace, args.max_bs)
+        if r == 0:
+            tokens = check_tokens(trace, outputs)
+            print_tokens(tokens)
+        rounds.append(row)
+        print_round(r, row)
+    summary = {s: {k: statistics.median(rd[s][k] for rd in rounds) for k in rounds[0][s]} for s in SYSTEMS}
+    ratios = {s: statistics.median(rd[s]["tokens_per_s"] / rd[REFERENCE]["tokens_per_s"] for rd in rounds)
+              for s in SYSTEMS}
+    cpu_ratios = {s: statistics.median(rd[s]["tokens_per_cpu_s"] / rd[REFERENCE]["tokens_per_cpu_s"]
+                                       for rd in rounds) for s in SYSTEMS}
+    print_summary(preset, summary, ratios, cpu_ratios)
+    return {"model": preset, "config": vars(llm.cfg), "scale": scale,
+            "trace": {"n": len(trace), "prompt_tokens": sum(len(t.prompt) for t in trace),
+                      "generated_tokens": sum(t.max_gen_tokens for t in trace)},
+            "tokens": tokens, "rounds": rounds, "median": summary, "tokens_per_s_ratio_to_hf_cb": ratios,
+            "tokens_per_cpu_s_ratio_to_hf_cb": cpu_ratios}
+
+
+def load_hf(llm, path):
+    from transformers import GPT2LMHeadModel
+    llm.save_pretrained(path)
+    return GPT2LMHeadModel.from_pretrained(path).eval()
+
+
+# ----------------------------------------------------------------------------------- printing
+def print_tokens(report):
+    for system, r in report.items():
+        ok = not r["differ"] and not r["wrong_length"]
+        note = "" if ok else (f"  DIFFER on requests {r['differ'][:8]}"
+                              f"{' (left padding changes the float rounding of HF static batches)' if system == 'hf_generate' else ''}")
+        print(f"  tokens {system:12s} {r['equal_to_orca']}/{r['requests']} equal to orca{note}")
+
+
+def print_round(r, row):
+    ref = row[REFERENCE]["tokens_per_s"]
+    cells = "  ".join(f"{s} {m['tokens_per_s']:8.1f} tok/s ({m['tokens_per_s'] / ref:4.2f}x)" for s, m in row.items())
+    print(f"  round {r}: {cells}")
+
+
+def print_summary(preset, summary, ratios, cpu_ratios):
+    print(f"  median over rounds ({preset}); ratios are medians of per-round ratios:")
+    print(f"  {'system':12s} {'tok/s':>9s} {'req/s':>8s} {'med norm lat ms':>16s} {'tok/s vs hf_cb':>15s} "
+          f"{'tok/cpu-s vs hf_cb':>19s}")
+    for s in SYSTEMS:
+        m = summary[s]
+        print(f"  {s:12s} {m['tokens_per_s']:9.1f} {m['requests_per_s']:8.2f} "
+              f"{m['median_norm_latency_ms']:16.1f} {ratios[s]:14.2f}x {cpu_ratios[s]:18.2f}x")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", nargs="+", default=["tiny", "gpt2"])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--n-requests", type=int, default=32)
+    p.add_argument("--scale", type=float, default=None, help="lengths x scale (default per preset)")
+    p.add_argument("--max-bs", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for every system")
+    p.add_argument("--smoke", action="store_true", help="tiny preset, 4 short requests, 1 round")
+    p.add_argument("--out", default="results/peer_hf.json")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.presets, args.rounds, args.n_requests, args.scale = ["tiny"], 1, 4, 0.05
+    torch.set_num_threads(args.threads)
+    _quiet_transformers()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"args": vars(args), "environment": {**environment(), **_versions()}, "presets": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in args.presets:
+            report["presets"][preset] = bench_preset(preset, args, Path(tmp))
+    out.write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {out}")
+    return report
+
+
+def _versions():
+    import transformers
+    return {"transformers": transformers.__version__, "numpy": np.__version__,
+            "torch_interop_threads": torch.get_num_interop_threads()}
+
+
+def _quiet_transformers():
+    """HF's manager logs a psutil complaint per start on CPU; progress bars and warnings off."""
+    import transformers
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)
