@@ -33,6 +33,8 @@ def compare(args) -> dict:
     from orca_lab.viz import compare_figure, export
     from orca_lab.workload import paper_trace
 
+    import torch
+    torch.set_num_threads(args.threads)   # this process is ours; small ops stall with 2+ threads on a busy CPU
     engine = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots)
     llm = LLM(args.model, seed=args.seed, engine=engine)
     trace = paper_trace(args.n_requests, rate=args.rate, seed=args.seed, scale=args.scale,
@@ -62,12 +64,13 @@ def main(argv=None):
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("compare", help="ORCA vs the request-level baseline on one trace")
     c.add_argument("--model", default="tiny", choices=list(PRESETS))
-    c.add_argument("--n-requests", type=int, default=48)
-    c.add_argument("--rate", type=float, default=4.0, help="Poisson arrival rate, req/s")
+    c.add_argument("--n-requests", type=int, default=64)
+    c.add_argument("--rate", type=float, default=12.0, help="Poisson arrival rate, req/s")
     c.add_argument("--scale", type=float, default=0.5, help="multiplies the paper's lengths")
     c.add_argument("--max-bs", type=int, default=16)
     c.add_argument("--n-slots", type=int, default=16384)
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--threads", type=int, default=1, help="torch intra-op threads (recorded)")
     c.add_argument("--out", default="results")
     args = p.parse_args(argv)
     try:
