@@ -185,7 +185,8 @@ class Engine:
                               _rel(r.t_scheduled, start), _rel(r.t_first_token, start),
                               _rel(r.t_finish, start), r.n_iterations, tuple(r.output))
                 for r in self.requests]
-        iters = [dataclasses.replace(it, start=it.start - start, end=it.end - start) for it in self.records]
+        iters = [dataclasses.replace(it, start=it.start - start, end=it.end - start) for it in self.records] \
+            if start else list(self.records)     # a simulated run starts at 0: nothing to shift
         end = max((r.t_finish for r in reqs if r.t_finish is not None), default=0.0)
         first = min((r.arrival for r in reqs), default=0.0)
         return RunResult(self.scheduler.name, reqs, iters, dict(self.config), end - first)

@@ -1,0 +1,123 @@
+"""A cost model fitted to iteration timings the real engine measured on the machine at hand, so the
+simulator predicts that machine (CPU or GPU).
+
+An iteration's time is modelled as linear in what its ops scale with: a constant (launches, the
+scheduler's Python), the rows of ``[sum L, H]`` (Linear, LayerNorm, GeLU), the (query, key) pairs
+of attention and the context it reads, and the number of requests (per-request attention, the LM
+head). ORCA's selective batches and the baseline's padded batches run different attention code,
+so each gets its own coefficients. The target is the iteration's period (one stage-0 start to the
+next on a busy engine), which includes the engine's own per-iteration work between iterations.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from orca_lab.engine.executor import split_layers
+from orca_lab.sim.executor import IterationCost
+
+FEATURES = ("const", "tokens", "attn_pairs", "attn_context", "requests")
+
+
+def features(starts, q_lens) -> list[float]:
+    """One row of the design matrix for a batch with these per-request starts and new tokens."""
+    pairs = ctx = 0
+    for s, q in zip(starts, q_lens):
+        pairs += q * s + q * (q + 1) // 2      # (query, key) pairs under the causal mask
+        ctx += s + q
+    return [1.0, float(sum(q_lens)), float(pairs), float(ctx), float(len(q_lens))]
+
+
+@dataclass
+class FittedCost:
+    """``coef[kind]`` for kind ``selective`` (ORCA) and ``padded`` (baseline), over ``FEATURES``."""
+    coef: dict
+    n_layers: int = 1
+    n_stages: int = 1
+
+    def __post_init__(self):
+        self.stage_share = [(hi - lo) / self.n_layers for lo, hi in split_layers(self.n_layers, self.n_stages)]
+
+    def predict(self, starts, q_lens, padded: bool) -> float:
+        kind = "padded" if padded else "selective"
+        if kind not in self.coef:
+            raise ValueError(f"this fitted model saw no {kind} batches: calibrate with "
+                             f"{'ft' if padded else 'orca'} runs too")
+        return float(np.dot(self.coef[kind], features(starts, q_lens)))
+
+    def iteration(self, batch) -> IterationCost:
+        t = self.predict(batch.starts, batch.q_lens, batch.padded)
+        return IterationCost(tuple(t * share for share in self.stage_share))
+
+    @classmethod
+    def fit(cls, runs, n_layers: int = 1, n_stages: int = 1) -> "FittedCost":
+        """Least squares (coefficients kept >= 0) of the iteration periods of ``runs``: RunResults
+        of the real engine on offline traces. Slow iterations are kept, not dropped as outliers: on
+        a shared machine another process takes the core now and then, and the requests served
+        later pay for that too, so the fit must predict the average iteration, not the best."""
+        rows = defaultdict(lambda: ([], []))
+        for run in runs:
+            kind = "padded" if run.system == "ft" else "selective"
+            for x, y in iteration_periods(run):
+                rows[kind][0].append(x)
+                rows[kind][1].append(y)
+        if not rows:
+            raise ValueError("no iteration timings to fit: give runs with at least two iterations")
+        coef = {k: _nnls(np.array(X), np.array(y)).tolist() for k, (X, y) in rows.items()}
+        return cls(coef, n_layers, n_stages)
+
+    def errors(self, runs):
+        """Per-iteration measured vs predicted periods of ``runs`` (a DataFrame), to judge the fit."""
+        import pandas as pd
+        out = []
+        for run in runs:
+            padded = run.system == "ft"
+            for x, y in iteration_periods(run):
+                pred = float(np.dot(self.coef["padded" if padded else "selective"], x))
+                out.append({"system": run.system, "tokens": x[1], "requests": x[4], "measured_ms": y * 1e3,
+                            "predicted_ms": pred * 1e3})
+        return pd.DataFrame(out)
+
+    def to_json(self) -> dict:
+        return {"features": FEATURES, "coef": self.coef, "n_layers": self.n_layers, "n_stages": self.n_stages}
+
+    def save(self, path):
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+
+    @classmethod
+    def load(cls, path) -> "FittedCost":
+        d = json.loads(open(path).read())
+        return cls(d["coef"], d["n_layers"], d["n_stages"])
+
+
+def iteration_periods(run):
+    """(features, seconds) of every iteration of ``run`` but the last: from its first stage's start
+    to the next iteration's. Each request's start (tokens cached) is rebuilt by adding up the new
+    tokens it brought to earlier iterations."""
+    first = sorted((it for it in run.iterations if it.stage == 0), key=lambda it: it.iteration)
+    cached = defaultdict(int)
+    out = []
+    for it, nxt in zip(first, first[1:]):
+        starts = [cached[r] for r in it.rids]
+        for r, q in zip(it.rids, it.q_lens):
+            cached[r] += q
+        out.append((features(starts, it.q_lens), nxt.start - it.start))
+    return out
+
+
+def _nnls(X, y):
+    """Least squares with coefficients >= 0: a feature whose coefficient comes out negative
+    explains nothing physical (time never shrinks with more work); drop it and refit."""
+    active = list(range(X.shape[1]))
+    coef = np.zeros(X.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(X[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return coef

@@ -1,0 +1,137 @@
+"""The reproduction notebooks run under papermill at small sizes, write their tables and figures,
+and stop at their first cell on a bad parameter. Notebooks run two at a time (kernels are processes)."""
+import json
+import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import nbformat
+import pandas as pd
+import pytest
+
+pm = pytest.importorskip("papermill")
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "reproduce"
+FORMATS = ("html", "png", "svg", "pdf")
+HAS_BROWSER = any(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome"))
+
+SMALL = {   # each notebook at a size that runs in seconds
+    "fig_e2e": dict(models=["gpt3-175b"], curves=["orca(8)", "ft(1,1)"], n_requests=16, loads=[0.5, 1.5], n_procs=1),
+    "fig9_engine": dict(models=["gpt3-13b"], batch_sizes=[1, 8], input_lens=[32]),
+    "fig11_homogeneous": dict(shapes=[[16, 8]], curves=["orca(4)", "ft(2,2)"], n_requests=10, loads=[0.5, 1.5], n_procs=1),
+    "kv_memory": dict(rates=[2.0], n_requests=30),
+    "sim_fidelity": dict(presets=["tiny"], curves=["orca(4)"], loads=[0.5], n_requests=6, scale=0.05),
+}
+BAD = {     # a bad parameter, and the message it must stop with (every check: tests/test_sim.py)
+    "fig_e2e": (dict(models=["gpt3-999b"]), "unknown model 'gpt3-999b'"),
+    "fig11_homogeneous": (dict(rates=[1.0, -2.0]), "rates: -2.0 is not allowed"),
+    "kv_memory": (dict(rates=[]), "rates=[] is an empty sweep"),
+}
+
+
+def _execute(name, params, out):
+    try:
+        pm.execute_notebook(str(NOTEBOOKS / f"{name}.ipynb"), str(out / f"{name}.ipynb"),
+                            parameters={**params, "out_dir": str(out)}, kernel_name="python3", progress_bar=False)
+        return None
+    except pm.PapermillExecutionError as e:
+        return e
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every notebook at its small size (if figures can be exported) and the bad parameters, two
+    kernels at a time."""
+    root = tmp_path_factory.mktemp("reproduce")
+    small = SMALL if HAS_BROWSER else {}
+    jobs = {**{(name, "small"): (params, root / f"{name}-small") for name, params in small.items()},
+            **{(name, "bad"): (params, root / f"{name}-bad") for name, (params, _) in BAD.items()}}
+    for _, out in jobs.values():
+        out.mkdir()
+    with ThreadPoolExecutor(2) as pool:
+        futures = {key: pool.submit(_execute, key[0], params, out) for key, (params, out) in jobs.items()}
+        return {key: (f.result(), jobs[key][1]) for key, f in futures.items()}
+
+
+def _ok(runs, name) -> Path:
+    if (name, "small") not in runs:
+        pytest.skip("PNG/SVG/PDF export needs Chromium: apt-get install chromium (scripts/test.sh does)")
+    error, out = runs[(name, "small")]
+    assert error is None, f"{name} failed: {error}"
+    return out
+
+
+def _figures(out: Path, stem: str):
+    for fmt in FORMATS:
+        f = out / f"{stem}.{fmt}"
+        assert f.is_file() and f.stat().st_size > 1000, f
+
+
+def test_fig_e2e_writes_the_table_the_headline_and_the_figure(runs):
+    out = _ok(runs, "fig_e2e")
+    df = pd.read_csv(out / "fig_e2e.csv")
+    assert list(df.columns) == ["model", "system", "max_bs", "mbs", "rate", "throughput_rps", "median_norm_latency_ms"]
+    assert set(df["system"]) == {"orca", "ft"} and len(df) == 4
+    assert df.loc[df["system"] == "orca", "mbs"].isna().all() and (df.loc[df["system"] == "ft", "mbs"] == 1).all()
+    head = json.loads((out / "headline.json").read_text())[0]
+    assert head["model"] == "gpt3-175b" and head["ratio"] > 1
+    assert json.loads((out / "fig_e2e.json").read_text())["meta"]["cost"]["gpt3-175b"]["tensor_parallel"] == 8
+    _figures(out, "fig_e2e")
+
+
+def test_fig9_marks_the_baseline_out_of_memory(runs):
+    out = _ok(runs, "fig9_engine")
+    df = pd.read_csv(out / "fig9_engine.csv")
+    assert {"model", "system", "batch_size", "input_len", "time_ms", "oom"} <= set(df.columns)
+    oom = df.set_index(["system", "batch_size"])["oom"]
+    assert oom[("ft", 8)] and not oom[("ft", 1)] and not oom[("orca", 8)]
+    assert df.loc[~df["oom"], "time_ms"].gt(0).all()
+    _figures(out, "fig9_engine")
+
+
+def test_fig11_writes_unnormalized_latency(runs):
+    out = _ok(runs, "fig11_homogeneous")
+    df = pd.read_csv(out / "fig11_homogeneous.csv")
+    assert {"input_len", "gen_len", "median_latency_ms", "throughput_rps"} <= set(df.columns)
+    assert (df["input_len"] == 16).all() and len(df) == 4
+    _figures(out, "fig11_homogeneous")
+
+
+def test_kv_memory_writes_utilization_per_scheme(runs):
+    out = _ok(runs, "kv_memory")
+    df = pd.read_csv(out / "kv_memory.csv")
+    assert set(df["scheme"]) == {"max_seq_len", "max_tokens", "true_length", "paged"}
+    assert df["utilization"].between(0, 1).all()
+    _figures(out, "kv_memory")
+
+
+def test_sim_fidelity_reports_errors_per_load(runs):
+    out = _ok(runs, "sim_fidelity")
+    df = pd.read_csv(out / "sim_fidelity.csv")
+    assert {"model", "curve", "load", "measured_ms", "simulated_ms", "latency_error_pct",
+            "throughput_error_pct"} <= set(df.columns)
+    assert len(df) == 1 and df["measured_ms"].gt(0).all() and df["simulated_ms"].gt(0).all()
+    _figures(out, "sim_fidelity")
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_a_bad_parameter_stops_the_notebook_at_its_first_cell(runs, name):
+    error, out = runs[(name, "bad")]
+    assert error is not None and error.ename == "ValueError", error
+    assert re.search(re.escape(BAD[name][1]), error.evalue), error.evalue
+    cells = nbformat.read(out / f"{name}.ipynb", as_version=4).cells
+    injected = next(i for i, c in enumerate(cells) if "injected-parameters" in c.metadata.get("tags", []))
+    first, *rest = [c for c in cells[injected + 1:] if c.cell_type == "code"]
+    assert any(o.output_type == "error" for o in first.outputs)       # the first cell after the parameters
+    assert all(c.execution_count is None for c in rest) and not list(out.glob("*.csv"))
+
+
+@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.stem)
+def test_notebooks_are_saved_clean_with_a_parameters_cell(path):
+    nb = nbformat.read(path, as_version=4)
+    assert nb.metadata["kernelspec"]["name"] == "python3"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert sum("parameters" in c.metadata.get("tags", []) for c in code) == 1
+    assert all(not c.outputs and c.execution_count is None for c in code)
+    assert "out_dir" in next(c.source for c in code if "parameters" in c.metadata.get("tags", []))

@@ -1,0 +1,235 @@
+"""The simulator: same scheduling decisions as the real engine, pipelines per stage, virtual time,
+memory-limited baseline, cost models, sweeps and their refusals of bad parameters."""
+import math
+
+import pandas as pd
+import pytest
+
+from helpers import random_prompts
+from orca_lab import LLM, EngineConfig
+from orca_lab.engine.batch import Batch
+from orca_lab.engine.request import Request, SamplingParams
+from orca_lab.sim import params as P
+from orca_lab.sim.cost import AnalyticalCost, Efficiency
+from orca_lab.sim.executor import IterationCost, SimExecutor
+from orca_lab.sim.fitted import FittedCost
+from orca_lab.sim.memory import SCHEMES, kv_study
+from orca_lab.sim.run import (CSV_COLUMNS, Curve, SimBackend, Sweep, TraceSpec, batch_time, capacity, headline,
+                              throughput_at)
+from orca_lab.workload import TraceItem
+
+
+class FixedCost:
+    """Every stage of every iteration takes ``t`` seconds: timings that are easy to reason about."""
+    def __init__(self, n_stages=1, t=1.0, dispatch=0.0, collect=0.0):
+        self.n_stages, self.t, self.dispatch, self.collect = n_stages, t, dispatch, collect
+
+    def iteration(self, batch):
+        return IterationCost((self.t,) * self.n_stages, self.dispatch, self.collect)
+
+
+def ragged_trace(vocab, n=12, seed=0):
+    prompts = random_prompts(n, vocab, 1, 60, seed)
+    return [TraceItem(0.0, tuple(p), 1 + (5 * i + seed) % 11) for i, p in enumerate(prompts)]
+
+
+def batches(result):
+    """Per-iteration composition: rids and new tokens of each, in submission order."""
+    first = sorted((it for it in result.iterations if it.stage == 0), key=lambda it: it.iteration)
+    return [(it.rids, it.q_lens, it.kv_reserved) for it in first]
+
+
+# -- the same decisions as the real engine --------------------------------------------------------
+@pytest.mark.parametrize("system,n_workers,n_slots", [("orca", 1, 200), ("orca", 3, 4096),
+                                                      ("ft", 1, 2 * 1024), ("ft", 2, 3 * 1024)])
+def test_simulator_and_real_engine_make_the_same_batches(tiny_llm, system, n_workers, n_slots):
+    """Offline trace: the same scheduler, K/V manager and loop give the same batch in every iteration,
+    whatever the executor's timings. Small n_slots make the K/V reservation bind."""
+    cfg = EngineConfig(max_bs=3, n_slots=n_slots, pipeline_parallel=n_workers)
+    mbs = 2 if system == "ft" and n_workers > 1 else None
+    trace = ragged_trace(tiny_llm.cfg.vocab_size, n=8, seed=n_workers)
+    real = LLM(gpt=tiny_llm.model, engine=cfg).serve(trace, system=system, mbs=mbs)
+    curve = Curve(system, 3, (mbs or 3) if system == "ft" else None)
+    sim = SimBackend(tiny_llm.cfg, cost=AnalyticalCost(tiny_llm.cfg, pipeline_parallel=n_workers), n_slots=n_slots)
+    simulated = sim.serve(curve, trace)
+    assert batches(simulated) == batches(real)
+    assert len(batches(real)) > len(trace)                   # several iterations per request
+    assert [r.n_generated for r in simulated.requests] == [r.n_generated for r in real.requests]
+
+
+def test_pipeline_keeps_n_workers_batches_in_flight_and_stages_in_order(tiny_llm):
+    sim = SimBackend(tiny_llm.cfg, cost=FixedCost(n_stages=3), n_slots=4096)
+    result = sim.serve(Curve("orca", 2), ragged_trace(tiny_llm.cfg.vocab_size, n=9))
+    its = result.iterations_df()
+    assert its["in_flight"].max() == 3
+    for _, stage in its.groupby("stage"):                     # a stage runs one batch at a time
+        stage = stage.sort_values("start")
+        assert (stage["start"].to_numpy()[1:] >= stage["end"].to_numpy()[:-1] - 1e-12).all()
+    by_it = its.pivot(index="iteration", columns="stage", values=["start", "end"])
+    for s in (1, 2):                                          # stage s after stage s-1 of the same batch
+        assert (by_it[("start", s)] >= by_it[("end", s - 1)] - 1e-12).all()
+    # three batches on three stages at once: a full pipeline advances one stage time per iteration
+    steady = by_it[("start", 0)].diff().dropna()
+    assert steady.iloc[:20].tolist() == [1.0] * 20
+
+
+def test_baseline_micro_batches_fill_the_pipeline_and_bubbles_come_out(tiny_llm):
+    trace = [TraceItem(0.0, tuple(range(1, 9)), 4) for _ in range(4)]
+    run = lambda mbs: SimBackend(tiny_llm.cfg, cost=FixedCost(n_stages=2), n_slots=8192).serve(Curve("ft", 4, mbs), trace)
+    whole, micro = run(4), run(2)
+    assert max(it.in_flight for it in whole.iterations) == 1 and max(it.in_flight for it in micro.iterations) == 2
+    # one batch of 4: 4 iterations cross both stages one after the other, so each stage idles half the
+    # time (the bubble); two micro-batches of 2 take turns: 8 stage steps in 9 s, one bubble at each end
+    busy = lambda r: sum(it.end - it.start for it in r.iterations if it.stage == 0) / r.duration
+    assert (whole.duration, busy(whole)) == (8.0, 0.5) and (micro.duration, busy(micro)) == (9.0, 8 / 9)
+    assert len({it.rids for it in micro.iterations}) == 2
+
+
+def test_virtual_clock_honours_wait_timeout_and_idles_until_arrivals(tiny_llm):
+    ex = SimExecutor(FixedCost(t=1.0, dispatch=0.25, collect=0.25))
+    req = Request(0, [1, 2, 3], SamplingParams(max_gen_tokens=2))
+    ex.submit(Batch.selective([req]))
+    assert ex.wait(0.5) is None and ex.clock.now() == 0.5          # the timeout came first
+    done = ex.wait(None)
+    assert ex.clock.now() == 1.5 and done.stages[0].start == 0.25 and done.stages[0].end == 1.25
+    # a request arriving late: the engine sleeps on the virtual clock until it arrives
+    sim = SimBackend(tiny_llm.cfg, cost=FixedCost(t=0.1), n_slots=4096)
+    result = sim.serve(Curve("orca", 4), [TraceItem(0.0, (1, 2), 3), TraceItem(50.0, (3, 4), 2)])
+    late = result.requests[1]
+    assert late.t_scheduled == 50.0 and late.t_finish == pytest.approx(50.2)
+    assert result.requests[0].t_finish == pytest.approx(0.3)
+
+
+def test_eos_after_stops_a_request_early(tiny_llm):
+    params = SamplingParams(max_gen_tokens=10, ignore_eos=False, eos_token_id=0)
+    item = type("Item", (), {"arrival": 0.0, "prompt": (5, 6), "sampling_params": lambda self: params})()
+    engine = SimBackend(tiny_llm.cfg, cost=FixedCost(), n_slots=4096).new_engine(Curve("orca", 2), eos_after=lambda r: 3)
+    result = engine.run([item])
+    assert result.requests[0].output == (1, 1, 0)            # EOS is the 3rd token; others avoid it
+
+
+# -- the baseline's memory, from the memory arithmetic --------------------------------------------
+def test_baseline_batch_is_limited_by_its_max_seq_len_reservation():
+    sim = SimBackend("gpt3-13b")
+    assert 7 * 2048 <= sim.n_slots < 8 * 2048                  # 13B on one A100-40GB
+    result = sim.serve(Curve("ft", 8, 8), [TraceItem(0.0, (1,) * 40, 4) for _ in range(16)])
+    assert max(len(it.rids) for it in result.iterations) == 7
+    oom = {(m, bs): batch_time(SimBackend(m), "ft", bs, 32)["oom"] for m, bs in
+           [("gpt3-13b", 4), ("gpt3-13b", 8), ("gpt3-101b", 8), ("gpt3-101b", 16)]}
+    assert oom == {("gpt3-13b", 4): False, ("gpt3-13b", 8): True, ("gpt3-101b", 8): False, ("gpt3-101b", 16): True}
+    assert not batch_time(sim, "orca", 32, 128)["oom"]          # ORCA reserves input + max_gen_tokens only
+
+
+# -- the analytical cost model ---------------------------------------------------------------------
+def _batch(starts, q_lens, padded=False):
+    reqs = [Request(i, [1] * max(s + q, 1), SamplingParams(max_gen_tokens=4)) for i, (s, q) in enumerate(zip(starts, q_lens))]
+    return Batch(reqs, list(starts), list(q_lens), padded=padded, phases=["decode"] * len(reqs))
+
+
+def test_analytical_cost_follows_the_roofline_and_the_paper_s_differences():
+    cost = AnalyticalCost("gpt3-175b")                          # 8-way tensor, 2 pipeline stages
+    assert (cost.tp, cost.n_stages) == (8, 2)
+    decode = cost.iteration(_batch([100], [1]))
+    bound = cost.weight_bytes_per_gpu() / (cost.dev.hbm_bw * cost.eff.hbm)   # a GPU's shard, one stage
+    assert bound < decode.stages[0] < 1.3 * bound               # decode reads every weight: memory bound
+    prefill = cost.iteration(_batch([0], [512]))
+    assert sum(prefill.stages) > 2 * sum(decode.stages)         # 512 tokens: compute bound
+    # ORCA pays a control round trip per iteration; FT a sync per stage, inside the stages
+    padded = cost.iteration(_batch([100], [1], padded=True))
+    assert (decode.dispatch, decode.collect) == (cost.eff.orca_control_s,) * 2 and padded.dispatch == 0
+    assert padded.stages[0] - decode.stages[0] == pytest.approx(cost.eff.ft_sync_s)
+    # per-request attention never beats one batched kernel over the same requests
+    mixed = [(0, 300), (200, 1), (400, 1)]
+    per_req = cost.attention_time(_batch(*zip(*mixed)))
+    d = cost.cfg.d_model / cost.tp
+    from orca_lab.sim.cost import _attention_work
+    f, b = map(sum, zip(*(_attention_work(s, q, d) for s, q in mixed)))
+    assert per_req >= cost.roofline(f, b, cost.eff.attention) - 1e-12
+    faster = AnalyticalCost("gpt3-175b", "h100").iteration(_batch([100], [1]))
+    assert sum(faster.stages) < sum(decode.stages)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: AnalyticalCost("gpt3-175b", tensor_parallel=1, pipeline_parallel=1).n_slots(), "does not fit"),
+    (lambda: AnalyticalCost("gpt3-175b", device="tpu-v9"), "device='tpu-v9'"),
+    (lambda: AnalyticalCost("gpt3-13b", pipeline_parallel=41), "pipeline_parallel=41"),
+    (lambda: Efficiency(gemm=0.0), "gemm=0.0"),
+    (lambda: Efficiency(hbm=1.5), "hbm=1.5"),
+    (lambda: SimBackend("gpt3-999b"), "gpt3-999b"),
+    (lambda: Curve.parse("orca(0)"), "max_bs=0"),
+    (lambda: Curve.parse("ft(8,9)"), "mbs=9"),
+    (lambda: Curve.parse("vllm(8)"), "orca\\(max_bs\\) or ft\\(max_bs,mbs\\)"),
+    (lambda: P.check_models(["gpt3-999b"]), "unknown model 'gpt3-999b'"),
+    (lambda: P.check_models([]), "empty sweep"),
+    (lambda: P.check_rates([0.5, -1.0], [1.0]), "rates: -1.0 is not allowed"),
+    (lambda: P.check_rates(None, []), "loads=\\[\\] is an empty sweep"),
+    (lambda: P.check_curves("orca(8)"), "must be a list"),
+    (lambda: P.check_mode("guess", "tiny", "a100-40gb"), "mode='guess'"),
+    (lambda: P.check_efficiency({"warp_speed": 2.0}), "unknown field\\(s\\) \\['warp_speed'\\]"),
+])
+def test_bad_parameters_are_refused_with_a_clear_message(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+# -- the fitted model --------------------------------------------------------------------------------
+def test_fitted_model_recovers_the_coefficients_of_known_timings(tiny_llm):
+    truth = FittedCost({"selective": [2e-3, 1e-5, 3e-8, 2e-7, 4e-4], "padded": [1e-3, 2e-5, 1e-8, 1e-7, 1e-4]})
+    sim = SimBackend(tiny_llm.cfg, cost=truth, n_slots=8192)
+    trace = ragged_trace(tiny_llm.cfg.vocab_size, n=30)
+    runs = [sim.serve(Curve("orca", bs), trace) for bs in (1, 4, 16)] + [sim.serve(Curve("ft", bs, bs), trace) for bs in (2, 8)]
+    fit = FittedCost.fit(runs, tiny_llm.cfg.n_layers)
+    errors = fit.errors(runs)
+    assert (errors["predicted_ms"] - errors["measured_ms"]).abs().max() < 1e-6
+    again = sim.serve(Curve("orca", 8), trace)
+    assert SimBackend(tiny_llm.cfg, cost=fit, n_slots=8192).serve(Curve("orca", 8), trace).duration == pytest.approx(again.duration)
+    with pytest.raises(ValueError, match="saw no padded batches"):
+        FittedCost.fit(runs[:1]).predict([0], [1], padded=True)
+
+
+def test_fitted_model_from_real_engine_timings_is_positive_and_close(tiny_llm):
+    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=4, n_slots=4096))
+    runs = [llm.serve(ragged_trace(llm.cfg.vocab_size, n=10), system=s) for s in ("orca", "ft")]
+    fit = FittedCost.fit(runs, llm.cfg.n_layers)
+    assert all(c >= 0 for coef in fit.coef.values() for c in coef)
+    err = fit.errors(runs)
+    assert len(err) > 20 and (err["predicted_ms"] > 0).all()
+
+
+# -- sweeps, the headline, K/V memory ---------------------------------------------------------------
+def test_sweep_rows_capacity_and_parallel_runs_agree():
+    backends = [SimBackend("gpt3-101b")]
+    curves = [Curve("orca", 8), Curve("ft", 1, 1)]
+    spec = TraceSpec(16, seed=3)
+    serial = Sweep(backends, curves, spec, loads=[0.5, 1.5], capacity_requests=16, progress=False).run()
+    assert set(CSV_COLUMNS) <= set(serial.columns) and len(serial) == 4
+    assert serial["capacity_rps"].iloc[0] == pytest.approx(capacity(backends[0], curves[0], spec))
+    assert (serial["load"].to_numpy() == pytest.approx([0.5, 1.5, 0.5, 1.5]))
+    parallel = Sweep(backends, curves, spec, rates=[0.2, 0.4], n_procs=2, progress=False).run()
+    again = Sweep(backends, curves, spec, rates=[0.2, 0.4], progress=False).run()
+    cols = ["system", "max_bs", "rate", "throughput_rps", "median_norm_latency_ms"]
+    pd.testing.assert_frame_equal(parallel[cols], again[cols])
+    assert parallel["load"].isna().all()
+
+
+def test_throughput_at_interpolates_on_log_latency_and_headline_picks_the_best_curves():
+    pts = pd.DataFrame({"rate": [1, 2, 3], "throughput_rps": [1.0, 2.0, 2.5], "median_norm_latency_ms": [10, 100, 1000]})
+    assert throughput_at(pts, 100) == (pytest.approx(2.0), True)
+    assert throughput_at(pts, math.sqrt(10 * 100)) == (pytest.approx(1.5), True)
+    assert throughput_at(pts, 5000) == (2.5, False) and math.isnan(throughput_at(pts, 5)[0])
+    rows = [dict(model="m", system=s, max_bs=bs, mbs=mbs, **p) for s, bs, mbs, scale in
+            [("orca", 8, None, 10), ("orca", 32, None, 20), ("ft", 1, 1, 1)] for p in
+            [dict(rate=r, throughput_rps=r * scale, median_norm_latency_ms=50 * r) for r in (1, 2, 4)]]
+    h = headline(pd.DataFrame(rows), "m", 100.0)
+    assert (h["orca_curve"], h["ft_curve"]) == ("orca(32)", "ft(1,1)") and h["ratio"] == pytest.approx(20.0)
+    with pytest.raises(ValueError, match="not in the sweep"):
+        headline(pd.DataFrame(rows), "other")
+
+
+def test_kv_occupancy_matches_the_engine_and_orders_the_schemes():
+    occ, util = kv_study(SimBackend("gpt3-13b"), Curve("orca", 16), [4.0], 60, progress=False)
+    assert (occ["max_tokens"] == occ["kv_reserved_engine"]).all()      # ORCA's n_rsrv, recomputed
+    u = util.set_index("scheme")["utilization"]
+    assert list(u.index) == list(SCHEMES)
+    assert u["max_seq_len"] < u["max_tokens"] < u["true_length"] < u["paged"] <= 1.0
+    assert (occ["used"] <= occ["paged"]).all() and (occ["paged"] <= occ["used"] + 16 * occ["n_holders"]).all()
