@@ -98,7 +98,10 @@ def nbval_report(tmp_path_factory):
     """One nbval run over every notebook (one pytest start-up, a fresh kernel per notebook); its
     JUnit report gives each notebook its own test below."""
     report = tmp_path_factory.mktemp("nbval") / "report.xml"
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # TMPDIR: a kernel is stopped without running its exit hooks, so notebook 07's forkserver socket
+    # directory would stay in /tmp; here it stays in pytest's own temporary tree.
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "TMPDIR": str(report.parent)}
     cmd = [sys.executable, "-m", "pytest", "-q", "--nbval-lax", "--nbval-current-env", "--nbval-cell-timeout=300",
            "-p", "no:cacheprovider", "-o", "addopts=", f"--junitxml={report}", *map(str, NOTEBOOKS)]
     proc = subprocess.run(cmd, cwd=report.parent, env=env, capture_output=True, text=True, timeout=900)
