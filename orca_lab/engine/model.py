@@ -17,7 +17,7 @@ from torch import nn
 from orca_lab import kernels
 from orca_lab.config import ModelConfig
 from orca_lab.kernels._backend import use_triton
-from orca_lab.kernels.attention import attention_plan, ragged_attention_torch
+from orca_lab.kernels.attention import attention_plan, causal_mask, ragged_attention_torch
 
 
 class Block(nn.Module):
@@ -164,7 +164,7 @@ def padded_attention(q, k_pool, v_pool, bt):
     k = k_pool.index_select(0, rows).view(B, kv_len, *k_pool.shape[1:])   # [B, kv_len, H, D]
     v = v_pool.index_select(0, rows).view(B, kv_len, *v_pool.shape[1:])
     # One new token sees its whole context: no mask needed.
-    mask = None if L == 1 else torch.ones(L, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - L)
+    mask = None if L == 1 else causal_mask(L, kv_len, q.device)
     o = F.scaled_dot_product_attention(q.view(B, L, *q.shape[1:]).transpose(1, 2), k.transpose(1, 2),
                                        v.transpose(1, 2), attn_mask=mask)
     return o.transpose(1, 2).reshape(B * L, *q.shape[1:])

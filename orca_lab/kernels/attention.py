@@ -94,6 +94,12 @@ def _ragged_attention_kernel(
 
 
 # ------------------------------------------------------------------------------------ reference
+def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """Causal, aligned bottom-right: the last ``q_len`` of ``kv_len`` tokens are the queries, and
+    query i sees keys 0 .. kv_len - q_len + i (True = visible)."""
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
+
+
 def ragged_attention_ref(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale=None):
     """Plain PyTorch: one scaled-dot-product attention per request, causal aligned bottom-right."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -108,9 +114,7 @@ def ragged_attention_ref(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k
         kb = k_pool[slots].transpose(0, 1)               # [H, Lk, D]
         vb = v_pool[slots].transpose(0, 1)
         lq, lk = qe - qs, ke - ks
-        mask = None
-        if lq > 1:  # query i sees keys 0 .. lk - lq + i
-            mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        mask = causal_mask(lq, lk, q.device) if lq > 1 else None
         ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
         out[qs:qe] = ob.transpose(0, 1)
     return out
@@ -139,9 +143,8 @@ def attention_plan(cu_q: list[int], cu_k: list[int], slot_ids: torch.Tensor) -> 
         q_len, kv_len = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
         if q_len == 0:
             continue
-        # query i sees keys 0 .. kv_len - q_len + i: None when that is plain causal or all keys
-        mask = None if q_len in (1, kv_len) else torch.ones(
-            q_len, kv_len, dtype=torch.bool, device=slot_ids.device).tril(kv_len - q_len)
+        # None when the mask is plain causal (SDPA's own) or lets every key through
+        mask = None if q_len in (1, kv_len) else causal_mask(q_len, kv_len, slot_ids.device)
         plan.append((cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1], first, mask))
     return AttentionPlan(tuple(plan), slot_ids)
 

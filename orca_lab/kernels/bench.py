@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from orca_lab.kernels import _backend  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 from orca_lab.kernels import bias_gelu, layer_norm, ragged_attention, write_kv
+from orca_lab.kernels.attention import causal_mask
 
 import triton  # noqa: E402
 
@@ -99,7 +100,7 @@ def padded_case(args, q_lens, kv_lens):
         slots = slot_ids[cu_k[b]:cu_k[b + 1]].long()
         qp[b, :, :lq] = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)
         kp[b, :, :lk], vp[b, :, :lk] = k_pool[slots].transpose(0, 1), v_pool[slots].transpose(0, 1)
-        mask[b, 0, :lq, :lk] = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        mask[b, 0, :lq, :lk] = causal_mask(lq, lk, q.device)
     mask[:, :, :, 0] = True  # padded query rows see key 0, so no row is all -inf (NaN)
     return qp, kp, vp, mask
 
