@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from orca_lab import LLM, EngineConfig, SamplingParams
-from orca_lab.cli import environment
+from orca_lab.environment import environment
 from orca_lab.engine import executor as executor_mod
 from orca_lab.engine import model as model_mod
 from orca_lab.engine.batch import Batch

@@ -37,8 +37,7 @@ import numpy as np
 import torch
 
 from orca_lab import LLM, EngineConfig
-from orca_lab.cli import environment
-from orca_lab.metrics import summarize
+from orca_lab.environment import environment
 from orca_lab.workload import paper_trace
 
 SYSTEMS = ("orca", "ft", "hf_generate", "hf_cb")

@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 
 from orca_lab import LLM, EngineConfig
-from orca_lab.cli import environment
+from orca_lab.environment import environment
 from orca_lab.config import model_config
 from orca_lab.engine.parallel import WorkerPool
 from orca_lab.metrics import summarize

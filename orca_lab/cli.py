@@ -3,27 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
-import time
 from pathlib import Path
 
 from orca_lab.config import PRESETS, EngineConfig
-
-
-def environment() -> dict:
-    """Hardware and versions, recorded with every result that leaves the process."""
-    import torch
-    return {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
-            "processor": platform.processor() or platform.machine(), "cpu_count": _cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-
-
-def _cpu_count():
-    import os
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+from orca_lab.environment import environment
 
 
 def compare(args) -> dict:

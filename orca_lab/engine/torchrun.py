@@ -89,7 +89,7 @@ def main(argv=None):
 
 
 def serve_and_report(llm, args):
-    from orca_lab.cli import environment
+    from orca_lab.environment import environment
     from orca_lab.metrics import compare_table
     from orca_lab.workload import paper_trace
 

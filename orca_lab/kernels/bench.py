@@ -13,8 +13,6 @@ default there) and those timings say nothing about speed; the table marks them "
 """
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -25,6 +23,7 @@ import torch.nn.functional as F
 from orca_lab.kernels import _backend  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 from orca_lab.kernels import bias_gelu, layer_norm, ragged_attention, write_kv
 from orca_lab.kernels.attention import causal_mask
+from orca_lab.environment import environment
 
 import triton  # noqa: E402
 
@@ -204,13 +203,13 @@ def main(argv=None):
         parser.error(f"--threads must be >= 1, got {threads}")
     torch.set_num_threads(threads)
     mode = "tiny" if args.tiny else "quick" if args.quick or device.type != "cuda" else "full"
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"{platform.processor() or platform.machine()} CPU ({os.cpu_count()} cores)"
+    env = environment()
+    device_name = env["cuda"] or f"{env['processor']} CPU ({env['cpu_count']} cores)"
     peaks, rows = run(mode, args.reps, device)
     print_table(peaks, rows, device_name)
     result = dict(device=device_name, device_type=device.type, torch=torch.__version__,
                   triton=triton.__version__, interpreted=device.type != "cuda", mode=mode,
-                  cpu_threads=threads,
+                  cpu_threads=threads, environment=env,
                   sizes=SIZES[mode], peaks=peaks, results=rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -303,7 +303,7 @@ def batch_time(backend, system: str, batch_size: int, input_len: int, gen_len: i
 def save_table(df: pd.DataFrame, out_dir, name: str, columns=None, **meta) -> list[Path]:
     """``name.csv`` (``columns`` only, if given) and ``name.json`` (every column, ``meta`` and the
     machine and library versions that produced it) under ``out_dir``."""
-    from orca_lab.cli import environment
+    from orca_lab.environment import environment
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv, js = out / f"{name}.csv", out / f"{name}.json"
