@@ -214,3 +214,15 @@ def test_float_dtypes_run(tiny_llm):
 def GPTcopy(llm):
     import copy
     return copy.deepcopy(llm.model)
+
+
+def test_the_real_clock_sleeps_through_long_idle_spells_and_polls_the_last_of_them():
+    import time
+    from orca_lab.engine.executor import RealClock
+    clock = RealClock()
+    target = clock.now() + RealClock.POLL + 0.15
+    cpu = time.process_time()
+    clock.sleep_until(target)
+    assert clock.now() >= target
+    assert time.process_time() - cpu < RealClock.POLL + 0.1     # the 0.15 s before the poll were slept
+    clock.sleep_until(clock.now() - 1.0)                         # a time already past returns at once

@@ -187,6 +187,24 @@ def test_fitted_model_recovers_the_coefficients_of_known_timings(tiny_llm):
         FittedCost.fit(runs[:1]).predict([0], [1], padded=True)
 
 
+def test_a_fit_at_another_speed_scales_every_prediction_and_round_trips(tmp_path):
+    fit = FittedCost({"selective": [2e-3, 1e-5, 3e-8, 2e-7, 4e-4]}, n_layers=4, n_stages=2)
+    slow = fit.at_speed(1.25)
+    assert slow.predict([3, 0], [1, 7], padded=False) == pytest.approx(1.25 * fit.predict([3, 0], [1, 7], padded=False))
+    assert fit.speed == 1.0 and slow.stage_share == fit.stage_share
+    slow.save(tmp_path / "fit.json")
+    assert FittedCost.load(tmp_path / "fit.json").speed == 1.25
+
+
+def test_a_point_is_measured_again_while_the_machine_changes_speed(monkeypatch):
+    from orca_lab.sim import fidelity
+    outcomes = iter([("a", False), ("b", False), ("c", True), ("d", True)])
+    assert fidelity.until_steady(lambda: next(outcomes)) == ("c", 3, True)
+    monkeypatch.setattr(fidelity, "TRIES", 2)
+    assert fidelity.until_steady(lambda: ("x", False)) == ("x", 2, False)
+    assert fidelity.steady([1.0, 2.0], [1.05, 1.9]) and not fidelity.steady([1.0], [1.2])
+
+
 def test_fitted_model_from_real_engine_timings_is_positive_and_close(tiny_llm):
     llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=4, n_slots=4096))
     runs = [llm.serve(ragged_trace(llm.cfg.vocab_size, n=10), system=s) for s in ("orca", "ft")]

@@ -36,9 +36,11 @@ class KVSlotManager:
         self.device = torch.device(device)
         self.k = self.v = None
         if n_layers:
+            # zeros, not empty: the OS maps every page now, not on the first K/V write of a request
+            # while the engine serves (first touches would make the first runs slow and noisy)
             shape = (n_layers, n_slots, n_heads, head_dim)
-            self.k = torch.empty(shape, device=device, dtype=dtype)
-            self.v = torch.empty(shape, device=device, dtype=dtype)
+            self.k = torch.zeros(shape, device=device, dtype=dtype)
+            self.v = torch.zeros(shape, device=device, dtype=dtype)
 
     def can_reserve(self, n: int) -> bool:
         return self.n_reserved + n <= self.n_slots

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -33,10 +33,12 @@ def features(starts, q_lens) -> list[float]:
 
 @dataclass
 class FittedCost:
-    """``coef[kind]`` for kind ``selective`` (ORCA) and ``padded`` (baseline), over ``FEATURES``."""
+    """``coef[kind]`` for kind ``selective`` (ORCA) and ``padded`` (baseline), over ``FEATURES``;
+    ``speed`` multiplies every prediction (a shared machine is slower at some moments than others)."""
     coef: dict
     n_layers: int = 1
     n_stages: int = 1
+    speed: float = 1.0
 
     def __post_init__(self):
         self.stage_share = [(hi - lo) / self.n_layers for lo, hi in split_layers(self.n_layers, self.n_stages)]
@@ -46,7 +48,11 @@ class FittedCost:
         if kind not in self.coef:
             raise ValueError(f"this fitted model saw no {kind} batches: calibrate with "
                              f"{'ft' if padded else 'orca'} runs too")
-        return float(np.dot(self.coef[kind], features(starts, q_lens)))
+        return self.speed * float(np.dot(self.coef[kind], features(starts, q_lens)))
+
+    def at_speed(self, speed: float) -> "FittedCost":
+        """The same fit on a machine ``speed`` times slower (> 1) or faster (< 1)."""
+        return replace(self, speed=speed)
 
     def iteration(self, batch) -> IterationCost:
         t = self.predict(batch.starts, batch.q_lens, batch.padded)
@@ -82,7 +88,8 @@ class FittedCost:
         return pd.DataFrame(out)
 
     def to_json(self) -> dict:
-        return {"features": FEATURES, "coef": self.coef, "n_layers": self.n_layers, "n_stages": self.n_stages}
+        return {"features": FEATURES, "coef": self.coef, "n_layers": self.n_layers, "n_stages": self.n_stages,
+                "speed": self.speed}
 
     def save(self, path):
         with open(path, "w") as f:
@@ -91,7 +98,7 @@ class FittedCost:
     @classmethod
     def load(cls, path) -> "FittedCost":
         d = json.loads(open(path).read())
-        return cls(d["coef"], d["n_layers"], d["n_stages"])
+        return cls(d["coef"], d["n_layers"], d["n_stages"], d.get("speed", 1.0))
 
 
 def iteration_periods(run):
