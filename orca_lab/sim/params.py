@@ -26,11 +26,12 @@ def check_list(name: str, values, what: str) -> list:
     return values
 
 
-def check_models(models) -> list[str]:
-    models = check_list("models", models, f"model names ({', '.join(PRESETS)})")
+def check_models(models, name: str = "models") -> list[str]:
+    """``name``: the notebook parameter the list came from, for the message."""
+    models = check_list(name, models, f"model names ({', '.join(PRESETS)})")
     for m in models:
         if m not in PRESETS:
-            raise ValueError(f"models: unknown model {m!r}: choose among {', '.join(map(repr, PRESETS))}")
+            raise ValueError(f"{name}: unknown model {m!r}: choose among {', '.join(map(repr, PRESETS))}")
     return models
 
 
