@@ -35,6 +35,11 @@ def test_peer_hf_smoke(tmp_path):
     for m in tiny["median"].values():
         assert m["tokens_per_s"] > 0 and m["requests_per_s"] > 0 and m["median_norm_latency_ms"] > 0
     assert tiny["tokens_per_s_ratio_to_hf_cb"]["hf_cb"] == pytest.approx(1.0)
+    floor = tiny["matmul_floor"]   # the linear layers alone bound every system's tokens/s
+    assert floor["seconds"] > 0 and floor["gflops"] > 0 and floor["iterations"] >= 1
+    assert floor["tokens_per_s_bound"] == pytest.approx(tiny["trace"]["generated_tokens"] / floor["seconds"])
+    for m in tiny["median"].values():
+        assert 0 < m["cpu_s"] and 0 < m["duration_s"]
 
 
 def test_overhead_smoke(tmp_path):
