@@ -42,9 +42,12 @@ import tempfile
 import time
 from pathlib import Path
 
+THREADS = 1
+
 if __name__ == "__main__":   # OpenMP reads this once, for every thread it will ever start
-    _argv = sys.argv[1:]
-    os.environ["OMP_NUM_THREADS"] = _argv[_argv.index("--threads") + 1] if "--threads" in _argv else "1"
+    _pre = argparse.ArgumentParser(add_help=False)
+    _pre.add_argument("--threads", default=THREADS)
+    os.environ["OMP_NUM_THREADS"] = str(_pre.parse_known_args()[0].threads)
 
 import numpy as np
 import torch
@@ -273,7 +276,7 @@ def main(argv=None):
     p.add_argument("--scale", type=float, default=None, help="lengths x scale (default per preset)")
     p.add_argument("--max-bs", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for every system")
+    p.add_argument("--threads", type=int, default=THREADS, help="torch intra-op threads for every system")
     p.add_argument("--smoke", action="store_true", help="tiny preset, 4 short requests, 1 round")
     p.add_argument("--out", default="results/peer_hf.json")
     args = p.parse_args(argv)

@@ -70,10 +70,9 @@ def until_steady(attempt):
     return result, tries, ok
 
 
-def calibrate(real, curves, spec: TraceSpec):
-    """Offline runs of ``spec`` on the real engine: (fitted cost, capacity of each of ``curves``,
+def calibrate(real, curves, trace):
+    """Offline runs of ``trace`` on the real engine: (fitted cost, capacity of each of ``curves``,
     probe seconds of each of ``curves``)."""
-    trace = spec.make(None, real.cfg.vocab_size)
     for c in curves:                                   # warm-up, left out of the fit
         real.serve(c, trace)
 
@@ -93,8 +92,8 @@ def compare(real, curves, spec: TraceSpec, loads, repeats: int = 1,
             progress: bool = True) -> tuple[pd.DataFrame, FittedCost]:
     """One row per (curve, load): measured vs simulated median normalized latency and throughput."""
     from tqdm.auto import tqdm
-    cost, caps, probes = calibrate(real, curves, spec)
-    offline = spec.make(None, real.cfg.vocab_size)
+    offline = spec.make(None, real.cfg.vocab_size)       # calibration and probes serve it all at once
+    cost, caps, probes = calibrate(real, curves, offline)
     rows = []
     with tqdm(total=len(curves) * len(loads), desc=f"{real.name}: real vs sim", disable=not progress) as bar:
         for c in curves:

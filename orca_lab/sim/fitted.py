@@ -44,11 +44,15 @@ class FittedCost:
         self.stage_share = [(hi - lo) / self.n_layers for lo, hi in split_layers(self.n_layers, self.n_stages)]
 
     def predict(self, starts, q_lens, padded: bool) -> float:
-        kind = "padded" if padded else "selective"
+        return self._predict(features(starts, q_lens), padded)
+
+    def _predict(self, x, padded: bool) -> float:
+        """Seconds for one row ``x`` of the design matrix, at this fit's speed."""
+        kind = _kind(padded)
         if kind not in self.coef:
             raise ValueError(f"this fitted model saw no {kind} batches: calibrate with "
                              f"{'ft' if padded else 'orca'} runs too")
-        return self.speed * float(np.dot(self.coef[kind], features(starts, q_lens)))
+        return self.speed * float(np.dot(self.coef[kind], x))
 
     def at_speed(self, speed: float) -> "FittedCost":
         """The same fit on a machine ``speed`` times slower (> 1) or faster (< 1)."""
@@ -66,7 +70,7 @@ class FittedCost:
         later pay for that too, so the fit must predict the average iteration, not the best."""
         rows = defaultdict(lambda: ([], []))
         for run in runs:
-            kind = "padded" if run.system == "ft" else "selective"
+            kind = _kind(run.system == "ft")
             for x, y in iteration_periods(run):
                 rows[kind][0].append(x)
                 rows[kind][1].append(y)
@@ -80,9 +84,8 @@ class FittedCost:
         import pandas as pd
         out = []
         for run in runs:
-            padded = run.system == "ft"
             for x, y in iteration_periods(run):
-                pred = float(np.dot(self.coef["padded" if padded else "selective"], x))
+                pred = self._predict(x, run.system == "ft")
                 out.append({"system": run.system, "tokens": x[1], "requests": x[4], "measured_ms": y * 1e3,
                             "predicted_ms": pred * 1e3})
         return pd.DataFrame(out)
@@ -99,6 +102,11 @@ class FittedCost:
     def load(cls, path) -> "FittedCost":
         d = json.loads(open(path).read())
         return cls(d["coef"], d["n_layers"], d["n_stages"], d.get("speed", 1.0))
+
+
+def _kind(padded: bool) -> str:
+    """The baseline's padded batches and ORCA's selective ones run different attention code."""
+    return "padded" if padded else "selective"
 
 
 def iteration_periods(run):
