@@ -196,6 +196,21 @@ def test_a_fit_at_another_speed_scales_every_prediction_and_round_trips(tmp_path
     assert FittedCost.load(tmp_path / "fit.json").speed == 1.25
 
 
+@pytest.mark.parametrize("system", ["orca", "ft"])
+def test_the_speed_of_runs_is_read_against_the_fit_from_busy_iterations_only(tiny_llm, system):
+    fit = FittedCost({"selective": [2e-3, 1e-5, 3e-8, 2e-7, 4e-4], "padded": [1e-3, 2e-5, 1e-8, 1e-7, 1e-4]})
+    slow = SimBackend(tiny_llm.cfg, cost=fit.at_speed(1.25), n_slots=8192)
+    curve = Curve(system, 4, 4 if system == "ft" else None)
+    offline = ragged_trace(tiny_llm.cfg.vocab_size, n=10)
+    online = [TraceItem(2.0 * i, it.prompt, it.max_gen_tokens) for i, it in enumerate(offline)]  # idle between
+    assert fit.speed_of([slow.serve(curve, offline)]) == pytest.approx(1.25)
+    run = slow.serve(curve, online)
+    assert fit.speed_of([run], busy_only=True) == pytest.approx(1.25)
+    assert fit.speed_of([run]) > 10          # the idle gaps counted as work
+    with pytest.raises(ValueError, match="no iteration periods"):
+        fit.speed_of([])
+
+
 def test_a_point_is_measured_again_while_the_machine_changes_speed(monkeypatch):
     from orca_lab.sim import fidelity
     outcomes = iter([("a", False), ("b", False), ("c", True), ("d", True)])

@@ -54,6 +54,15 @@ class FittedCost:
                              f"{'ft' if padded else 'orca'} runs too")
         return self.speed * float(np.dot(self.coef[kind], x))
 
+    def speed_of(self, runs, busy_only: bool = False) -> float:
+        """How many times slower (> 1) than this fit the machine ran ``runs``: their measured
+        iteration periods over the fit's predictions for the same batches."""
+        pairs = [(self._predict(x, run.system == "ft"), y) for run in runs
+                 for x, y in iteration_periods(run, busy_only)]
+        if not pairs:
+            raise ValueError("no iteration periods to compare: give runs with at least two iterations")
+        return sum(y for _, y in pairs) / sum(p for p, _ in pairs)
+
     def at_speed(self, speed: float) -> "FittedCost":
         """The same fit on a machine ``speed`` times slower (> 1) or faster (< 1)."""
         return replace(self, speed=speed)
@@ -109,10 +118,12 @@ def _kind(padded: bool) -> str:
     return "padded" if padded else "selective"
 
 
-def iteration_periods(run):
+def iteration_periods(run, busy_only: bool = False):
     """(features, seconds) of every iteration of ``run`` but the last: from its first stage's start
     to the next iteration's. Each request's start (tokens cached) is rebuilt by adding up the new
-    tokens it brought to earlier iterations."""
+    tokens it brought to earlier iterations. ``busy_only`` keeps the periods in which the engine
+    cannot have slept waiting for arrivals (some request goes on into the next iteration): in an
+    online run the others may hold idle time."""
     first = sorted((it for it in run.iterations if it.stage == 0), key=lambda it: it.iteration)
     cached = defaultdict(int)
     out = []
@@ -120,7 +131,8 @@ def iteration_periods(run):
         starts = [cached[r] for r in it.rids]
         for r, q in zip(it.rids, it.q_lens):
             cached[r] += q
-        out.append((features(starts, it.q_lens), nxt.start - it.start))
+        if not busy_only or not set(it.rids).isdisjoint(nxt.rids):
+            out.append((features(starts, it.q_lens), nxt.start - it.start))
     return out
 
 

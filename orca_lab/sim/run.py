@@ -145,6 +145,11 @@ class TraceSpec:
 # -- one point ------------------------------------------------------------------------------------
 def measure_point(backend, curve: Curve, spec: TraceSpec, rate: float | None) -> dict:
     """Serve ``spec`` at ``rate`` (None: all at once) and summarize it as one row of a sweep."""
+    return serve_point(backend, curve, spec, rate)[0]
+
+
+def serve_point(backend, curve: Curve, spec: TraceSpec, rate: float | None):
+    """``measure_point``'s row, and the ``RunResult`` it summarizes."""
     t0, c0 = time.perf_counter(), time.process_time()
     result = backend.serve(curve, spec.make(rate, backend.cfg.vocab_size))
     df = per_request(result)
@@ -155,7 +160,7 @@ def measure_point(backend, curve: Curve, spec: TraceSpec, rate: float | None) ->
             "p90_norm_latency_ms": float(np.percentile(df["norm_latency"], 90) * 1e3) if len(df) else math.nan,
             "n_requests": len(df), "duration_s": result.duration,
             "n_iterations": sum(1 for it in result.iterations if it.stage == 0),
-            "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+            "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}, result
 
 
 def capacity(backend, curve: Curve, spec: TraceSpec) -> float:
