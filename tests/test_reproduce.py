@@ -110,9 +110,10 @@ def test_sim_fidelity_reports_errors_per_load(runs):
     out = _ok(runs, "sim_fidelity")
     df = pd.read_csv(out / "sim_fidelity.csv")
     assert {"model", "curve", "load", "measured_ms", "simulated_ms", "latency_error_pct", "throughput_error_pct",
-            "simulated_unscaled_ms", "latency_error_unscaled_pct", "speed", "tries", "steady"} <= set(df.columns)
+            "simulated_unscaled_ms", "latency_error_unscaled_pct", "speed", "tries", "steady", "run_speed",
+            "simulated_at_run_speed_ms", "latency_error_at_run_speed_pct", "run_load"} <= set(df.columns)
     assert len(df) == 1 and df["measured_ms"].gt(0).all() and df["simulated_ms"].gt(0).all()
-    assert df["speed"].gt(0).all() and df["tries"].between(1, 4).all()
+    assert df["speed"].gt(0).all() and df["run_speed"].gt(0).all() and df["tries"].between(1, 4).all()
     _figures(out, "sim_fidelity")
 
 

@@ -57,11 +57,16 @@ class FittedCost:
     def speed_of(self, runs, busy_only: bool = False) -> float:
         """How many times slower (> 1) than this fit the machine ran ``runs``: their measured
         iteration periods over the fit's predictions for the same batches."""
-        pairs = [(self._predict(x, run.system == "ft"), y) for run in runs
-                 for x, y in iteration_periods(run, busy_only)]
-        if not pairs:
+        rows = list(self._predicted(runs, busy_only))
+        if not rows:
             raise ValueError("no iteration periods to compare: give runs with at least two iterations")
-        return sum(y for _, y in pairs) / sum(p for p, _ in pairs)
+        return sum(y for *_, y in rows) / sum(p for _, _, p, _ in rows)
+
+    def _predicted(self, runs, busy_only: bool = False):
+        """(run, features, predicted seconds, measured seconds) of every iteration period of ``runs``."""
+        for run in runs:
+            for x, y in iteration_periods(run, busy_only):
+                yield run, x, self._predict(x, run.system == "ft"), y
 
     def at_speed(self, speed: float) -> "FittedCost":
         """The same fit on a machine ``speed`` times slower (> 1) or faster (< 1)."""
@@ -91,13 +96,8 @@ class FittedCost:
     def errors(self, runs):
         """Per-iteration measured vs predicted periods of ``runs`` (a DataFrame), to judge the fit."""
         import pandas as pd
-        out = []
-        for run in runs:
-            for x, y in iteration_periods(run):
-                pred = self._predict(x, run.system == "ft")
-                out.append({"system": run.system, "tokens": x[1], "requests": x[4], "measured_ms": y * 1e3,
-                            "predicted_ms": pred * 1e3})
-        return pd.DataFrame(out)
+        return pd.DataFrame([{"system": run.system, "tokens": x[1], "requests": x[4], "measured_ms": y * 1e3,
+                              "predicted_ms": pred * 1e3} for run, x, pred, y in self._predicted(runs)])
 
     def to_json(self) -> dict:
         return {"features": FEATURES, "coef": self.coef, "n_layers": self.n_layers, "n_stages": self.n_stages,
