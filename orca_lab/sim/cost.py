@@ -41,6 +41,10 @@ DEVICES: dict[str, Device] = {
     # 40,960 MiB), NVLink 3: 600 GB/s total = 300 GB/s each way. Azure ND96asr A100 v4 (the paper's
     # VM): 8x 200 Gb/s HDR InfiniBand, one NIC per GPU = 25 GB/s per GPU.
     "a100-40gb": Device("A100-SXM4-40GB", 312e12, 1555e9, 40 * GiB, 300e9, 25e9),
+    # A100-SXM4-80GB, the GPU of FasterTransformer's published GPT timings (the calibration data,
+    # orca_lab/sim/calibration.py): same compute and links; HBM2e at the guide's "mclk 1593MHz" on a
+    # 5120-bit bus, double data rate = 2,039 GB/s (the datasheet's figure).
+    "a100-80gb": Device("A100-SXM4-80GB", 312e12, 2039e9, 80 * GiB, 300e9, 25e9),
     # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s fp16 dense (1,979 with sparsity), 3.35 TB/s HBM3,
     # 80 GB, NVLink 4: 900 GB/s total = 450 GB/s each way. Azure ND H100 v5: 8x 400 Gb/s NDR
     # InfiniBand, one per GPU = 50 GB/s per GPU.
@@ -74,11 +78,19 @@ class Efficiency:
                                      # iteration and one to return its tokens
     ft_sync_s: float = 40e-6         # FasterTransformer: cudaStreamSynchronize (~10 us) plus a
                                      # small NCCL message (~20-30 us) per stage per iteration
+    step_overhead_s: float = 0.0     # both engines, once per iteration: host work of a decoding step
+                                     # (sampling, stop checks, buffer set-up); 0 here, fitted in the
+                                     # calibrated model
+    ft_hop_s: float = 0.0            # FasterTransformer, per stage boundary per iteration: the next
+                                     # stage learns of the iteration only through NCCL once the
+                                     # previous one is done, so its launches are not hidden (§4.3);
+                                     # 0 here, fitted to Figure 9's text in the calibrated model
 
     def __post_init__(self):
         for f in ("gemm", "attention", "hbm", "nvlink", "internode", "memory_utilization"):
             check_range(f, getattr(self, f), 1e-3, 1.0, kind=float)
-        for f in ("kernel_floor_s", "allreduce_latency_s", "p2p_latency_s", "orca_control_s", "ft_sync_s"):
+        for f in ("kernel_floor_s", "allreduce_latency_s", "p2p_latency_s", "orca_control_s", "ft_sync_s",
+                  "step_overhead_s", "ft_hop_s"):
             check_range(f, getattr(self, f), 0.0, 1.0, kind=float)
 
 
@@ -132,22 +144,47 @@ class AnalyticalCost:
         return IterationCost(stages, self.eff.orca_control_s, self.eff.orca_control_s)
 
     def _token_wise(self, T: int, B: int, padded: bool):
-        """A layer's time without attention, and what each stage adds to its layers: embedding on
-        the first, LM head on the last, the send to the next stage on the others, and the
-        baseline's per-stage CPU-GPU sync for its NCCL-carried control (§6.1)."""
+        """A layer's time without attention, and what each stage adds to its layers."""
+        layer = sum(self.layer_parts(T).values())
+        return layer, tuple(sum(parts.values()) for parts in self.stage_extras(T, B, padded))
+
+    def layer_parts(self, T: int) -> dict:
+        """One layer's time without attention, by kind of op, for ``T`` rows of ``[sum L, H]``."""
         d, tp = self.cfg.d_model, self.tp
         d_tp, ff_tp = d / tp, self.cfg.d_ff / tp
         gemms = (self.gemm(T, d, 3 * d_tp) + self.gemm(T, d_tp, d)          # QKV, attention out
                  + self.gemm(T, d, ff_tp) + self.gemm(T, ff_tp, d))         # MLP
         # LayerNorm x2 and the residual adds read and write [T, d]; bias+GeLU [T, 4d/tp]
         elementwise = 2 * self.memory_op(2 * T * d) + 2 * self.memory_op(3 * T * d) + self.memory_op(2 * T * ff_tp)
-        layer = gemms + elementwise + 2 * self.all_reduce(T * d)
-        last, extras = self.n_stages - 1, []
+        return {"gemm": gemms, "elementwise": elementwise, "all_reduce": 2 * self.all_reduce(T * d)}
+
+    def stage_extras(self, T: int, B: int, padded: bool) -> list[dict]:
+        """What each stage adds to its layers: embedding on the first, LM head and the iteration's
+        host work on the last, the send to the next stage on the others; the baseline's per-stage
+        CPU-GPU sync for its NCCL-carried control (§6.1), and its wait at each stage boundary."""
+        last, out = self.n_stages - 1, []
         for s in range(self.n_stages):
-            extra = self.embed_time(T) if s == 0 else 0.0
-            extra += self.head_time(B) if s == last else self.send_time(T)
-            extras.append(extra + (self.eff.ft_sync_s if padded else 0.0))
-        return layer, tuple(extras)
+            parts = {"embed_head": self.embed_time(T) if s == 0 else 0.0, "send": 0.0, "step_overhead": 0.0,
+                     "ft_sync": self.eff.ft_sync_s if padded else 0.0,
+                     "ft_hop": self.eff.ft_hop_s if padded and s > 0 else 0.0}
+            if s == last:
+                parts["embed_head"] += self.head_time(B)
+                parts["step_overhead"] = self.eff.step_overhead_s
+            else:
+                parts["send"] = self.send_time(T)
+            out.append(parts)
+        return out
+
+    def breakdown(self, batch) -> dict:
+        """Seconds of one iteration of ``batch`` by kind of work, over all stages (a pipeline's
+        stages run one after the other for one batch), control messages included."""
+        out = {k: v * self.cfg.n_layers for k, v in self.layer_parts(batch.n_tokens).items()}
+        out["attention"] = self.attention_time(batch) * self.cfg.n_layers
+        for parts in self.stage_extras(batch.n_tokens, len(batch.q_lens), batch.padded):
+            for k, v in parts.items():
+                out[k] = out.get(k, 0.0) + v
+        out["orca_control"] = 0.0 if batch.padded else 2 * self.eff.orca_control_s
+        return out
 
     def attention_time(self, batch) -> float:
         """Per request (ORCA): each attends over its own context, so each takes its own roofline

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from orca_lab.config import PRESETS, check_choice, check_range
+from orca_lab.sim.calibration import efficiency
 from orca_lab.sim.cost import DEVICES, Efficiency
 from orca_lab.sim.run import Curve
 
@@ -68,12 +69,13 @@ def check_out_dir(out_dir) -> str:
     return out_dir
 
 
-def check_efficiency(overrides) -> Efficiency:
-    """The cost model's named parameters with some of them changed, e.g. ``{"ft_sync_s": 0.009}``."""
+def check_efficiency(overrides, cost: str = "calibrated") -> Efficiency:
+    """The parameters of the ``cost`` model ("calibrated" or "analytical") with some of them
+    changed, e.g. ``{"ft_hop_s": 0.0}``."""
     if not isinstance(overrides, dict):
         raise ValueError(f"efficiency={overrides!r} must be a dict of Efficiency fields, e.g. {{'hbm': 0.8}}")
     known = set(Efficiency.__dataclass_fields__)
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ValueError(f"efficiency: unknown field(s) {unknown}: choose among {sorted(known)}")
-    return Efficiency(**overrides)
+    return efficiency(cost, **overrides)

@@ -13,7 +13,7 @@ import math
 import re
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,12 +25,16 @@ from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler
 from orca_lab.llm import LLM
 from orca_lab.metrics import per_request
+from orca_lab.sim.calibration import efficiency
 from orca_lab.sim.cost import AnalyticalCost, Efficiency
 from orca_lab.sim.executor import SimExecutor
 from orca_lab.workload import homogeneous_trace, paper_trace
 
-# Fractions of a curve's capacity: points from light load to past saturation, denser at the knee.
-DEFAULT_LOADS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 2.0)
+# Fractions of a curve's capacity: points from light load to well past saturation, denser at the knee.
+DEFAULT_LOADS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 2.0, 3.0)
+# Seconds of arrivals a point's trace covers at least (``Sweep.span_s``): past saturation the queue
+# grows for as long as requests arrive, so every point of a sweep is given the same span.
+DEFAULT_SPAN_S = 90.0
 CSV_COLUMNS = ["model", "system", "max_bs", "mbs", "rate", "throughput_rps", "median_norm_latency_ms"]
 
 
@@ -73,20 +77,23 @@ def new_scheduler(curve: Curve, kv: KVSlotManager, max_seq_len: int):
 # -- backends -----------------------------------------------------------------------------------
 @dataclass
 class SimBackend:
-    """The engine of ``orca_lab`` on a cost model: analytical (``model`` on ``device`` with the
-    paper's parallelism unless given) or any object with ``iteration(batch)`` and ``n_stages``."""
+    """The engine of ``orca_lab`` on a cost model: ``AnalyticalCost`` of ``model`` on ``device`` with
+    the paper's parallelism unless given, its parameters ``eff`` or those of the named ``cost``
+    ("calibrated" on published GPU measurements, the default, or "analytical":
+    ``orca_lab.sim.calibration``), or any object with ``iteration(batch)`` and ``n_stages``."""
     model: str | ModelConfig
     device: str = "a100-40gb"
     eff: Efficiency | None = None
-    cost: object = None
+    cost: object = "calibrated"
     n_slots: int | None = None
     tensor_parallel: int | None = None
     pipeline_parallel: int | None = None
 
     def __post_init__(self):
         self.cfg = model_config(self.model)
-        if self.cost is None:
-            self.cost = AnalyticalCost(self.cfg, self.device, self.tensor_parallel, self.pipeline_parallel, self.eff)
+        if self.cost is None or isinstance(self.cost, str):
+            eff = self.eff or efficiency(self.cost or "calibrated")
+            self.cost = AnalyticalCost(self.cfg, self.device, self.tensor_parallel, self.pipeline_parallel, eff)
         if self.n_slots is None:
             self.n_slots = self.cost.n_slots()
         check_range("n_slots", self.n_slots, 1, 1 << 40)
@@ -174,7 +181,12 @@ class Sweep:
     """Latency-throughput points of ``curves`` on each backend, at ``rates`` (req/s) or, when
     ``rates`` is None, at ``loads`` times each curve's capacity (so every curve gets points up to
     and past its own saturation, whatever its speed). Capacity is the throughput of an offline run
-    (every request there at t=0) of the trace, or of its first ``capacity_requests`` requests."""
+    (every request there at t=0) of the trace, or of its first ``capacity_requests`` requests.
+
+    A point at ``rate`` serves ``max(spec.n_requests, rate * span_s)`` requests (None: always
+    ``spec.n_requests``), so the trace grows with the load: below saturation it outlasts the queue's
+    transients, and past it every point's queue builds over the same span of arrivals, instead of
+    the fast curves' traces ending seconds after they saturate."""
     backends: list
     curves: list[Curve]
     spec: TraceSpec
@@ -183,6 +195,7 @@ class Sweep:
     capacity_requests: int | None = None
     n_procs: int = 1
     progress: bool = True
+    span_s: float | None = None
 
     def run(self) -> pd.DataFrame:
         n_cap = min(self.capacity_requests or self.spec.n_requests, self.spec.n_requests)
@@ -194,7 +207,7 @@ class Sweep:
                 jobs = [(b, c, cap_spec, None) for b, c in pairs]
                 caps = {(b.name, c): row["throughput_rps"]
                         for (b, c, *_), row in zip(jobs, _map(pool, jobs, "capacity", self.progress))}
-            jobs = [(b, c, self.spec, r) for b, c in pairs for r in self._rates(caps.get((b.name, c)))]
+            jobs = [(b, c, self.spec_at(r), r) for b, c in pairs for r in self._rates(caps.get((b.name, c)))]
             rows = _map(pool, jobs, "sweep", self.progress)
         df = pd.DataFrame(rows)
         df["capacity_rps"] = [caps.get((m, _curve(s, bs, mbs)), math.nan)
@@ -205,6 +218,13 @@ class Sweep:
 
     def _rates(self, cap):
         return list(self.rates) if cap is None else [cap * f for f in self.loads]
+
+    def spec_at(self, rate: float) -> TraceSpec:
+        """The trace of the point at ``rate``: at least ``span_s`` seconds of arrivals."""
+        if self.span_s is None:
+            return self.spec
+        check_range("span_s", self.span_s, 0.0, None, kind=float)
+        return replace(self.spec, n_requests=max(self.spec.n_requests, math.ceil(rate * self.span_s)))
 
 
 def _curve(system, max_bs, mbs):

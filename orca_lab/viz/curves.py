@@ -53,10 +53,23 @@ def latency_throughput_figure(df: pd.DataFrame, latency_col: str = "median_norm_
             if h["model"] == panel and facet == "model":
                 _draw_headline(fig, h, col, sub, latency_col)
         fig.update_xaxes(title_text="throughput (req/s)", row=1, col=col)
-        fig.update_yaxes(type="log", row=1, col=col, title_text=ylabel if col == 1 else None)
+        fig.update_yaxes(type="log", row=1, col=col, title_text=ylabel if col == 1 else None,
+                         tickvals=log_ticks(sub[latency_col]), minor=dict(ticks="outside", showgrid=True))
     fig.update_layout(title=title, template="plotly_white", width=430 * len(panels) + 150, height=460,
                       legend_title_text="system(max_bs[,mbs])")
     return fig
+
+
+def log_ticks(values) -> list[float]:
+    """Labelled ticks of a log axis over ``values``: the powers of ten (1-2-5 steps when the
+    values span less than two of them); the minor ticks between them stay unlabelled."""
+    v = [x for x in values if x > 0 and math.isfinite(x)]
+    if not v:
+        return []
+    lo, hi = math.floor(math.log10(min(v))), math.ceil(math.log10(max(v)))
+    decades = [10.0 ** e for e in range(lo, hi + 1)]
+    inside = [t for t in decades if min(v) <= t <= max(v)]
+    return decades if len(inside) >= 2 else [m * t for t in decades for m in (1, 2, 5)]
 
 
 def _draw_headline(fig, h: dict, col: int, sub: pd.DataFrame, latency_col: str):
