@@ -266,3 +266,22 @@ def test_kv_occupancy_matches_the_engine_and_orders_the_schemes():
     assert list(u.index) == list(SCHEMES)
     assert u["max_seq_len"] < u["max_tokens"] < u["true_length"] < u["paged"] <= 1.0
     assert (occ["used"] <= occ["paged"]).all() and (occ["paged"] <= occ["used"] + 16 * occ["n_holders"]).all()
+
+
+def test_fidelity_statistics_of_a_run_and_their_summary_as_the_field_reports_them():
+    from orca_lab.metrics import per_request
+    from orca_lab.sim.fidelity import STATS, field_summary, request_stats
+    trace = TraceSpec(40, seed=2, scale=0.2).make(2.0, 50257)
+    run = SimBackend("gpt3-13b").serve(Curve("orca", 8), trace)
+    stats, df = request_stats(run), per_request(run)
+    assert set(stats) == set(STATS)
+    assert stats["norm_p95"] == pytest.approx(df["norm_latency"].quantile(0.95) * 1e3)
+    assert stats["ttft_mean"] == pytest.approx(df["ttft"].mean() * 1e3)
+    assert stats["norm_p50"] <= stats["norm_p95"] and stats["e2e_mean"] > stats["ttft_mean"] > 0
+    errs = {f"{k}_error_pct": [1.0, -4.0, 30.0] for k in STATS}
+    table = pd.DataFrame({"load": [0.3, 0.8, 0.9], "run_load": [0.3, 0.85, 1.2],
+                          "latency_error_at_run_speed_pct": [2.0, -6.0, 50.0], **errs})
+    s = field_summary(table).set_index("statistic")
+    assert s.loc["latency_error_at_run_speed", "max_abs_pct"] == 6.0      # the point past saturation is left out
+    assert s.loc["latency_error_at_run_speed", "points"] == 2
+    assert s.loc["vidur: norm_p95 error at load 0.8", "max_abs_pct"] == 4.0

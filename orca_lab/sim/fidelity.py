@@ -32,10 +32,15 @@ prediction.
 """
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pandas as pd
 
+from orca_lab.config import check_range
+from orca_lab.metrics import per_request
 from orca_lab.sim.fitted import FittedCost
-from orca_lab.sim.run import Curve, SimBackend, TraceSpec, measure_point, serve_point
+from orca_lab.sim.run import Curve, SimBackend, TraceSpec, serve_point
 
 PROBE_REQUESTS = 8
 PROBE_SECONDS = 0.5     # a probe repeats until it has run at least this long
@@ -70,17 +75,18 @@ def steady(before, after) -> bool:
     return all(abs(a / b - 1) <= STEADY for b, a in zip(before, after))
 
 
-def until_steady(attempt):
-    """``attempt() -> (result, steady)``, repeated until steady or ``TRIES`` times:
-    (the last result, tries, whether it was steady)."""
-    for tries in range(1, TRIES + 1):
+def until_steady(attempt, tries: int | None = None):
+    """``attempt() -> (result, steady)``, repeated until steady or ``tries`` (default ``TRIES``)
+    times: (the last result, tries, whether it was steady)."""
+    tries = check_range("max_tries", TRIES if tries is None else tries, 1, 100)
+    for n in range(1, tries + 1):
         result, ok = attempt()
         if ok:
             break
-    return result, tries, ok
+    return result, n, ok
 
 
-def calibrate(real, curves, trace):
+def calibrate(real, curves, trace, max_tries: int | None = None):
     """Offline runs of ``trace`` on the real engine (of its first ``CALIBRATION_REQUESTS`` for the
     smaller batch sizes): (fitted cost, capacity of each of ``curves``)."""
     for c in curves:                                   # warm-up, left out of the fit
@@ -95,49 +101,101 @@ def calibrate(real, curves, trace):
         speeds = lambda probes: [cost.speed_of(p) for p in probes]
         return (cost, runs), steady(speeds(before), speeds(after))
 
-    (cost, runs), _, _ = until_steady(attempt)
+    (cost, runs), _, _ = until_steady(attempt, max_tries)
     return cost, {c: len(runs[c].requests) / max(runs[c].duration, 1e-12) for c in curves}
 
 
-def compare(real, curves, spec: TraceSpec, loads, repeats: int = 1,
-            progress: bool = True) -> tuple[pd.DataFrame, FittedCost]:
-    """One row per (curve, load): measured vs simulated median normalized latency and throughput."""
+# The field's statistics, each for the real run and the simulator at that run's speed: Vidur's (the
+# P95 of normalized end-to-end latency, reported at 85% of capacity) and LLMServingSim's (mean and
+# percentile TTFT, TPOT and end-to-end latency), beside the median normalized latency.
+STATS = {"norm_p50": ("norm_latency", 50), "norm_p95": ("norm_latency", 95),
+         "ttft_mean": ("ttft", None), "ttft_p90": ("ttft", 90), "tpot_mean": ("tpot", None),
+         "tpot_p90": ("tpot", 90), "e2e_mean": ("latency", None), "e2e_p90": ("latency", 90)}
+
+
+def request_stats(result) -> dict:
+    """``STATS`` of one run, in ms."""
+    df = per_request(result)
+    out = {}
+    for name, (col, q) in STATS.items():
+        x = df[col].dropna().to_numpy()
+        out[name] = float((x.mean() if q is None else np.percentile(x, q)) * 1e3) if len(x) else math.nan
+    return out
+
+
+def compare(real, curves, spec: TraceSpec, loads, repeats: int = 1, progress: bool = True,
+            max_tries: int | None = None) -> tuple[pd.DataFrame, FittedCost]:
+    """One row per (curve, load): measured vs simulated latency and throughput. Each of ``repeats``
+    real runs is compared with the simulator at that run's own speed (the primary error; the
+    ``_min``/``_max`` columns give its spread over the repeats), and at the probed and the fit's
+    speeds (medians over the repeats); ``measured_spread_pct`` is the real engine's own spread:
+    (max - min) / median of its median normalized latency over the repeats."""
     from tqdm.auto import tqdm
     offline = spec.make(None, real.cfg.vocab_size)       # calibration and probes serve it all at once
-    cost, caps = calibrate(real, curves, offline)
+    cost, caps = calibrate(real, curves, offline, max_tries)
     rows = []
     with tqdm(total=len(curves) * len(loads), desc=f"{real.name}: real vs sim", disable=not progress) as bar:
         for c in curves:
             for load in loads:
                 rate = load * caps[c]
-                runs = [until_steady(lambda: _measure(real, cost, c, spec, rate, offline))
+                runs = [until_steady(lambda: _measure(real, cost, c, spec, rate, offline), max_tries)
                         for _ in range(repeats)]
                 m = pd.DataFrame([{**r, "tries": t, "steady": ok} for r, t, ok in runs])
                 rows.append({"model": real.name, "curve": c.label, "load": load, "rate": rate,
-                             "capacity_rps": caps[c], **m.drop(columns="steady").median().to_dict(),
-                             "steady": bool(m["steady"].all())})
+                             "capacity_rps": caps[c], "repeats": repeats, **_summarize(m)})
                 bar.update()
     df = pd.DataFrame(rows)
-    for name, col in (("", "simulated_ms"), ("_unscaled", "simulated_unscaled_ms"),
-                      ("_at_run_speed", "simulated_at_run_speed_ms")):
+    for name, col in (("", "simulated_ms"), ("_unscaled", "simulated_unscaled_ms")):
         df[f"latency_error{name}_pct"] = 100 * (df[col] / df["measured_ms"] - 1)
     df["throughput_error_pct"] = 100 * (df["simulated_rps"] / df["measured_rps"] - 1)
     df["run_load"] = df["load"] * df["run_speed"]      # against the capacity the machine had during the run
     return df, cost
 
 
+def _summarize(m: pd.DataFrame) -> dict:
+    """The repeats of one point: medians, and the spread of the primary error and of the real runs."""
+    err = m["latency_error_at_run_speed_pct"]
+    out = m.drop(columns="steady").median().to_dict()
+    out.update({"latency_error_at_run_speed_min_pct": err.min(), "latency_error_at_run_speed_max_pct": err.max(),
+                "measured_spread_pct": 100 * (m["measured_ms"].max() - m["measured_ms"].min()) / m["measured_ms"].median(),
+                "steady": bool(m["steady"].all())})
+    return out
+
+
 def _measure(real, cost, curve, spec, rate, offline) -> tuple[dict, bool]:
     """One real run between two probes; the simulations of the same trace at the probed speed, at
-    the fit's and at the run's own; and whether the machine held its speed."""
+    the fit's and at the run's own; the errors of the last, the primary comparison, for every
+    statistic; and whether the machine held its speed."""
     seconds = max(PROBE_SECONDS, PROBE_SHARE * spec.n_requests / rate)
     before = cost.speed_of(probe(real, curve, offline, seconds))
     m, run = serve_point(real, curve, spec, rate)
     after = cost.speed_of(probe(real, curve, offline, seconds))
     speed, run_speed = (before + after) / 2, cost.speed_of([run], busy_only=True)
-    sim = lambda s: measure_point(SimBackend(real.cfg, cost=cost.at_speed(s), n_slots=real.n_slots), curve, spec, rate)
-    s, u, r = sim(speed), sim(1.0), sim(run_speed)
+    sim = lambda s: serve_point(SimBackend(real.cfg, cost=cost.at_speed(s), n_slots=real.n_slots), curve, spec, rate)
+    (s, _), (u, _), (r, r_run) = sim(speed), sim(1.0), sim(run_speed)
     row = {"speed": speed, "run_speed": run_speed, "measured_ms": m["median_norm_latency_ms"],
            "simulated_ms": s["median_norm_latency_ms"], "simulated_unscaled_ms": u["median_norm_latency_ms"],
            "simulated_at_run_speed_ms": r["median_norm_latency_ms"], "measured_rps": m["throughput_rps"],
            "simulated_rps": s["throughput_rps"]}
+    row["latency_error_at_run_speed_pct"] = 100 * (row["simulated_at_run_speed_ms"] / row["measured_ms"] - 1)
+    measured, simulated = request_stats(run), request_stats(r_run)
+    for k in STATS:
+        row[f"measured_{k}_ms"] = measured[k]
+        row[f"{k}_error_pct"] = 100 * (simulated[k] / measured[k] - 1)
     return row, steady([before], [after])
+
+
+def field_summary(df: pd.DataFrame, vidur_load: float = 0.85) -> pd.DataFrame:
+    """|error| (%) of each statistic at the run's speed, as the field reports it: the median and the
+    largest over the points below saturation during their run (``run_load`` < 1), and Vidur's own
+    figure, the P95 of normalized latency at ``vidur_load`` of capacity (the points at the load
+    nearest it)."""
+    below = df[df["run_load"] < 1]
+    cols = ["latency_error_at_run_speed_pct"] + [f"{k}_error_pct" for k in STATS]
+    rows = [{"statistic": c.removesuffix("_pct"), "median_abs_pct": below[c].abs().median(),
+             "max_abs_pct": below[c].abs().max(), "points": int(below[c].notna().sum())} for c in cols]
+    nearest = df.loc[(df["load"] - vidur_load).abs() == (df["load"] - vidur_load).abs().min()]
+    rows.append({"statistic": f"vidur: norm_p95 error at load {nearest['load'].iloc[0]:g}",
+                 "median_abs_pct": nearest["norm_p95_error_pct"].abs().median(),
+                 "max_abs_pct": nearest["norm_p95_error_pct"].abs().max(), "points": len(nearest)})
+    return pd.DataFrame(rows)

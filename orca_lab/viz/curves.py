@@ -54,7 +54,7 @@ def latency_throughput_figure(df: pd.DataFrame, latency_col: str = "median_norm_
                 _draw_headline(fig, h, col, sub, latency_col)
         fig.update_xaxes(title_text="throughput (req/s)", row=1, col=col)
         fig.update_yaxes(type="log", row=1, col=col, title_text=ylabel if col == 1 else None,
-                         tickvals=log_ticks(sub[latency_col]), minor=dict(ticks="outside", showgrid=True))
+                         tickvals=log_ticks(sub[latency_col]))
     fig.update_layout(title=title, template="plotly_white", width=430 * len(panels) + 150, height=460,
                       legend_title_text="system(max_bs[,mbs])")
     return fig
@@ -62,7 +62,7 @@ def latency_throughput_figure(df: pd.DataFrame, latency_col: str = "median_norm_
 
 def log_ticks(values) -> list[float]:
     """Labelled ticks of a log axis over ``values``: the powers of ten (1-2-5 steps when the
-    values span less than two of them); the minor ticks between them stay unlabelled."""
+    values span less than two of them), and no label between them."""
     v = [x for x in values if x > 0 and math.isfinite(x)]
     if not v:
         return []
@@ -76,7 +76,7 @@ def _draw_headline(fig, h: dict, col: int, sub: pd.DataFrame, latency_col: str):
     """The paper's comparison: a line at the latency, and where the best curves reach it (or, for a
     curve that saturates below it, its highest throughput)."""
     fig.add_hline(y=h["latency_ms"], line=dict(color="grey", dash="dash", width=1), row=1, col=col)
-    for system, where in (("ft", "top right"), ("orca", "top left")):
+    for system, where in (("ft", "bottom right"), ("orca", "top left")):
         name, x = h[f"{system}_curve"], h[f"{system}_rps"]
         if name is None or math.isnan(x):
             continue
