@@ -258,13 +258,29 @@ def efficiency(cost: str = "calibrated", **overrides) -> Efficiency:
     return dataclasses.replace(COST_MODELS[cost], **overrides)
 
 
-if __name__ == "__main__":
+def main(argv=None):
+    """``python -m orca_lab.sim.calibration [--out DIR]``: fit, print the table, and with ``--out``
+    write ``calibration.csv`` and ``calibration.json`` (with the fitted parameters and the machine)."""
+    import argparse
     import time
+
+    from orca_lab.sim.run import save_table
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--out", help="directory for calibration.csv / calibration.json")
+    args = ap.parse_args(argv)
     t0 = time.perf_counter()
     eff = fit()
-    print(f"fitted in {time.perf_counter() - t0:.1f} s")
-    print({k: getattr(eff, k) for k in FREE})
+    fit_s = time.perf_counter() - t0
     df = table(eff)
-    with pd.option_context("display.width", 200, "display.max_colwidth", 70, "display.max_rows", 200):
+    fitted = {k: getattr(eff, k) for k in FREE}
+    print(f"fitted in {fit_s:.1f} s: {fitted}")
+    with pd.option_context("display.width", 200, "display.max_colwidth", 60, "display.max_rows", 200):
         print(df[["what", "measured", "model", "error_pct", "holdout"]].round(2))
-        print(summary(df))
+        print(summary(df).round(2))
+    if args.out:
+        save_table(df, args.out, "calibration", fitted=fitted, in_code={k: getattr(CALIBRATED, k) for k in FREE},
+                   summary=summary(df).reset_index().to_dict("records"), fit_s=fit_s)
+
+
+if __name__ == "__main__":
+    main()
