@@ -17,7 +17,8 @@ FORMATS = ("html", "png", "svg", "pdf")
 HAS_BROWSER = any(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome"))
 
 SMALL = {   # each notebook at a size that runs in seconds
-    "fig_e2e": dict(models=["gpt3-175b"], curves=["orca(8)", "ft(1,1)"], n_requests=16, loads=[0.5, 1.5], n_procs=1),
+    "fig_e2e": dict(models=["gpt3-175b"], curves=["orca(8)", "ft(1,1)"], n_requests=16, loads=[0.5, 1.5], n_procs=1,
+                    span_s=0.0),
     "fig9_engine": dict(models=["gpt3-13b"], batch_sizes=[1, 8], input_lens=[32]),
     "fig11_homogeneous": dict(shapes=[[16, 8]], curves=["orca(4)", "ft(2,2)"], n_requests=10, loads=[0.5, 1.5], n_procs=1),
     "kv_memory": dict(rates=[2.0], n_requests=30),
@@ -76,7 +77,8 @@ def test_fig_e2e_writes_the_table_the_headline_and_the_figure(runs):
     assert df.loc[df["system"] == "orca", "mbs"].isna().all() and (df.loc[df["system"] == "ft", "mbs"] == 1).all()
     head = json.loads((out / "headline.json").read_text())[0]
     assert head["model"] == "gpt3-175b" and head["ratio"] > 1
-    assert json.loads((out / "fig_e2e.json").read_text())["meta"]["cost"]["gpt3-175b"]["tensor_parallel"] == 8
+    meta = json.loads((out / "fig_e2e.json").read_text())["meta"]
+    assert meta["cost"]["gpt3-175b"]["tensor_parallel"] == 8 and meta["cost_model"] == "calibrated"
     _figures(out, "fig_e2e")
 
 
