@@ -2,7 +2,8 @@
 driving a cost model on a virtual clock instead of a GPT.
 
 - ``executor``: ``SimExecutor``, pipeline stages as resources, ``VirtualClock`` time;
-- ``cost``: the analytical model of the paper's GPUs (A100-40GB, H100, H200), sources beside numbers;
+- ``cost``: the analytical model of the paper's GPUs (A100-40GB/80GB, H100, H200), sources beside numbers;
+- ``calibration``: its parameters fitted to published GPU measurements (the default cost model);
 - ``fitted``: a model fitted to the real engine's iteration timings on the machine at hand;
 - ``run``: backends (simulated or real), one point, rate sweeps, the paper's headline, Figure 9;
 - ``memory``: how much reserved K/V memory holds real tokens under four reservation schemes;

@@ -6,7 +6,7 @@ URL, the table, the value as printed). ``fit()`` adjusts the free parameters of 
 latency and bandwidth, InfiniBand efficiency, a decoding step's host work, FasterTransformer's
 control costs) by least squares on the relative error of every row not held out, and ``table()``
 reports measured vs modelled for all rows, held-out ones included. ``CALIBRATED`` holds the result
-(``tests/test_sim.py`` refits and compares), and is the simulator's default cost model.
+(``tests/test_calibration.py`` refits and compares), and is the simulator's default cost model.
 
 The data:
 - FasterTransformer's GPT guide (NVIDIA/FasterTransformer, docs/gpt_guide.md, "Performance"):
@@ -14,7 +14,9 @@ The data:
   with tensor parallelism over NVSwitch. One latency = one context pass over the inputs and one
   decoder step per output token, run by the model with FT's padded batches on the ``a100-80gb``
   device. The efficiencies it gives are fractions of each device's peaks, carried to A100-40GB.
-- nccl-tests all-reduce bus bandwidth inside an 8x A100 NVLink node; across HDR InfiniBand.
+- nccl-tests all-reduce bus bandwidth inside an 8x A100 NVLink node; across HDR InfiniBand. No
+  op-level cuBLAS GEMM figure with a printed number was found: the guide's large-batch context rows
+  carry the GEMM efficiency; the InfiniBand latency (`p2p_latency_s`) keeps its analytical value.
 - ORCA §6.1's text on Figure 9 (engine time of one batch): ORCA's engine is up to 47% faster than
   FasterTransformer on 175B (two pipeline stages), about equal on 13B and 101B. Figure 10's values are
   never used.
@@ -172,7 +174,7 @@ def predict(m: Measurement, eff: Efficiency) -> float:
     dev = AnalyticalCost("gpt3-13b", m.device, 1, 1, eff).dev
     if m.kind == "allreduce_busbw":     # large messages: the bandwidth term of AnalyticalCost.all_reduce
         return dev.nvlink_bw * eff.nvlink / 1e9
-    if m.kind == "internode_busbw":     # that node's 4 HDR NICs at 25 GB/s each bound it (the issue's 100 GB/s)
+    if m.kind == "internode_busbw":     # that node's 4 HDR NICs, 25 GB/s each (the report's 100 GB/s)
         return 4 * dev.internode_bw * eff.internode / 1e9
     ratios = fig9_ratios(eff, m.model, m.device)
     return max(ratios) if m.model == "gpt3-175b" else float(np.mean(ratios))
@@ -239,12 +241,12 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({"rows": err.size(), "median_abs_error_pct": err.median(), "max_abs_error_pct": err.max()})
 
 
-# The result of fit(), to 3 digits (python -m orca_lab.sim.calibration prints it; tests/test_sim.py
-# refits). Read with the table: FT's 175B and 89B timings run ~0.4 ms per layer per step slower than
-# its 20B ones at the same 8-way parallelism, which no shared set of constants reproduces, so the
-# fit splits the difference (175B at batch 1 -19%, 20B at 2-way +16%). ft_hop_s is what Figure 9's
-# "up to 47%" asks of FT's two-stage pipeline: 24 ms per boundary per iteration, about half of a
-# 175B iteration; the other rows do not see it.
+# The result of fit(), to 3 digits (python -m orca_lab.sim.calibration prints it;
+# tests/test_calibration.py refits). Read with the table: FT's 175B and 89B timings run ~0.3 ms per
+# layer per decoding step slower than its 20B ones at the same 8-way parallelism, which no shared set
+# of constants reproduces, so the fit splits the difference (175B at batch 1-4 -19%, 20B at 2-way and
+# batch 1 +22%). ft_hop_s is what Figure 9's "up to 47%" asks of FT's two-stage pipeline: 24 ms per
+# boundary per iteration, a third of FT's 175B iteration; no other row sees it.
 CALIBRATED = Efficiency(gemm=0.595, hbm=0.831, attention=0.0423, kernel_floor_s=11.4e-6,
                         allreduce_latency_s=55.7e-6, nvlink=0.627, internode=0.96, step_overhead_s=1e-6,
                         ft_sync_s=1e-6, ft_hop_s=0.0242)

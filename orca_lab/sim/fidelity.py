@@ -14,21 +14,21 @@ with the simulator on a cost model fitted to that engine's timings, and compare.
 A shared machine changes speed by tens of percent from one second to the next (other tenants on
 the same physical cores: on this project's 2-core machine a fixed matmul loop switches between
 about 6.3 and 8.6 ms every few seconds, each core on its own), which no model of the engine can
-predict. So a *probe* (the first requests of the trace, offline, with the same curve, for at least
-half the run's length: a long run outlasts many speed spells) is timed just before and just
-after each real run, and the simulator runs that point at the machine's speed of the moment
-(``FittedCost.at_speed``): the probes' iteration periods over the fit's predictions for the same
-batches (``FittedCost.speed_of``), so the fit itself is the reference. The probes are not the run
-they correct. When the two probes differ by more than ``STEADY``, the machine changed speed during
-the run and the point is measured again (up to ``TRIES`` times; the table says how many it took
-and whether the last was steady). Calibration is held to the same rule. With ``repeats > 1`` each
-point is measured that many times and the medians are compared.
+predict. So the primary comparison takes the machine's speed out: each real run is compared with
+the simulator at the speed that run itself ran at (``run_speed``: its busy iteration periods over
+the fit's predictions for the same batches, ``FittedCost.speed_of``; ``FittedCost.at_speed``),
+which leaves the simulator the scheduling, batching and queueing to get right. Each point is run
+``repeats`` times; the table keeps the median error, its spread over the repeats, and the real
+engine's own spread from one repeat to the next, the yardstick for the error. Besides the median
+normalized latency it compares the statistics the field reports (``STATS``: Vidur's P95 of
+normalized latency, LLMServingSim's mean and P90 TTFT, TPOT and end-to-end latency).
 
-Two more predictions stay in the table to read the error by: at the fit's own speed
-(``simulated_unscaled_ms``), and, as a diagnostic only, at the speed the real run itself ran at
-(``run_speed``: its busy iterations over the fit's predictions), which leaves the simulator only
-the scheduling, batching and queueing to get right; it uses the measured run, so it is not a
-prediction.
+Two predictions that do not look at the run stay as secondary columns: at the speed of *probes*
+(the first requests of the trace, offline, same curve, for at least half the run's length) timed
+just before and after each run (``speed``, ``simulated_ms``), and at the fit's own speed
+(``simulated_unscaled_ms``). When the two probes differ by more than ``STEADY`` the machine changed
+speed during the run (``steady``); with ``max_tries > 1`` the run is then measured again, and
+calibration is held to the same rule.
 """
 from __future__ import annotations
 
