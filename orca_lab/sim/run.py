@@ -32,9 +32,6 @@ from orca_lab.workload import homogeneous_trace, paper_trace
 
 # Fractions of a curve's capacity: points from light load to well past saturation, denser at the knee.
 DEFAULT_LOADS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 2.0, 3.0)
-# Seconds of arrivals a point's trace covers at least (``Sweep.span_s``): past saturation the queue
-# grows for as long as requests arrive, so every point of a sweep is given the same span.
-DEFAULT_SPAN_S = 90.0
 CSV_COLUMNS = ["model", "system", "max_bs", "mbs", "rate", "throughput_rps", "median_norm_latency_ms"]
 
 
