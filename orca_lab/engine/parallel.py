@@ -148,7 +148,7 @@ class WorkerPool:
         self._cleanup.append(store_box.clear)
         store = dist.PrefixStore(session, tcp)
         self._open_inbox(store, "127.0.0.1")
-        ctx = _context()
+        ctx = _context(self.engine.device)
         for rank in range(self.tp * self.pp):
             spec = WorkerSpec(self.cfg, self.engine, rank, self._secret, ("127.0.0.1", tcp.port), session,
                               weights, host="127.0.0.1", local_rank=rank, threads=threads)
@@ -317,11 +317,16 @@ def _exit_text(code: int) -> str:
     return f"with code {code}"
 
 
-def _context():
-    """Workers are forked from a fork server that imported torch and this package once (a clean,
-    single-threaded process: safe to fork, unlike this one), so a pool starts in about a second
+def _context(device: str):
+    """On CPU, workers are forked from a fork server that imported torch and this package once (a
+    clean, single-threaded process: safe to fork, unlike this one), so a pool starts in about a second
     instead of paying every worker's imports. ``torch._dynamo`` too: building modules on the meta
-    device imports it lazily, ~3 s per worker otherwise. The server lives as long as this process."""
+    device imports it lazily, ~3 s per worker otherwise. The server lives as long as this process.
+
+    On CUDA, workers are spawned: a fresh interpreter each, so nothing this process or a preloaded
+    import did to the CUDA driver can leave a worker unable to initialize it."""
+    if device.startswith("cuda"):
+        return get_context("spawn")
     ctx = get_context("forkserver")
     ctx.set_forkserver_preload(["orca_lab.engine.worker", "torch._dynamo"])
     return ctx
