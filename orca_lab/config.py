@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 
@@ -130,3 +131,47 @@ class EngineConfig:
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+# -- parallel degrees: what the model and the machine (or the launcher's world) can take ----------
+def uses_workers(ec: EngineConfig) -> bool:
+    """Worker processes for any parallel degree above 1 (``executor="auto"``), or when asked."""
+    return ec.executor == "workers" or (ec.executor == "auto" and ec.tensor_parallel * ec.pipeline_parallel > 1)
+
+
+def launcher_world_size() -> int | None:
+    """``WORLD_SIZE`` when a launcher (torchrun, or any that sets ``RANK`` and ``WORLD_SIZE``) started
+    this process: its ranks span nodes, so the local GPU count says nothing about them."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def check_degrees(cfg: ModelConfig, ec: EngineConfig):
+    """Refuse degrees the model or the machine cannot take, naming the field and the allowed range.
+
+    With workers on CUDA, ``tensor_parallel x pipeline_parallel`` is one GPU per worker: under a
+    launcher it must equal the world size (each node checks its own GPUs when its workers start);
+    a pool on this machine must fit its GPUs."""
+    T, P = ec.tensor_parallel, ec.pipeline_parallel
+    if cfg.n_heads % T:
+        allowed = [d for d in range(1, cfg.n_heads + 1) if cfg.n_heads % d == 0]
+        raise ValueError(f"tensor_parallel={T} is not allowed: it must divide n_heads={cfg.n_heads} "
+                         f"(allowed: {', '.join(map(str, allowed))})")
+    check_range("pipeline_parallel", P, 1, cfg.n_layers)         # a stage holds at least one layer
+    if T > 1 and not uses_workers(ec):
+        raise ValueError(f"tensor_parallel={T} needs worker processes: executor='local' allows "
+                         "tensor_parallel=1 only (use executor='auto' or 'workers')")
+    if not (uses_workers(ec) and ec.device.startswith("cuda")):
+        return
+    world = launcher_world_size()
+    if world is not None:
+        if T * P != world:
+            raise ValueError(f"tensor_parallel x pipeline_parallel = {T} x {P} = {T * P} must equal the "
+                             f"launcher's world size WORLD_SIZE={world}: one rank per worker")
+        return
+    import torch        # here, not at import: this module stays free of torch and of CUDA
+    n = torch.cuda.device_count()
+    if T * P > n:
+        raise ValueError(f"tensor_parallel x pipeline_parallel = {T} x {P} = {T * P} exceeds the {n} "
+                         f"GPU(s) available: allowed tensor_parallel * pipeline_parallel in [1, {n}]")

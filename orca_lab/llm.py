@@ -5,12 +5,12 @@ from typing import Iterator
 
 import torch
 
-from orca_lab.config import EngineConfig, ModelConfig, model_config
+from orca_lab.config import EngineConfig, ModelConfig, check_degrees, model_config, uses_workers
 from orca_lab.engine.engine import Engine, RunResult
 from orca_lab.engine.executor import LocalExecutor
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.model import GPT
-from orca_lab.engine.parallel import WorkerExecutor, check_degrees, uses_workers
+from orca_lab.engine.parallel import WorkerExecutor
 from orca_lab.engine.request import SamplingParams
 from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler
 from orca_lab.tokenizer import ByteTokenizer

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import secrets
 import shutil
 import signal
@@ -41,37 +40,14 @@ from multiprocessing.connection import wait as wait_any
 import torch
 import torch.distributed as dist
 
-from orca_lab.engine.control import (ControlMessage, Inbox, Reset, StageReport, Stop, WorkerError, connect,
-                                     decode_address, encode_address)
+from orca_lab.config import check_degrees, uses_workers  # noqa: F401  (re-exported: callers import them here)
+from orca_lab.engine.control import (ControlError, ControlMessage, Inbox, Reset, StageReport, Stop, WorkerError,
+                                     connect, decode_address, encode, encode_address)
 from orca_lab.engine.executor import Completion, RealClock, StageTime, split_layers
 from orca_lab.engine.request import RequestState
 from orca_lab.engine.worker import MASTER, STORE_TIMEOUT, Worker, WorkerSpec, worker_process
 
 POLL_S = 0.25               # liveness is checked at least this often while waiting
-
-
-# -- which degrees are allowed, and when workers are used ------------------------------------------
-def uses_workers(ec) -> bool:
-    """Worker processes for any parallel degree above 1 (``executor="auto"``), or when asked."""
-    return ec.executor == "workers" or (ec.executor == "auto" and ec.tensor_parallel * ec.pipeline_parallel > 1)
-
-
-def check_degrees(cfg, ec):
-    """Refuse degrees the model or the machine cannot take, naming the field and the allowed range."""
-    T, P = ec.tensor_parallel, ec.pipeline_parallel
-    if cfg.n_heads % T:
-        allowed = [d for d in range(1, cfg.n_heads + 1) if cfg.n_heads % d == 0]
-        raise ValueError(f"tensor_parallel={T} is not allowed: it must divide n_heads={cfg.n_heads} "
-                         f"(allowed: {', '.join(map(str, allowed))})")
-    split_layers(cfg.n_layers, P)                       # refuses more stages than layers
-    if T > 1 and not uses_workers(ec):
-        raise ValueError(f"tensor_parallel={T} needs worker processes: executor='local' allows "
-                         "tensor_parallel=1 only (use executor='auto' or 'workers')")
-    if uses_workers(ec) and ec.device.startswith("cuda"):
-        n = torch.cuda.device_count()
-        if T * P > n:
-            raise ValueError(f"tensor_parallel x pipeline_parallel = {T} x {P} = {T * P} exceeds the {n} "
-                             f"GPU(s) available: allowed tensor_parallel * pipeline_parallel in [1, {n}]")
 
 
 # -- the pool -------------------------------------------------------------------------------------
@@ -138,7 +114,7 @@ class WorkerPool:
             self._open_inbox(store, spec.host)
             self._thread.append(_start_thread(spec, store))
             return store
-        self._secret, session = secrets.token_bytes(16), f"pool-{secrets.token_hex(4)}"
+        self._secret, session = secrets.token_bytes(32), f"pool-{secrets.token_hex(4)}"
         tmp = tempfile.mkdtemp(prefix="orca_lab_workers_")
         self._cleanup.append(lambda: shutil.rmtree(tmp, ignore_errors=True))
         weights = os.path.join(tmp, "weights.pt")
@@ -209,10 +185,10 @@ class WorkerPool:
         return self._iteration
 
     def send(self, msg):
-        raw = pickle.dumps(msg)                     # pickled once, the same bytes to every tensor rank
+        raw = encode(msg, self._secret)             # signed once, the same bytes to every tensor rank
         try:
             for conn in self._control:
-                conn.send_bytes(raw)
+                conn.send_raw(raw)
         except OSError as e:
             self._check_alive("")
             self._fail(f"the control channel to stage 0 broke ({e})")
@@ -240,6 +216,8 @@ class WorkerPool:
     def _take(self, conn):
         try:
             msg = conn.recv()
+        except ControlError as e:
+            self._fail(f"worker rank {self._reports[conn]} sent a frame that was refused: {e}")
         except (EOFError, OSError):
             time.sleep(0.2)                         # let the process be reaped: its exit code says more
             self._check_alive("")
@@ -287,7 +265,7 @@ def _teardown(procs, threads, control, reports, cleanup, grace):
     if grace["s"]:
         with contextlib.suppress(OSError):
             for conn in control:
-                conn.send_bytes(pickle.dumps(Stop()))
+                conn.send(Stop())
         end = time.monotonic() + grace["s"]
         for member in list(procs) + list(threads):
             member.join(max(0.0, end - time.monotonic()))

@@ -76,7 +76,7 @@ def main(argv=None):
     store, _, _ = next(dist.rendezvous("env://"))
     store = dist.PrefixStore("orca_lab", store)
     if rank == 0:
-        store.set("secret", secrets.token_hex(16))      # first frame of every control connection
+        store.set("secret", secrets.token_hex(32))      # signs every control message
     spec = WorkerSpec(cfg, ec, rank, bytes.fromhex(store.get("secret").decode()), weights=args.checkpoint,
                       seed=args.seed, host=control_host(), local_rank=int(os.environ.get("LOCAL_RANK", 0)))
     if rank != 0:

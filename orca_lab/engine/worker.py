@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import pickle
 import queue
 import sys
 import threading
@@ -24,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from orca_lab.config import EngineConfig, ModelConfig
-from orca_lab.engine.control import (ControlMessage, Inbox, Reset, StageReport, Stop, WorkerError, connect,
-                                     decode_address, encode_address)
+from orca_lab.engine.control import (ControlError, ControlMessage, Inbox, Reset, StageReport, Stop, WorkerError,
+                                     connect, decode, decode_address, encode_address)
 from orca_lab.engine.data_plane import DataPlane
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.kv_manager import KVSlotManager
@@ -44,7 +43,7 @@ class WorkerSpec:
     cfg: ModelConfig
     engine: EngineConfig
     rank: int
-    secret: bytes                        # first frame of every control connection
+    secret: bytes                        # HMAC key of every control message
     store: tuple[str, int] | None = None  # rendezvous TCPStore (spawned workers connect to it)
     session: str = "orca_lab"            # key prefix of this pool in the store
     weights: str | None = None           # torch state-dict file, GPT-2 checkpoint dir, or None: random(seed)
@@ -134,6 +133,8 @@ class Worker:
                 while not isinstance(msg := inbox.get(), Stop):
                     if msg is None:
                         raise RuntimeError(f"worker rank {self.rank}: the control channel from upstream closed")
+                    if isinstance(msg, ControlError):
+                        raise msg
                     if isinstance(msg, Reset):
                         self.requests.clear()
                     else:
@@ -148,19 +149,22 @@ class Worker:
         self.close()
 
     def _relay(self, out: queue.Queue):
-        """Forward each control frame downstream as it arrives (still pickled: no decoding on the
-        way), then hand it to the tensor thread. ``None`` tells it the upstream is gone."""
+        """Check each control frame's signature and forward it downstream as it arrives (the same
+        signed bytes), then hand the message to the tensor thread. ``None`` tells it the upstream is
+        gone; a refused frame is handed over as its error, which stops this worker."""
         try:
             while True:
-                raw = self.upstream.recv_bytes()
+                raw = self.upstream.recv_raw()
+                msg = decode(raw, self.spec.secret)
                 if self.downstream is not None:
-                    self.downstream.send_bytes(raw)
-                msg = pickle.loads(raw)
+                    self.downstream.send_raw(raw)
                 out.put(msg)
                 if isinstance(msg, Stop):
                     return
         except (EOFError, OSError):
             out.put(None)
+        except ControlError as e:
+            out.put(e)
 
     def run(self, msg: ControlMessage):
         """This stage's share of one iteration."""
