@@ -115,10 +115,7 @@ class WorkerPool:
             self._thread.append(_start_thread(spec, store))
             return store
         self._secret, session = secrets.token_bytes(32), f"pool-{secrets.token_hex(4)}"
-        tmp = tempfile.mkdtemp(prefix="orca_lab_workers_")
-        self._cleanup.append(lambda: shutil.rmtree(tmp, ignore_errors=True))
-        weights = os.path.join(tmp, "weights.pt")
-        torch.save({k: v.detach().cpu() for k, v in llm.model.state_dict().items()}, weights)
+        weights, seed = self._weights_for_workers(llm)
         tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
         store_box, self._store_port = [tcp], [tcp.port]  # dropping the last reference frees the port
         self._cleanup.append(store_box.clear)
@@ -127,12 +124,23 @@ class WorkerPool:
         ctx = _context(self.engine.device)
         for rank in range(self.tp * self.pp):
             spec = WorkerSpec(self.cfg, self.engine, rank, self._secret, ("127.0.0.1", tcp.port), session,
-                              weights, host="127.0.0.1", local_rank=rank, threads=threads)
+                              weights, seed, host="127.0.0.1", local_rank=rank, threads=threads)
             proc = ctx.Process(target=worker_process, args=(spec,), name=f"orca-worker-{rank}", daemon=True)
             with _main_hidden():
                 proc.start()
             self._procs.append(proc)
         return store
+
+    def _weights_for_workers(self, llm) -> tuple[str | None, int]:
+        """``(weights, seed)`` of the WorkerSpec: the LLM's checkpoint or seed when its master holds
+        shapes only; else its model's weights, written once to a file the workers memory-map."""
+        if llm.model.wte.weight.is_meta:
+            return llm.weights
+        tmp = tempfile.mkdtemp(prefix="orca_lab_workers_")
+        self._cleanup.append(lambda: shutil.rmtree(tmp, ignore_errors=True))
+        path = os.path.join(tmp, "weights.pt")
+        torch.save({k: v.detach().cpu() for k, v in llm.model.state_dict().items()}, path)
+        return path, 0
 
     def _open_inbox(self, store, host):
         self._inbox = Inbox(host, self._secret)

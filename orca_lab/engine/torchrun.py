@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from orca_lab.config import EngineConfig, model_config
-from orca_lab.engine.model import config_from_hf
+from orca_lab.engine.model import checkpoint_config
 from orca_lab.engine.parallel import WorkerPool
 from orca_lab.engine.worker import Worker, WorkerSpec
 from orca_lab.llm import SYSTEMS, LLM
@@ -71,8 +71,7 @@ def main(argv=None):
         p.error(f"WORLD_SIZE={world} must equal --tp x --pp = {args.tp * args.pp}")
     ec = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots, device=args.device, executor="workers",
                       tensor_parallel=args.tp, pipeline_parallel=args.pp)
-    cfg = config_from_hf(json.loads((Path(args.checkpoint) / "config.json").read_text())) \
-        if args.checkpoint else model_config(args.model)
+    cfg = checkpoint_config(args.checkpoint) if args.checkpoint else model_config(args.model)
     store, _, _ = next(dist.rendezvous("env://"))
     store = dist.PrefixStore("orca_lab", store)
     if rank == 0:
@@ -82,8 +81,8 @@ def main(argv=None):
     if rank != 0:
         Worker(spec, store).serve()
         return
-    # the master keeps a full copy of the weights only because LLM builds one; the workers own theirs
-    llm = LLM.from_pretrained(args.checkpoint, engine=ec) if args.checkpoint else LLM(cfg, args.seed, engine=ec)
+    # the master holds shapes only (executor="workers"): every rank reads its own shard
+    llm = LLM(cfg, args.seed, engine=ec, checkpoint=args.checkpoint)
     with WorkerPool.rank0(llm, store, spec):
         serve_and_report(llm, args)
 

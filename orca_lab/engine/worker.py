@@ -28,7 +28,7 @@ from orca_lab.engine.control import (ControlError, ControlMessage, Inbox, Reset,
 from orca_lab.engine.data_plane import DataPlane
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.kv_manager import KVSlotManager
-from orca_lab.engine.model import GPT
+from orca_lab.engine.model import CheckpointWeights, RandomWeights, StateDictWeights
 from orca_lab.engine.request import SamplingParams
 from orca_lab.engine.sampler import sample
 from orca_lab.engine.tensor_parallel import stage_model
@@ -95,17 +95,15 @@ class Worker:
         store.set(f"ready/{self.rank}", "1")
 
     def _build_stage(self):
+        """This rank's layers and slices only, read straight onto its device (never the full model)."""
         spec, cfg, ec = self.spec, self.spec.cfg, self.spec.engine
         lo, hi = split_layers(cfg.n_layers, spec.pp)[self.stage]
-        full = load_model(spec)
-        part = stage_model(full, (lo, hi), self.tp_rank, spec.tp, first=self.first, last=self.last,
-                           all_reduce=self.data.all_reduce)
-        del full
-        dtype = getattr(torch, ec.dtype)
-        self.model = part.to(self.device, dtype)
-        self.dtype = dtype
+        self.dtype = getattr(torch, ec.dtype)
+        self.model = stage_model(weight_source(spec, self.device, self.dtype), cfg, (lo, hi), self.tp_rank, spec.tp,
+                                 first=self.first, last=self.last, all_reduce=self.data.all_reduce,
+                                 attention_backend=ec.attention_backend, fused_ops_backend=ec.fused_ops_backend)
         # this rank's K/V pool: its own heads, its stage's layers, all of the engine's slots
-        self.kv = KVSlotManager(ec.n_slots, hi - lo, cfg.n_heads // spec.tp, cfg.head_dim, self.device, dtype)
+        self.kv = KVSlotManager(ec.n_slots, hi - lo, cfg.n_heads // spec.tp, cfg.head_dim, self.device, self.dtype)
 
     def _connect(self, store):
         """Connect downstream first (connecting never waits for the peer to accept), then accept
@@ -205,19 +203,14 @@ class Worker:
         self.inbox.close()
 
 
-def load_model(spec: WorkerSpec) -> GPT:
-    """The full model on CPU, from which this worker cuts its part."""
-    ec = spec.engine
-    backends = dict(attention_backend=ec.attention_backend, fused_ops_backend=ec.fused_ops_backend)
+def weight_source(spec: WorkerSpec, device, dtype):
+    """Where this worker reads its slices from: ``random(seed)``, a GPT-2 checkpoint directory, or a
+    state-dict file the master wrote (memory-mapped: only the pages of this worker's slices are read)."""
     if spec.weights is None:
-        return GPT.random(spec.cfg, spec.seed, **backends)
+        return RandomWeights(spec.seed, device, dtype)
     if Path(spec.weights).is_dir():
-        return GPT.from_pretrained(spec.weights, **backends)
-    with torch.device("meta"):
-        model = GPT(spec.cfg, **backends)
-    # mmap: each worker reads only the slices it keeps
-    model.load_state_dict(torch.load(spec.weights, mmap=True, weights_only=True), assign=True)
-    return model
+        return CheckpointWeights(spec.weights, device, dtype)
+    return StateDictWeights(torch.load(spec.weights, mmap=True, weights_only=True), device, dtype)
 
 
 def worker_process(spec: WorkerSpec):
