@@ -1,10 +1,16 @@
 """The control plane never unpickles: messages are signed JSON, and frames that are tampered with,
 unsigned or signed with another pool's key are refused before they are parsed."""
+import os
 import pickle
+import signal
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from orca_lab import LLM, EngineConfig
 from orca_lab.engine.control import (ControlError, ControlMessage, Hello, Inbox, Reset, StageReport, Stop,
@@ -87,3 +93,47 @@ def test_a_worker_refuses_a_tampered_control_frame(tiny_llm):
         with pytest.raises(RuntimeError, match=r"(?s)worker rank 0 failed:.*ControlError: refused a control frame"):
             pool.collect(1, timeout=30)
         assert time.monotonic() - t0 < 10
+
+
+# -- a rank whose master died or hung gives up within --master-timeout --------------------------------
+def start_rank(rank, port, tmp_path, *extra):
+    """``python -m orca_lab.engine.torchrun`` as one rank of a 1 x 2 world whose rendezvous store is
+    hosted elsewhere (as torchrun's agent hosts it), so the store outlives rank 0."""
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1",
+               GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    cmd = [sys.executable, "-m", "orca_lab.engine.torchrun", "--tp", "1", "--pp", "2", "--device", "cpu",
+           "--systems", "orca", "--master-timeout", "3", *extra]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_rank_gives_up_on_a_master_that_never_came_or_hung(tmp_path):
+    lonely_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    t_lonely = time.monotonic()
+    lonely = start_rank(1, lonely_store.port, tmp_path)          # its rank 0 never starts
+    master = start_rank(0, agent.port, tmp_path, "--n-requests", "100000")
+    worker = start_rank(1, agent.port, tmp_path)
+    procs = [lonely, master, worker]
+    try:
+        store, deadline = dist.PrefixStore("orca_lab", agent), time.monotonic() + 120
+        while not store.check(["ready/1"]):                      # the pair is up and serving
+            assert master.poll() is None, master.communicate()[1][-3000:]
+            assert worker.poll() is None, worker.communicate()[1][-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        os.kill(master.pid, signal.SIGSTOP)                       # the master hangs: its sockets stay open
+        t0 = time.monotonic()
+        _, err = worker.communicate(timeout=30)
+        assert worker.returncode == 1, err[-3000:]
+        assert time.monotonic() - t0 < 3 + 5
+        assert "worker rank 1: the engine master (rank 0) sent no heartbeat for 3 s (it died or hung); giving up" in err
+
+        _, err = lonely.communicate(timeout=60)
+        assert lonely.returncode == 1 and "sent no heartbeat for 3 s" in err, err[-3000:]
+        assert time.monotonic() - t_lonely < 60                  # imports included, on a loaded machine
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()

@@ -19,7 +19,11 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import os
 import socket
+import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
@@ -206,3 +210,47 @@ def encode_address(address) -> str:
 def decode_address(text: bytes | str) -> tuple[str, int]:
     host, port = (text.decode() if isinstance(text, bytes) else text).rsplit(":", 1)
     return host, int(port)
+
+
+# -- liveness of the engine master ---------------------------------------------------------------
+HEARTBEAT_S = 1.0           # how often the master bumps its heartbeat counter in the store
+
+
+def start_heartbeat(store) -> threading.Event:
+    """Bump ``heartbeat`` in the rendezvous store every HEARTBEAT_S until the returned event is set.
+    ``store`` should be a client of its own (``store.clone()``): a blocking wait on a shared client
+    would hold every other call on it."""
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(HEARTBEAT_S):
+            try:
+                store.add("heartbeat", 1)
+            except Exception:       # the store is gone: nobody is listening any more
+                return
+    threading.Thread(target=beat, name="orca-master-heartbeat", daemon=True).start()
+    return stop
+
+
+def watch_master(store, timeout: float, rank: int, what: str = "the engine master (rank 0)"):
+    """End this worker process with a clear error when the master's heartbeat stops for ``timeout``
+    seconds (a master that died or hung: a store hosted elsewhere, such as torchrun's agent, outlives
+    it), or when the store itself goes away. Without it a worker would wait for the master at start-up,
+    or block in a receive, until torch.distributed's own timeouts (minutes)."""
+    def gone(reason: str):
+        print(f"worker rank {rank}: {reason}; giving up", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def watch():
+        last, since = None, time.monotonic()
+        while True:
+            try:
+                beat = store.add("heartbeat", 0)        # reads the counter, never waits
+            except Exception as e:
+                gone(f"the rendezvous store that {what} uses is unreachable ({type(e).__name__})")
+            if beat != last:
+                last, since = beat, time.monotonic()
+            elif time.monotonic() - since > timeout:
+                gone(f"{what} sent no heartbeat for {timeout:g} s (it died or hung)")
+            time.sleep(min(HEARTBEAT_S, timeout / 4))
+    threading.Thread(target=watch, name="orca-master-watch", daemon=True).start()

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from orca_lab.config import check_degrees, uses_workers  # noqa: F401  (re-exported: callers import them here)
 from orca_lab.engine.control import (ControlError, ControlMessage, Inbox, Reset, StageReport, Stop, WorkerError,
-                                     connect, decode_address, encode, encode_address)
+                                     connect, decode_address, encode, encode_address, start_heartbeat)
 from orca_lab.engine.executor import Completion, RealClock, StageTime, split_layers
 from orca_lab.engine.request import RequestState
 from orca_lab.engine.worker import MASTER, STORE_TIMEOUT, Worker, WorkerSpec, worker_process
@@ -120,6 +120,7 @@ class WorkerPool:
         store_box, self._store_port = [tcp], [tcp.port]  # dropping the last reference frees the port
         self._cleanup.append(store_box.clear)
         store = dist.PrefixStore(session, tcp)
+        self._cleanup.append(start_heartbeat(store.clone()).set)     # the workers watch it (control.py)
         self._open_inbox(store, "127.0.0.1")
         ctx = _context(self.engine.device)
         for rank in range(self.tp * self.pp):

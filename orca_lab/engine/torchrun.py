@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from orca_lab.config import EngineConfig, model_config
+from orca_lab.engine.control import start_heartbeat, watch_master
 from orca_lab.engine.model import checkpoint_config
 from orca_lab.engine.parallel import WorkerPool
-from orca_lab.engine.worker import Worker, WorkerSpec
+from orca_lab.engine.worker import STORE_TIMEOUT, Worker, WorkerSpec
 from orca_lab.llm import SYSTEMS, LLM
 
 
@@ -60,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--n-requests", type=int, default=16)
     p.add_argument("--rate", type=float, default=None, help="Poisson arrivals (req/s); default: all at 0")
     p.add_argument("--scale", type=float, default=0.1, help="multiplies the paper's lengths")
+    p.add_argument("--master-timeout", type=float, default=30.0,
+                   help="seconds without the master's heartbeat before a rank gives up")
     p.add_argument("--out", default=None, help="directory for torchrun.json (runs + environment)")
     return p, p.parse_args(argv)
 
@@ -72,12 +75,17 @@ def main(argv=None):
     ec = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots, device=args.device, executor="workers",
                       tensor_parallel=args.tp, pipeline_parallel=args.pp)
     cfg = checkpoint_config(args.checkpoint) if args.checkpoint else model_config(args.model)
-    store, _, _ = next(dist.rendezvous("env://"))
+    store, _, _ = next(dist.rendezvous("env://", timeout=STORE_TIMEOUT))
     store = dist.PrefixStore("orca_lab", store)
+    if rank == 0:       # from here on, a master that dies or hangs ends every rank within --master-timeout
+        start_heartbeat(store.clone())
+    else:
+        watch_master(store.clone(), args.master_timeout, rank)
     if rank == 0:
         store.set("secret", secrets.token_hex(32))      # signs every control message
     spec = WorkerSpec(cfg, ec, rank, bytes.fromhex(store.get("secret").decode()), weights=args.checkpoint,
-                      seed=args.seed, host=control_host(), local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+                      seed=args.seed, host=control_host(), local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+                      master_timeout=args.master_timeout)
     if rank != 0:
         Worker(spec, store).serve()
         return

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from orca_lab.config import EngineConfig, ModelConfig
 from orca_lab.engine.control import (ControlError, ControlMessage, Inbox, Reset, StageReport, Stop, WorkerError,
-                                     connect, decode, decode_address, encode_address)
+                                     connect, decode, decode_address, encode_address, watch_master)
 from orca_lab.engine.data_plane import DataPlane
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.kv_manager import KVSlotManager
@@ -51,6 +51,7 @@ class WorkerSpec:
     host: str = "127.0.0.1"              # where this worker's control inbox listens
     local_rank: int = 0
     threads: int = 1
+    master_timeout: float = 30.0         # give up when the master's heartbeat stops this long (s)
 
     @property
     def tp(self) -> int:
@@ -219,7 +220,9 @@ def worker_process(spec: WorkerSpec):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")      # the data plane stays on loopback
     try:
         tcp = dist.TCPStore(*spec.store, is_master=False, timeout=STORE_TIMEOUT)
-        Worker(spec, dist.PrefixStore(spec.session, tcp)).serve()
+        store = dist.PrefixStore(spec.session, tcp)
+        watch_master(store.clone(), spec.master_timeout, spec.rank)
+        Worker(spec, store).serve()
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
