@@ -91,20 +91,24 @@ def model_config(name_or_config: str | ModelConfig) -> ModelConfig:
 DTYPES = ("float32", "float16", "bfloat16")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 EXECUTORS = ("auto", "local", "workers")
+CPU_SLOTS = 16384           # n_slots on CPU unless given
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """What the engine runs with: Algorithm 1's parameters, kernels, placement and parallelism.
 
-    ``n_slots`` is the K/V memory in token slots (one slot = K and V of one token, all layers);
+    ``n_slots`` is the K/V memory in token slots (one slot = K and V of one token, all layers).
+    ``None`` (the default) means 16384 on CPU and, on CUDA, as many as fit in the GPU's free memory
+    after the weights, keeping ``1 - gpu_memory_utilization`` of the GPU back for activations and
+    other processes (``LLM`` sizes it before allocating anything, and refuses a model that cannot fit);
     ``pipeline_parallel`` is the paper's ``n_workers``: that many batches are kept in flight.
     ``executor``: "auto" runs tensor_parallel x pipeline_parallel worker processes when that is above 1,
     else the model in this process; "local" emulates the pipeline stages in this process; "workers"
     always uses worker processes (even 1 x 1).
     """
     max_bs: int = 32
-    n_slots: int = 16384
+    n_slots: int | None = None
     attention_backend: str = "auto"
     fused_ops_backend: str = "auto"
     device: str = "cpu"
@@ -112,10 +116,15 @@ class EngineConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     executor: str = "auto"
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self):
         check_range("max_bs", self.max_bs, 1, 65536)
-        check_range("n_slots", self.n_slots, 1, 1 << 31)
+        if self.n_slots is None and not str(self.device).startswith("cuda"):
+            object.__setattr__(self, "n_slots", CPU_SLOTS)
+        if self.n_slots is not None:
+            check_range("n_slots", self.n_slots, 1, 1 << 31)
+        check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0.01, 1.0, kind=float)
         check_choice("attention_backend", self.attention_backend, KERNEL_BACKENDS)
         check_choice("fused_ops_backend", self.fused_ops_backend, KERNEL_BACKENDS)
         check_choice("dtype", self.dtype, DTYPES)

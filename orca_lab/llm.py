@@ -7,8 +7,8 @@ import torch
 
 from orca_lab.config import EngineConfig, ModelConfig, check_degrees, model_config, uses_workers
 from orca_lab.engine.engine import Engine, RunResult
-from orca_lab.engine.executor import LocalExecutor
-from orca_lab.engine.kv_manager import KVSlotManager
+from orca_lab.engine.executor import LocalExecutor, split_layers
+from orca_lab.engine.kv_manager import KVSlotManager, rank_shares, size_kv_pool
 from orca_lab.engine.model import GPT, checkpoint_config
 from orca_lab.engine.parallel import WorkerExecutor
 from orca_lab.engine.request import SamplingParams
@@ -16,6 +16,16 @@ from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler
 from orca_lab.tokenizer import ByteTokenizer
 
 SYSTEMS = ("orca", "ft")
+
+
+def kv_slots_on_gpu(cfg: ModelConfig, ec: EngineConfig) -> int:
+    """``ec.n_slots``, or as many as fit on the GPU (the rank that holds most, with workers); a
+    ValueError naming bytes needed and available when the weights and the pool cannot fit."""
+    workers = uses_workers(ec)
+    stages = split_layers(cfg.n_layers, ec.pipeline_parallel) if workers else [(0, cfg.n_layers)]
+    shares = rank_shares(cfg, ec.tensor_parallel if workers else 1, stages, getattr(torch, ec.dtype).itemsize)
+    what = f"{cfg.name} in {ec.dtype} (tensor_parallel x pipeline_parallel = {ec.tensor_parallel} x {ec.pipeline_parallel})"
+    return size_kv_pool(what, shares, ec.n_slots, cfg.max_seq_len, ec.device, ec.gpu_memory_utilization)
 
 
 class LLM:
@@ -29,6 +39,8 @@ class LLM:
         check_degrees(cfg, ec)
         if ec.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={ec.device!r} but no CUDA device is available: use device='cpu'")
+        if ec.device.startswith("cuda"):        # before any allocation: refuse what cannot fit
+            ec = self.engine_config = ec.replace(n_slots=kv_slots_on_gpu(cfg, ec))
         dtype = getattr(torch, ec.dtype)
         backends = dict(attention_backend=ec.attention_backend, fused_ops_backend=ec.fused_ops_backend)
         # Where the workers' weights come from: (checkpoint or None for random, seed). With workers, the

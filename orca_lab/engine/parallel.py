@@ -146,6 +146,7 @@ class WorkerPool:
     def _open_inbox(self, store, host):
         self._inbox = Inbox(host, self._secret)
         self._cleanup.append(self._inbox.close)
+        store.set("n_slots", str(self.engine.n_slots))         # for workers started with n_slots=None
         store.set("master", encode_address(self._inbox.address))
 
     def _handshake(self, store, deadline):

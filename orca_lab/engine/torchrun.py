@@ -56,7 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-bs", type=int, default=8)
     p.add_argument("--mbs", type=int, default=None, help="the baseline's micro-batch size")
-    p.add_argument("--n-slots", type=int, default=16384)
+    p.add_argument("--n-slots", type=int, default=None,
+                   help="K/V slots (default: 16384 on CPU, what fits in GPU memory on CUDA)")
     p.add_argument("--systems", default="orca,ft", help=f"comma-separated, of {', '.join(SYSTEMS)}")
     p.add_argument("--n-requests", type=int, default=16)
     p.add_argument("--rate", type=float, default=None, help="Poisson arrivals (req/s); default: all at 0")

@@ -27,7 +27,7 @@ from orca_lab.engine.control import (ControlError, ControlMessage, Inbox, Reset,
                                      connect, decode, decode_address, encode_address, watch_master)
 from orca_lab.engine.data_plane import DataPlane
 from orca_lab.engine.executor import split_layers
-from orca_lab.engine.kv_manager import KVSlotManager
+from orca_lab.engine.kv_manager import KVSlotManager, rank_shares, size_kv_pool
 from orca_lab.engine.model import CheckpointWeights, RandomWeights, StateDictWeights
 from orca_lab.engine.request import SamplingParams
 from orca_lab.engine.sampler import sample
@@ -85,26 +85,35 @@ class Worker:
         self.device = spec.device
         torch.set_num_threads(spec.threads)
         if self.device.type == "cuda":
+            if spec.local_rank >= torch.cuda.device_count():
+                raise RuntimeError(f"worker rank {spec.rank}: LOCAL_RANK={spec.local_rank} but this node has "
+                                   f"{torch.cuda.device_count()} GPU(s): start at most that many ranks per node")
             torch.cuda.set_device(self.device)
         # listen first: peers find this address in the store as soon as it is there
         self.inbox = Inbox(spec.host, spec.secret)
         store.set(f"inbox/{self.rank}", encode_address(self.inbox.address))
         self.data = DataPlane(self.rank, spec.tp, spec.pp, store, self.device)
-        self._build_stage()
+        self._build_stage(store)
         self.requests: dict[int, RemoteRequest] = {}
         self._connect(store)
         store.set(f"ready/{self.rank}", "1")
 
-    def _build_stage(self):
-        """This rank's layers and slices only, read straight onto its device (never the full model)."""
+    def _build_stage(self, store):
+        """This rank's layers and slices only, read straight onto its device (never the full model),
+        once its GPU is known to hold them and the K/V pool the master sized."""
         spec, cfg, ec = self.spec, self.spec.cfg, self.spec.engine
         lo, hi = split_layers(cfg.n_layers, spec.pp)[self.stage]
         self.dtype = getattr(torch, ec.dtype)
+        n_slots = ec.n_slots if ec.n_slots is not None else int(store.get("n_slots"))
+        if self.device.type == "cuda":
+            share = rank_shares(cfg, spec.tp, [(lo, hi)], self.dtype.itemsize)
+            size_kv_pool(f"worker rank {self.rank}'s share of {cfg.name}", share, n_slots, n_slots, self.device,
+                         ec.gpu_memory_utilization)
         self.model = stage_model(weight_source(spec, self.device, self.dtype), cfg, (lo, hi), self.tp_rank, spec.tp,
                                  first=self.first, last=self.last, all_reduce=self.data.all_reduce,
                                  attention_backend=ec.attention_backend, fused_ops_backend=ec.fused_ops_backend)
         # this rank's K/V pool: its own heads, its stage's layers, all of the engine's slots
-        self.kv = KVSlotManager(ec.n_slots, hi - lo, cfg.n_heads // spec.tp, cfg.head_dim, self.device, self.dtype)
+        self.kv = KVSlotManager(n_slots, hi - lo, cfg.n_heads // spec.tp, cfg.head_dim, self.device, self.dtype)
 
     def _connect(self, store):
         """Connect downstream first (connecting never waits for the peer to accept), then accept
