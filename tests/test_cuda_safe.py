@@ -84,3 +84,22 @@ def test_a_forked_child_of_a_process_that_imported_orca_lab_initializes_cuda():
     """)
     done = run_python(code, PYTHONPATH=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: workers over NCCL")
+def test_workers_over_nccl_on_one_gpu_give_the_in_process_tokens_and_fail_fast():
+    import signal
+    import time
+
+    from orca_lab import LLM, EngineConfig
+    from orca_lab.engine.parallel import WorkerPool
+    local = LLM("tiny", seed=2, engine=EngineConfig(device="cuda", n_slots=2048))
+    llm = LLM("tiny", seed=2, engine=EngineConfig(device="cuda", n_slots=2048, executor="workers"))
+    prompts = [[3, 4, 5], list(range(60, 90))]
+    assert llm.generate(prompts, max_gen_tokens=6) == local.generate(prompts, max_gen_tokens=6)
+    pool = WorkerPool(llm)
+    os.kill(pool.pids[0], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker rank 0 .*SIGKILL"):
+        llm.generate(prompts, max_gen_tokens=6)
+    assert time.monotonic() - t0 < 10

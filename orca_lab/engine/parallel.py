@@ -43,7 +43,7 @@ import torch.distributed as dist
 from orca_lab.config import check_degrees, uses_workers  # noqa: F401  (re-exported: callers import them here)
 from orca_lab.engine.control import (ControlError, ControlMessage, Inbox, Reset, StageReport, Stop, WorkerError,
                                      connect, decode_address, encode, encode_address, start_heartbeat)
-from orca_lab.engine.executor import Completion, RealClock, StageTime, split_layers
+from orca_lab.engine.executor import Completion, RealClock, StageTime
 from orca_lab.engine.request import RequestState
 from orca_lab.engine.worker import MASTER, STORE_TIMEOUT, Worker, WorkerSpec, worker_process
 
