@@ -66,6 +66,9 @@ class LLM:
         return cls(checkpoint_config(path), engine=engine, tokenizer=tokenizer, checkpoint=path)
 
     def save_pretrained(self, path):
+        if self.model.wte.weight.is_meta:
+            raise RuntimeError("this LLM's weights live on its workers (the master holds shapes only): save "
+                               "a model built with executor='local', or pass gpt= to keep one here")
         self.model.save_pretrained(path)
 
     # -- engines --------------------------------------------------------------------------------

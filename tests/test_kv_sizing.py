@@ -51,3 +51,13 @@ def test_a_model_that_cannot_fit_is_refused_before_any_allocation(gpu):
         kv_slots_on_gpu(PRESETS["gpt2"], EngineConfig(device="cuda", n_slots=4_000_000))
     # split over 8 GPUs, each holds an eighth: it fits
     assert kv_slots_on_gpu(PRESETS["gpt3-13b"], EngineConfig(device="cuda", dtype="float16", tensor_parallel=8)) > 2048
+
+
+def test_a_worker_that_fails_at_start_up_names_its_error(tiny_llm, monkeypatch):
+    """Start-up errors come before a worker's report channel exists: the master reads them from the
+    store when it sees the process exit."""
+    from orca_lab.engine.parallel import WorkerPool
+    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=2, n_slots=256, pipeline_parallel=2))
+    monkeypatch.setattr(WorkerPool, "_weights_for_workers", lambda self, llm: ("/nonexistent/weights.pt", 0))
+    with pytest.raises(RuntimeError, match=r"worker rank \d .* exited with code 1: FileNotFoundError: .*/nonexistent"):
+        WorkerPool(llm, attach=False)

@@ -76,6 +76,7 @@ class WorkerPool:
         self._procs, self._thread, self._control, self._reports = [], [], [], {}
         self._cleanup: list = []
         self._store_port: list[int] = []               # when this process hosts the rendezvous store
+        self._store_box: list = []                     # that store (and its prefix view), until teardown
         self._grace = {"s": 10.0}                      # how long workers get to stop by themselves
         # runs on close(), on garbage collection and at interpreter exit: never a worker left behind
         self._finalizer = weakref.finalize(self, _teardown, self._procs, self._thread, self._control,
@@ -117,9 +118,9 @@ class WorkerPool:
         self._secret, session = secrets.token_bytes(32), f"pool-{secrets.token_hex(4)}"
         weights, seed = self._weights_for_workers(llm)
         tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
-        store_box, self._store_port = [tcp], [tcp.port]  # dropping the last reference frees the port
-        self._cleanup.append(store_box.clear)
         store = dist.PrefixStore(session, tcp)
+        self._store_box, self._store_port = [tcp, store], [tcp.port]   # dropping them frees the port
+        self._cleanup.append(self._store_box.clear)
         self._cleanup.append(start_heartbeat(store.clone()).set)     # the workers watch it (control.py)
         self._open_inbox(store, "127.0.0.1")
         ctx = _context(self.engine.device)
@@ -239,10 +240,18 @@ class WorkerPool:
     # -- liveness and shutdown -------------------------------------------------------------------
     def _check_alive(self, when: str):
         dead = [f"worker rank {r} (stage {r // self.tp}, tensor rank {r % self.tp}, pid {p.pid}) exited "
-                f"{_exit_text(p.exitcode)}" for r, p in enumerate(self._procs) if p.exitcode is not None]
+                f"{_exit_text(p.exitcode)}{self._error_of(r)}" for r, p in enumerate(self._procs) if p.exitcode is not None]
         dead += [f"worker rank 0 (thread) ended" for th in self._thread if not th.is_alive()]
         if dead:
             self._fail("; ".join(dead) + (f" {when}" if when else ""))
+
+    def _error_of(self, rank: int) -> str:
+        """The last line of the error a worker left in the store before exiting (start-up errors come
+        before its report channel exists), or ''."""
+        store = self._store_box[1] if self._store_box else None
+        if store is None or not store.check([f"error/{rank}"]):
+            return ""
+        return ": " + store.get(f"error/{rank}").decode().strip().splitlines()[-1]
 
     def _check_usable(self):
         if self.broken:

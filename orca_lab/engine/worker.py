@@ -227,6 +227,7 @@ def worker_process(spec: WorkerSpec):
     """Entry point of a worker process on this machine: join the pool's store, serve, exit."""
     os.environ["OMP_NUM_THREADS"] = str(spec.threads)      # before the first parallel op starts OpenMP
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")      # the data plane stays on loopback
+    store = None
     try:
         tcp = dist.TCPStore(*spec.store, is_master=False, timeout=STORE_TIMEOUT)
         store = dist.PrefixStore(spec.session, tcp)
@@ -235,4 +236,9 @@ def worker_process(spec: WorkerSpec):
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
+        if store is not None:           # the master names it when it sees this process exit
+            try:
+                store.set(f"error/{spec.rank}", traceback.format_exc()[-4000:])
+            except Exception:
+                pass
         os._exit(1)            # never linger in interpreter shutdown next to a broken process group
