@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 
@@ -90,20 +91,24 @@ def model_config(name_or_config: str | ModelConfig) -> ModelConfig:
 DTYPES = ("float32", "float16", "bfloat16")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 EXECUTORS = ("auto", "local", "workers")
+CPU_SLOTS = 16384           # n_slots on CPU unless given
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """What the engine runs with: Algorithm 1's parameters, kernels, placement and parallelism.
 
-    ``n_slots`` is the K/V memory in token slots (one slot = K and V of one token, all layers);
+    ``n_slots`` is the K/V memory in token slots (one slot = K and V of one token, all layers).
+    ``None`` (the default) means 16384 on CPU and, on CUDA, as many as fit in the GPU's free memory
+    after the weights, keeping ``1 - gpu_memory_utilization`` of the GPU back for activations and
+    other processes (``LLM`` sizes it before allocating anything, and refuses a model that cannot fit);
     ``pipeline_parallel`` is the paper's ``n_workers``: that many batches are kept in flight.
     ``executor``: "auto" runs tensor_parallel x pipeline_parallel worker processes when that is above 1,
     else the model in this process; "local" emulates the pipeline stages in this process; "workers"
     always uses worker processes (even 1 x 1).
     """
     max_bs: int = 32
-    n_slots: int = 16384
+    n_slots: int | None = None
     attention_backend: str = "auto"
     fused_ops_backend: str = "auto"
     device: str = "cpu"
@@ -111,10 +116,15 @@ class EngineConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     executor: str = "auto"
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self):
         check_range("max_bs", self.max_bs, 1, 65536)
-        check_range("n_slots", self.n_slots, 1, 1 << 31)
+        if self.n_slots is None and not str(self.device).startswith("cuda"):
+            object.__setattr__(self, "n_slots", CPU_SLOTS)
+        if self.n_slots is not None:
+            check_range("n_slots", self.n_slots, 1, 1 << 31)
+        check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0.01, 1.0, kind=float)
         check_choice("attention_backend", self.attention_backend, KERNEL_BACKENDS)
         check_choice("fused_ops_backend", self.fused_ops_backend, KERNEL_BACKENDS)
         check_choice("dtype", self.dtype, DTYPES)
@@ -130,3 +140,47 @@ class EngineConfig:
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+# -- parallel degrees: what the model and the machine (or the launcher's world) can take ----------
+def uses_workers(ec: EngineConfig) -> bool:
+    """Worker processes for any parallel degree above 1 (``executor="auto"``), or when asked."""
+    return ec.executor == "workers" or (ec.executor == "auto" and ec.tensor_parallel * ec.pipeline_parallel > 1)
+
+
+def launcher_world_size() -> int | None:
+    """``WORLD_SIZE`` when a launcher (torchrun, or any that sets ``RANK`` and ``WORLD_SIZE``) started
+    this process: its ranks span nodes, so the local GPU count says nothing about them."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def check_degrees(cfg: ModelConfig, ec: EngineConfig):
+    """Refuse degrees the model or the machine cannot take, naming the field and the allowed range.
+
+    With workers on CUDA, ``tensor_parallel x pipeline_parallel`` is one GPU per worker: under a
+    launcher it must equal the world size (each node checks its own GPUs when its workers start);
+    a pool on this machine must fit its GPUs."""
+    T, P = ec.tensor_parallel, ec.pipeline_parallel
+    if cfg.n_heads % T:
+        allowed = [d for d in range(1, cfg.n_heads + 1) if cfg.n_heads % d == 0]
+        raise ValueError(f"tensor_parallel={T} is not allowed: it must divide n_heads={cfg.n_heads} "
+                         f"(allowed: {', '.join(map(str, allowed))})")
+    check_range("pipeline_parallel", P, 1, cfg.n_layers)         # a stage holds at least one layer
+    if T > 1 and not uses_workers(ec):
+        raise ValueError(f"tensor_parallel={T} needs worker processes: executor='local' allows "
+                         "tensor_parallel=1 only (use executor='auto' or 'workers')")
+    if not (uses_workers(ec) and ec.device.startswith("cuda")):
+        return
+    world = launcher_world_size()
+    if world is not None:
+        if T * P != world:
+            raise ValueError(f"tensor_parallel x pipeline_parallel = {T} x {P} = {T * P} must equal the "
+                             f"launcher's world size WORLD_SIZE={world}: one rank per worker")
+        return
+    import torch        # here, not at import: this module stays free of torch and of CUDA
+    n = torch.cuda.device_count()
+    if T * P > n:
+        raise ValueError(f"tensor_parallel x pipeline_parallel = {T} x {P} = {T * P} exceeds the {n} "
+                         f"GPU(s) available: allowed tensor_parallel * pipeline_parallel in [1, {n}]")

@@ -5,12 +5,12 @@ from typing import Iterator
 
 import torch
 
-from orca_lab.config import EngineConfig, ModelConfig, model_config
+from orca_lab.config import EngineConfig, ModelConfig, check_degrees, model_config, uses_workers
 from orca_lab.engine.engine import Engine, RunResult
-from orca_lab.engine.executor import LocalExecutor
-from orca_lab.engine.kv_manager import KVSlotManager
-from orca_lab.engine.model import GPT
-from orca_lab.engine.parallel import WorkerExecutor, check_degrees, uses_workers
+from orca_lab.engine.executor import LocalExecutor, split_layers
+from orca_lab.engine.kv_manager import KVSlotManager, rank_shares, size_kv_pool
+from orca_lab.engine.model import GPT, checkpoint_config
+from orca_lab.engine.parallel import WorkerExecutor
 from orca_lab.engine.request import SamplingParams
 from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler
 from orca_lab.tokenizer import ByteTokenizer
@@ -18,30 +18,57 @@ from orca_lab.tokenizer import ByteTokenizer
 SYSTEMS = ("orca", "ft")
 
 
+def kv_slots_on_gpu(cfg: ModelConfig, ec: EngineConfig) -> int:
+    """``ec.n_slots``, or as many as fit on the GPU (the rank that holds most, with workers); a
+    ValueError naming bytes needed and available when the weights and the pool cannot fit."""
+    workers = uses_workers(ec)
+    stages = split_layers(cfg.n_layers, ec.pipeline_parallel) if workers else [(0, cfg.n_layers)]
+    shares = rank_shares(cfg, ec.tensor_parallel if workers else 1, stages, getattr(torch, ec.dtype).itemsize)
+    what = f"{cfg.name} in {ec.dtype} (tensor_parallel x pipeline_parallel = {ec.tensor_parallel} x {ec.pipeline_parallel})"
+    return size_kv_pool(what, shares, ec.n_slots, cfg.max_seq_len, ec.device, ec.gpu_memory_utilization)
+
+
 class LLM:
     """A GPT served by ORCA's engine (``system="orca"``) or by the request-level baseline (``"ft"``)."""
 
     def __init__(self, model: str | ModelConfig = "tiny", seed: int = 0, engine: EngineConfig | None = None,
-                 tokenizer=None, *, gpt: GPT | None = None):
+                 tokenizer=None, *, gpt: GPT | None = None, checkpoint=None):
         self.engine_config = engine or EngineConfig()
         ec = self.engine_config
-        check_degrees(gpt.cfg if gpt is not None else model_config(model), ec)
+        cfg = gpt.cfg if gpt is not None else model_config(model)
+        check_degrees(cfg, ec)
         if ec.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={ec.device!r} but no CUDA device is available: use device='cpu'")
+        if ec.device.startswith("cuda"):        # before any allocation: refuse what cannot fit
+            ec = self.engine_config = ec.replace(n_slots=kv_slots_on_gpu(cfg, ec))
         dtype = getattr(torch, ec.dtype)
         backends = dict(attention_backend=ec.attention_backend, fused_ops_backend=ec.fused_ops_backend)
-        self.model = gpt.to(ec.device, dtype) if gpt is not None else \
-            GPT.random(model_config(model), seed, ec.device, dtype, **backends)
+        # Where the workers' weights come from: (checkpoint or None for random, seed). With workers, the
+        # master keeps shapes only (a meta model) and each worker reads its own shard; a model passed
+        # in stays where it is (the pool hands its weights to the workers).
+        self.weights = (None if checkpoint is None else str(checkpoint), seed)
+        if gpt is not None:
+            self.model = gpt if uses_workers(ec) else gpt.to(ec.device, dtype)
+        elif uses_workers(ec):
+            self.model = GPT.random(cfg, device="meta", **backends)
+        elif checkpoint is not None:
+            self.model = GPT.from_pretrained(checkpoint, ec.device, dtype, **backends)
+        else:
+            self.model = GPT.random(cfg, seed, ec.device, dtype, **backends)
         self.model.attention_backend, self.model.fused_ops_backend = ec.attention_backend, ec.fused_ops_backend
         self.cfg = self.model.cfg
         self.tokenizer = tokenizer or (ByteTokenizer() if self.cfg.vocab_size == ByteTokenizer.vocab_size else None)
 
     @classmethod
     def from_pretrained(cls, path, engine: EngineConfig | None = None, tokenizer=None) -> "LLM":
-        """A GPT-2 checkpoint in the Hugging Face layout from a local directory (never the network)."""
-        return cls(engine=engine, tokenizer=tokenizer, gpt=GPT.from_pretrained(path))
+        """A GPT-2 checkpoint in the Hugging Face layout from a local directory (never the network).
+        With workers, each reads only its own slices of the file."""
+        return cls(checkpoint_config(path), engine=engine, tokenizer=tokenizer, checkpoint=path)
 
     def save_pretrained(self, path):
+        if self.model.wte.weight.is_meta:
+            raise RuntimeError("this LLM's weights live on its workers (the master holds shapes only): save "
+                               "a model built with executor='local', or pass gpt= to keep one here")
         self.model.save_pretrained(path)
 
     # -- engines --------------------------------------------------------------------------------

@@ -6,14 +6,24 @@ forwards it to its successor the moment it arrives, before and independently of 
 the last stage sends the tokens back in a ``StageReport``. Only Python scalars and lists travel here:
 tensors go over torch.distributed (``data_plane.py``), so control never synchronizes a device.
 
-A channel is a TCP connection (loopback on one machine; any address across nodes) framed and pickled
-by ``multiprocessing.connection``; the first frame of every connection is a shared secret, so a
-stranger on the same host cannot inject messages.
+A channel is a TCP connection (loopback on one machine; any address across nodes), framed by
+``multiprocessing.connection``. Nothing on it is ever unpickled: a message travels as JSON of plain
+types (``encode``/``decode``), behind an HMAC-SHA256 of the pool's shared secret. A frame whose tag does
+not match (tampered with, unsigned, or signed with another key) is refused before it is parsed, so a
+stranger who can reach a port can neither run code nor inject an iteration. The secret itself never
+crosses a channel: a connection opens with a signed ``Hello`` naming its rank.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import hmac
+import json
+import os
 import socket
+import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
@@ -75,12 +85,83 @@ class WorkerError:
     text: str
 
 
+@dataclass(frozen=True)
+class Hello:
+    """The first frame of every connection: who is calling (-1 = the engine master)."""
+    rank: int
+
+
+# -- the wire format: signed JSON of plain types ---------------------------------------------------
+MESSAGES = {cls.__name__: cls for cls in (ControlMessage, Reset, Stop, StageReport, WorkerError, Hello)}
+TAG_BYTES = hashlib.sha256().digest_size
+
+
+class ControlError(ValueError):
+    """A frame that is not a valid message signed with this pool's secret."""
+
+
+def encode(msg, secret: bytes) -> bytes:
+    """``tag + JSON``: the tag is the HMAC-SHA256 of the JSON under the pool's secret."""
+    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    if isinstance(msg, ControlMessage):       # int keys and a dataclass inside: as plain lists
+        fields["reserve"] = [[rid, slots, dataclasses.asdict(params)]
+                             for rid, (slots, params) in msg.reserve.items()]
+    body = json.dumps([type(msg).__name__, fields], separators=(",", ":")).encode()
+    return hmac.digest(secret, body, "sha256") + body
+
+
+def decode(raw: bytes, secret: bytes):
+    """The message in ``raw``, once its tag proves it was signed with ``secret``; else ControlError."""
+    tag, body = raw[:TAG_BYTES], raw[TAG_BYTES:]
+    if len(tag) < TAG_BYTES or not hmac.compare_digest(tag, hmac.digest(secret, body, "sha256")):
+        raise ControlError(f"refused a control frame of {len(raw)} bytes: its HMAC does not match the "
+                           "pool's secret (tampered with, unsigned or from another pool)")
+    try:
+        kind, fields = json.loads(body)
+        cls = MESSAGES[kind]
+        if cls is ControlMessage:
+            fields["reserve"] = {rid: (tuple(slots), SamplingParams(**params))
+                                 for rid, slots, params in fields["reserve"]}
+        return cls(**fields)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ControlError(f"refused a signed control frame that is not a valid message ({e!r})") from None
+
+
 # -- channels ------------------------------------------------------------------------------------
 def _no_delay(sock: socket.socket) -> socket.socket:
     # Small request/response messages: without this, Nagle + delayed ACKs add ~40 ms per iteration.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setblocking(True)
     return sock
+
+
+class Channel:
+    """One end of a control connection: ``send``/``recv`` sign and check every message; ``send_raw``
+    and ``recv_raw`` pass signed frames on unchanged (the relay forwards without re-encoding)."""
+
+    def __init__(self, conn: Connection, secret: bytes):
+        self.conn, self.secret = conn, secret
+
+    def send(self, msg):
+        self.conn.send_bytes(encode(msg, self.secret))
+
+    def send_raw(self, raw: bytes):
+        self.conn.send_bytes(raw)
+
+    def recv_raw(self) -> bytes:
+        return self.conn.recv_bytes()
+
+    def recv(self):
+        return decode(self.recv_raw(), self.secret)
+
+    def poll(self, timeout: float) -> bool:
+        return self.conn.poll(timeout)
+
+    def fileno(self) -> int:            # so that multiprocessing.connection.wait can select on it
+        return self.conn.fileno()
+
+    def close(self):
+        self.conn.close()
 
 
 class Inbox:
@@ -91,33 +172,35 @@ class Inbox:
         self.address: tuple[str, int] = self.sock.getsockname()[:2]
         self.secret = secret
 
-    def accept(self, timeout: float) -> tuple[Connection, int] | None:
-        """The next authenticated peer and the rank it announced, or None after ``timeout`` s."""
+    def accept(self, timeout: float) -> tuple[Channel, int] | None:
+        """The next peer whose first frame is a ``Hello`` signed with the secret, and the rank it
+        announced, or None after ``timeout`` s. Anything else is dropped and listening goes on."""
         self.sock.settimeout(timeout)
         try:
             sock, _ = self.sock.accept()
         except (socket.timeout, BlockingIOError):
             return None
-        conn = Connection(_no_delay(sock).detach())
+        channel = Channel(Connection(_no_delay(sock).detach()), self.secret)
         try:
-            if conn.poll(10) and hmac.compare_digest(conn.recv_bytes(64), self.secret) and conn.poll(10):
-                return conn, int(conn.recv_bytes(32))
-        except (OSError, EOFError, ValueError):
+            if channel.poll(10):
+                hello = decode(channel.conn.recv_bytes(4096), self.secret)
+                if isinstance(hello, Hello):
+                    return channel, hello.rank
+        except (OSError, EOFError, ControlError):
             pass
-        conn.close()                      # not one of ours: drop it and keep listening
+        channel.close()                   # not one of ours
         return self.accept(timeout)
 
     def close(self):
         self.sock.close()
 
 
-def connect(address, secret: bytes, rank: int, timeout: float = 30.0) -> Connection:
+def connect(address, secret: bytes, rank: int, timeout: float = 30.0) -> Channel:
     """A channel to the Inbox at ``address``, announcing ``rank`` (-1 = the engine master)."""
     sock = socket.create_connection(tuple(address), timeout=timeout)
-    conn = Connection(_no_delay(sock).detach())
-    conn.send_bytes(secret)
-    conn.send_bytes(str(rank).encode())
-    return conn
+    channel = Channel(Connection(_no_delay(sock).detach()), secret)
+    channel.send(Hello(rank))
+    return channel
 
 
 def encode_address(address) -> str:
@@ -127,3 +210,47 @@ def encode_address(address) -> str:
 def decode_address(text: bytes | str) -> tuple[str, int]:
     host, port = (text.decode() if isinstance(text, bytes) else text).rsplit(":", 1)
     return host, int(port)
+
+
+# -- liveness of the engine master ---------------------------------------------------------------
+HEARTBEAT_S = 1.0           # how often the master bumps its heartbeat counter in the store
+
+
+def start_heartbeat(store) -> threading.Event:
+    """Bump ``heartbeat`` in the rendezvous store every HEARTBEAT_S until the returned event is set.
+    ``store`` should be a client of its own (``store.clone()``): a blocking wait on a shared client
+    would hold every other call on it."""
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(HEARTBEAT_S):
+            try:
+                store.add("heartbeat", 1)
+            except Exception:       # the store is gone: nobody is listening any more
+                return
+    threading.Thread(target=beat, name="orca-master-heartbeat", daemon=True).start()
+    return stop
+
+
+def watch_master(store, timeout: float, rank: int, what: str = "the engine master (rank 0)"):
+    """End this worker process with a clear error when the master's heartbeat stops for ``timeout``
+    seconds (a master that died or hung: a store hosted elsewhere, such as torchrun's agent, outlives
+    it), or when the store itself goes away. Without it a worker would wait for the master at start-up,
+    or block in a receive, until torch.distributed's own timeouts (minutes)."""
+    def gone(reason: str):
+        print(f"worker rank {rank}: {reason}; giving up", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def watch():
+        last, since = None, time.monotonic()
+        while True:
+            try:
+                beat = store.add("heartbeat", 0)        # reads the counter, never waits
+            except Exception as e:
+                gone(f"the rendezvous store that {what} uses is unreachable ({type(e).__name__})")
+            if beat != last:
+                last, since = beat, time.monotonic()
+            elif time.monotonic() - since > timeout:
+                gone(f"{what} sent no heartbeat for {timeout:g} s (it died or hung)")
+            time.sleep(min(HEARTBEAT_S, timeout / 4))
+    threading.Thread(target=watch, name="orca-master-watch", daemon=True).start()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from orca_lab.config import check_range
 from orca_lab.engine.batch import Batch
 from orca_lab.engine.sampler import sample
 
@@ -69,9 +70,7 @@ class Completion:
 
 def split_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
     """Equal contiguous partitions of the layers, one per pipeline stage (ORCA §4.3)."""
-    if not 1 <= n_stages <= n_layers:
-        raise ValueError(f"pipeline_parallel={n_stages} is out of range: allowed [1, {n_layers}] "
-                         f"(n_layers={n_layers})")
+    check_range("pipeline_parallel", n_stages, 1, n_layers)
     bounds = [round(i * n_layers / n_stages) for i in range(n_stages + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
 

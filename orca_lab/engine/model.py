@@ -6,6 +6,7 @@ The request-level baseline runs the same weights on padded ``[B, L, H]`` batches
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -103,40 +104,36 @@ class GPT(nn.Module):
 
     # -- weights ----------------------------------------------------------------------------------
     @classmethod
-    def random(cls, cfg: ModelConfig, seed: int = 0, device="cpu", dtype=torch.float32, **kw) -> "GPT":
-        """Seeded random weights, biases and norms included (never zeros). The scale, 0.1, is five
-        times GPT-2's init: wide enough that greedy outputs vary from token to token, so a batching
-        bug changes them. ``device="meta"`` builds the shapes only, for paper-scale presets."""
+    def build(cls, cfg: ModelConfig, weights, **kw) -> "GPT":
+        """The whole model with every parameter read from ``weights`` (``RandomWeights``,
+        ``CheckpointWeights`` or ``StateDictWeights``), each tensor made once, on its final device."""
         with torch.device("meta"):
             model = cls(cfg, **kw)
+        state = {name: weights.read(name, tuple(p.shape)) for name, p in model.named_parameters()}
+        model.load_state_dict(state, strict=True, assign=True)
+        return model.eval()
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, seed: int = 0, device="cpu", dtype=torch.float32, *,
+               init_device=None, **kw) -> "GPT":
+        """Seeded random weights, biases and norms included (never zeros). The scale, 0.1, is five
+        times GPT-2's init: wide enough that greedy outputs vary from token to token, so a batching
+        bug changes them. ``device="meta"`` builds the shapes only, for paper-scale presets.
+
+        The numbers are drawn on ``init_device`` (default: ``device``'s type) in chunks, each from its
+        own generator (``RandomWeights``), straight into the final tensors: a GPU builds gpt3-13b in
+        seconds, and a tensor-parallel worker draws only its shard, equal to the same slice of this
+        model. CPU and CUDA generators differ: pass ``init_device="cpu"`` for the CPU's numbers on a GPU."""
         if str(device) == "meta":
-            return model.eval()
-        model = model.to_empty(device="cpu")
-        gen = torch.Generator().manual_seed(seed)
-        for name, p in model.named_parameters():
-            with torch.no_grad():
-                if "ln" in name and name.endswith("weight"):
-                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-                else:
-                    p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-        return model.to(device=device, dtype=dtype).eval()
+            with torch.device("meta"):
+                return cls(cfg, **kw).eval()
+        return cls.build(cfg, RandomWeights(seed, device, dtype, init_device), **kw)
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32, **kw) -> "GPT":
         """A GPT-2 checkpoint in the Hugging Face layout: ``config.json`` + ``model.safetensors``."""
-        from safetensors.torch import load_file
-        path = Path(path)
-        for f in ("config.json", "model.safetensors"):
-            if not (path / f).is_file():
-                raise FileNotFoundError(f"{path / f} not found: a GPT-2 checkpoint directory holds "
-                                        "config.json and model.safetensors")
-        cfg = config_from_hf(json.loads((path / "config.json").read_text()), name=path.name)
-        with torch.device("meta"):
-            model = cls(cfg, **kw)
-        state = {_our_name(k): v for k, v in load_file(path / "model.safetensors").items()
-                 if _our_name(k) is not None}
-        model.load_state_dict(_from_conv1d(state), strict=True, assign=True)
-        return model.to(device=device, dtype=dtype).eval()
+        weights = CheckpointWeights(path, device, dtype)
+        return cls.build(weights.cfg, weights, **kw)
 
     def save_pretrained(self, path):
         """Write this model as a Hugging Face GPT-2 checkpoint (transformers can load it)."""
@@ -170,6 +167,111 @@ def padded_attention(q, k_pool, v_pool, bt):
     return o.transpose(1, 2).reshape(B * L, *q.shape[1:])
 
 
+# -- weights, whole or by shard --------------------------------------------------------------------
+# A source's ``read(name, shape, ranges)`` gives parameter ``name`` (full shape ``shape``) on its
+# device and dtype: whole, or only the pieces ``ranges = ((lo, hi), ...)`` along ``chunk_dim(name)``,
+# concatenated. Tensor-parallel workers read their shards this way (``tensor_parallel.py``).
+
+def chunk_dim(name: str) -> int:
+    """The dimension tensor parallelism splits ``name`` along: the input features of the
+    row-parallel linears, the first dimension of every other tensor."""
+    return 1 if name.endswith(("attn_proj.weight", "mlp_proj.weight")) else 0
+
+
+def _pieces(t: torch.Tensor, dim: int, ranges) -> torch.Tensor:
+    if ranges is None:
+        return t
+    return torch.cat([t.narrow(dim, a, b - a) for a, b in ranges], dim)
+
+
+def _place(t: torch.Tensor, device, dtype) -> torch.Tensor:
+    """A tensor of its own on ``device``: never a view into a memory-mapped file."""
+    return t.to(device=device, dtype=dtype, copy=True).contiguous()
+
+
+class RandomWeights:
+    """Seeded random weights: ``0.1 * N(0, 1)``, LayerNorm gains ``1 + 0.1 * N(0, 1)``.
+
+    Each tensor is drawn in chunks of whole rows along ``chunk_dim(name)`` (about ``CHUNK`` elements
+    each; the row count depends only on the tensor's shape), chunk ``c`` from a generator seeded with
+    a hash of ``(seed, name, c)``. So any slice along that dimension is drawn without the rest of the
+    tensor, equal to the same slice of the whole: a worker builds only its own shard."""
+    CHUNK = 1 << 22
+
+    def __init__(self, seed: int = 0, device="cpu", dtype=torch.float32, init_device=None):
+        self.seed, self.device, self.dtype = seed, torch.device(device), dtype
+        self.init_device = torch.device(init_device if init_device is not None else self.device)
+
+    def read(self, name: str, shape: tuple, ranges=None) -> torch.Tensor:
+        dim = chunk_dim(name)
+        n = shape[dim]
+        rows = max(1, self.CHUNK // max(1, math.prod(shape) // n))        # per chunk
+        ranges = ((0, n),) if ranges is None else ranges
+        out = torch.empty(*shape[:dim], sum(b - a for a, b in ranges), *shape[dim + 1:],
+                          device=self.device, dtype=self.dtype)
+        at = 0
+        for a, b in ranges:
+            for c in range(a // rows, (b - 1) // rows + 1):
+                lo, hi = max(a, c * rows), min(b, (c + 1) * rows)      # this chunk's part of [a, b)
+                chunk = self._chunk(name, shape, dim, c, rows)
+                out.narrow(dim, at + lo - a, hi - lo).copy_(chunk.narrow(dim, lo - c * rows, hi - lo))
+            at += b - a
+        return out
+
+    def _chunk(self, name, shape, dim, c, rows) -> torch.Tensor:
+        size = list(shape)
+        size[dim] = min(rows, shape[dim] - c * rows)
+        key = hashlib.blake2b(f"{self.seed}/{name}/{c}".encode(), digest_size=8).digest()
+        gen = torch.Generator(self.init_device).manual_seed(int.from_bytes(key, "little"))
+        x = torch.randn(size, generator=gen, device=self.init_device).mul_(0.1)
+        return x.add_(1.0) if ".ln" in f".{name}" and name.endswith("weight") else x
+
+
+class StateDictWeights:
+    """Slices of a full state dict (for example ``torch.load(..., mmap=True)``: only the pages of
+    the slices read are touched)."""
+
+    def __init__(self, state: dict, device="cpu", dtype=torch.float32):
+        self.state, self.device, self.dtype = state, device, dtype
+
+    def read(self, name: str, shape: tuple, ranges=None) -> torch.Tensor:
+        t = self.state[name]
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"weights[{name!r}] has shape {tuple(t.shape)}, the model needs {tuple(shape)}")
+        return _place(_pieces(t, chunk_dim(name), ranges), self.device, self.dtype)
+
+
+class CheckpointWeights:
+    """A GPT-2 checkpoint in the Hugging Face layout (``config.json`` + ``model.safetensors``), read
+    tensor by tensor and slice by slice (``safe_open(...).get_slice``): a worker reads only its
+    layers and its shards of them, never the whole file."""
+
+    def __init__(self, path, device="cpu", dtype=torch.float32):
+        from safetensors import safe_open
+        path = Path(path)
+        self.cfg = checkpoint_config(path)
+        self.file = safe_open(str(path / "model.safetensors"), framework="pt")     # reads the header
+        self.keys = {_our_name(k): k for k in self.file.keys() if _our_name(k) is not None}
+        self.path, self.device, self.dtype = path, device, dtype
+
+    def read(self, name: str, shape: tuple, ranges=None) -> torch.Tensor:
+        if name not in self.keys:
+            raise KeyError(f"{self.path / 'model.safetensors'} has no tensor for {name!r} ({_hf_name(name)})")
+        conv1d = name.endswith(_CONV1D)                  # stored transposed: [in, out]
+        dim = chunk_dim(name)
+        file_dim = 1 - dim if conv1d else dim
+        piece = self.file.get_slice(self.keys[name])
+        stored = tuple(piece.get_shape())
+        expected = tuple(reversed(shape)) if conv1d else tuple(shape)
+        if stored != expected:
+            raise ValueError(f"{_hf_name(name)} has shape {stored} in the checkpoint, expected {expected}")
+        if ranges is None:
+            t = piece[:]
+        else:
+            t = torch.cat([piece[a:b] if file_dim == 0 else piece[:, a:b] for a, b in ranges], file_dim)
+        return _place(t.t() if conv1d else t, self.device, self.dtype)
+
+
 # -- Hugging Face GPT-2 layout --------------------------------------------------------------------
 _HF_NAMES = {"ln_1": "ln_1", "c_attn": "attn.c_attn", "attn_proj": "attn.c_proj", "ln_2": "ln_2",
              "c_fc": "mlp.c_fc", "mlp_proj": "mlp.c_proj"}
@@ -198,7 +300,14 @@ def _to_conv1d(state):   # HF's Conv1D stores [in, out]; nn.Linear stores [out, 
     return {k: v.t().contiguous() if k.endswith(_CONV1D) else v for k, v in state.items()}
 
 
-_from_conv1d = _to_conv1d
+def checkpoint_config(path) -> ModelConfig:
+    """The shape of the GPT-2 checkpoint in directory ``path`` (its ``config.json``), named after it."""
+    path = Path(path)
+    for f in ("config.json", "model.safetensors"):
+        if not (path / f).is_file():
+            raise FileNotFoundError(f"{path / f} not found: a GPT-2 checkpoint directory holds "
+                                    "config.json and model.safetensors")
+    return config_from_hf(json.loads((path / "config.json").read_text()), name=path.name)
 
 
 def config_from_hf(c: dict, name: str = "hf") -> ModelConfig:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import secrets
 import shutil
 import signal
@@ -41,37 +40,14 @@ from multiprocessing.connection import wait as wait_any
 import torch
 import torch.distributed as dist
 
-from orca_lab.engine.control import (ControlMessage, Inbox, Reset, StageReport, Stop, WorkerError, connect,
-                                     decode_address, encode_address)
-from orca_lab.engine.executor import Completion, RealClock, StageTime, split_layers
+from orca_lab.config import check_degrees, uses_workers  # noqa: F401  (re-exported: callers import them here)
+from orca_lab.engine.control import (ControlError, ControlMessage, Inbox, Reset, StageReport, Stop, WorkerError,
+                                     connect, decode_address, encode, encode_address, start_heartbeat)
+from orca_lab.engine.executor import Completion, RealClock, StageTime
 from orca_lab.engine.request import RequestState
 from orca_lab.engine.worker import MASTER, STORE_TIMEOUT, Worker, WorkerSpec, worker_process
 
 POLL_S = 0.25               # liveness is checked at least this often while waiting
-
-
-# -- which degrees are allowed, and when workers are used ------------------------------------------
-def uses_workers(ec) -> bool:
-    """Worker processes for any parallel degree above 1 (``executor="auto"``), or when asked."""
-    return ec.executor == "workers" or (ec.executor == "auto" and ec.tensor_parallel * ec.pipeline_parallel > 1)
-
-
-def check_degrees(cfg, ec):
-    """Refuse degrees the model or the machine cannot take, naming the field and the allowed range."""
-    T, P = ec.tensor_parallel, ec.pipeline_parallel
-    if cfg.n_heads % T:
-        allowed = [d for d in range(1, cfg.n_heads + 1) if cfg.n_heads % d == 0]
-        raise ValueError(f"tensor_parallel={T} is not allowed: it must divide n_heads={cfg.n_heads} "
-                         f"(allowed: {', '.join(map(str, allowed))})")
-    split_layers(cfg.n_layers, P)                       # refuses more stages than layers
-    if T > 1 and not uses_workers(ec):
-        raise ValueError(f"tensor_parallel={T} needs worker processes: executor='local' allows "
-                         "tensor_parallel=1 only (use executor='auto' or 'workers')")
-    if uses_workers(ec) and ec.device.startswith("cuda"):
-        n = torch.cuda.device_count()
-        if T * P > n:
-            raise ValueError(f"tensor_parallel x pipeline_parallel = {T} x {P} = {T * P} exceeds the {n} "
-                             f"GPU(s) available: allowed tensor_parallel * pipeline_parallel in [1, {n}]")
 
 
 # -- the pool -------------------------------------------------------------------------------------
@@ -100,6 +76,7 @@ class WorkerPool:
         self._procs, self._thread, self._control, self._reports = [], [], [], {}
         self._cleanup: list = []
         self._store_port: list[int] = []               # when this process hosts the rendezvous store
+        self._store_box: list = []                     # that store (and its prefix view), until teardown
         self._grace = {"s": 10.0}                      # how long workers get to stop by themselves
         # runs on close(), on garbage collection and at interpreter exit: never a worker left behind
         self._finalizer = weakref.finalize(self, _teardown, self._procs, self._thread, self._control,
@@ -138,29 +115,39 @@ class WorkerPool:
             self._open_inbox(store, spec.host)
             self._thread.append(_start_thread(spec, store))
             return store
-        self._secret, session = secrets.token_bytes(16), f"pool-{secrets.token_hex(4)}"
-        tmp = tempfile.mkdtemp(prefix="orca_lab_workers_")
-        self._cleanup.append(lambda: shutil.rmtree(tmp, ignore_errors=True))
-        weights = os.path.join(tmp, "weights.pt")
-        torch.save({k: v.detach().cpu() for k, v in llm.model.state_dict().items()}, weights)
+        self._secret, session = secrets.token_bytes(32), f"pool-{secrets.token_hex(4)}"
+        weights, seed = self._weights_for_workers(llm)
         tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
-        store_box, self._store_port = [tcp], [tcp.port]  # dropping the last reference frees the port
-        self._cleanup.append(store_box.clear)
         store = dist.PrefixStore(session, tcp)
+        self._store_box, self._store_port = [tcp, store], [tcp.port]   # dropping them frees the port
+        self._cleanup.append(self._store_box.clear)
+        self._cleanup.append(start_heartbeat(store.clone()).set)     # the workers watch it (control.py)
         self._open_inbox(store, "127.0.0.1")
-        ctx = _context()
+        ctx = _context(self.engine.device)
         for rank in range(self.tp * self.pp):
             spec = WorkerSpec(self.cfg, self.engine, rank, self._secret, ("127.0.0.1", tcp.port), session,
-                              weights, host="127.0.0.1", local_rank=rank, threads=threads)
+                              weights, seed, host="127.0.0.1", local_rank=rank, threads=threads)
             proc = ctx.Process(target=worker_process, args=(spec,), name=f"orca-worker-{rank}", daemon=True)
             with _main_hidden():
                 proc.start()
             self._procs.append(proc)
         return store
 
+    def _weights_for_workers(self, llm) -> tuple[str | None, int]:
+        """``(weights, seed)`` of the WorkerSpec: the LLM's checkpoint or seed when its master holds
+        shapes only; else its model's weights, written once to a file the workers memory-map."""
+        if llm.model.wte.weight.is_meta:
+            return llm.weights
+        tmp = tempfile.mkdtemp(prefix="orca_lab_workers_")
+        self._cleanup.append(lambda: shutil.rmtree(tmp, ignore_errors=True))
+        path = os.path.join(tmp, "weights.pt")
+        torch.save({k: v.detach().cpu() for k, v in llm.model.state_dict().items()}, path)
+        return path, 0
+
     def _open_inbox(self, store, host):
         self._inbox = Inbox(host, self._secret)
         self._cleanup.append(self._inbox.close)
+        store.set("n_slots", str(self.engine.n_slots))         # for workers started with n_slots=None
         store.set("master", encode_address(self._inbox.address))
 
     def _handshake(self, store, deadline):
@@ -209,10 +196,10 @@ class WorkerPool:
         return self._iteration
 
     def send(self, msg):
-        raw = pickle.dumps(msg)                     # pickled once, the same bytes to every tensor rank
+        raw = encode(msg, self._secret)             # signed once, the same bytes to every tensor rank
         try:
             for conn in self._control:
-                conn.send_bytes(raw)
+                conn.send_raw(raw)
         except OSError as e:
             self._check_alive("")
             self._fail(f"the control channel to stage 0 broke ({e})")
@@ -240,6 +227,8 @@ class WorkerPool:
     def _take(self, conn):
         try:
             msg = conn.recv()
+        except ControlError as e:
+            self._fail(f"worker rank {self._reports[conn]} sent a frame that was refused: {e}")
         except (EOFError, OSError):
             time.sleep(0.2)                         # let the process be reaped: its exit code says more
             self._check_alive("")
@@ -251,10 +240,18 @@ class WorkerPool:
     # -- liveness and shutdown -------------------------------------------------------------------
     def _check_alive(self, when: str):
         dead = [f"worker rank {r} (stage {r // self.tp}, tensor rank {r % self.tp}, pid {p.pid}) exited "
-                f"{_exit_text(p.exitcode)}" for r, p in enumerate(self._procs) if p.exitcode is not None]
+                f"{_exit_text(p.exitcode)}{self._error_of(r)}" for r, p in enumerate(self._procs) if p.exitcode is not None]
         dead += [f"worker rank 0 (thread) ended" for th in self._thread if not th.is_alive()]
         if dead:
             self._fail("; ".join(dead) + (f" {when}" if when else ""))
+
+    def _error_of(self, rank: int) -> str:
+        """The last line of the error a worker left in the store before exiting (start-up errors come
+        before its report channel exists), or ''."""
+        store = self._store_box[1] if self._store_box else None
+        if store is None or not store.check([f"error/{rank}"]):
+            return ""
+        return ": " + store.get(f"error/{rank}").decode().strip().splitlines()[-1]
 
     def _check_usable(self):
         if self.broken:
@@ -287,7 +284,7 @@ def _teardown(procs, threads, control, reports, cleanup, grace):
     if grace["s"]:
         with contextlib.suppress(OSError):
             for conn in control:
-                conn.send_bytes(pickle.dumps(Stop()))
+                conn.send(Stop())
         end = time.monotonic() + grace["s"]
         for member in list(procs) + list(threads):
             member.join(max(0.0, end - time.monotonic()))
@@ -317,11 +314,16 @@ def _exit_text(code: int) -> str:
     return f"with code {code}"
 
 
-def _context():
-    """Workers are forked from a fork server that imported torch and this package once (a clean,
-    single-threaded process: safe to fork, unlike this one), so a pool starts in about a second
+def _context(device: str):
+    """On CPU, workers are forked from a fork server that imported torch and this package once (a
+    clean, single-threaded process: safe to fork, unlike this one), so a pool starts in about a second
     instead of paying every worker's imports. ``torch._dynamo`` too: building modules on the meta
-    device imports it lazily, ~3 s per worker otherwise. The server lives as long as this process."""
+    device imports it lazily, ~3 s per worker otherwise. The server lives as long as this process.
+
+    On CUDA, workers are spawned: a fresh interpreter each, so nothing this process or a preloaded
+    import did to the CUDA driver can leave a worker unable to initialize it."""
+    if device.startswith("cuda"):
+        return get_context("spawn")
     ctx = get_context("forkserver")
     ctx.set_forkserver_preload(["orca_lab.engine.worker", "torch._dynamo"])
     return ctx

@@ -10,6 +10,10 @@ Rank ``t`` of ``T`` owns attention heads ``[t*h, (t+1)*h)`` with ``h = n_heads /
   gives each rank the logits of its rows, which the worker all-gathers.
 LayerNorms and position embeddings are small and replicated. So is the residual stream: every rank of
 a stage ends a layer with the same ``[sum L, H]`` tensor, which it sends to its peer in the next stage.
+
+A worker never holds the full model: ``stage_model`` reads only its layers, and of them only its
+slices, from a weight source (``model.py``: seeded random chunks, a checkpoint's slices, or a state
+dict), each straight onto the worker's device.
 """
 from __future__ import annotations
 
@@ -20,24 +24,26 @@ from torch import nn
 from orca_lab.engine.model import GPT, Block
 
 
-def shard_block(full: Block, cfg, t: int, T: int, all_reduce=None) -> Block:
-    """Rank ``t``'s share of one transformer block (copies: the full block can be dropped)."""
-    h, D, d = cfg.n_heads // T, cfg.head_dim, cfg.d_model
-    heads = slice(t * h, (t + 1) * h)
-    ff = slice(t * cfg.d_ff // T, (t + 1) * cfg.d_ff // T)
-    w = full.state_dict()
-    cols = {  # by output columns: q, k and v each keep this rank's heads
-        "c_attn.weight": w["c_attn.weight"].view(3, cfg.n_heads, D, d)[:, heads].reshape(3 * h * D, d),
-        "c_attn.bias": w["c_attn.bias"].view(3, cfg.n_heads, D)[:, heads].reshape(3 * h * D),
-        "c_fc.weight": w["c_fc.weight"][ff], "c_fc.bias": w["c_fc.bias"][ff],
-    }
-    rows = {  # by input rows: partial sums, all-reduced; biases whole, added after the reduction
-        "attn_proj.weight": w["attn_proj.weight"].view(d, cfg.n_heads, D)[:, heads].reshape(d, h * D),
-        "mlp_proj.weight": w["mlp_proj.weight"][:, ff],
-    }
+def shard_ranges(leaf: str, cfg, t: int, T: int):
+    """Rank ``t``'s pieces of block parameter ``leaf`` along ``chunk_dim`` (None: the whole tensor).
+    q, k and v each keep this rank's heads (columns of c_attn); the MLP's hidden units split evenly;
+    attn_proj and mlp_proj split by input rows, so their outputs are partial sums (all-reduced)."""
+    hD, ff = cfg.n_heads // T * cfg.head_dim, cfg.d_ff // T
+    if leaf.startswith("c_attn."):
+        return tuple((j * cfg.d_model + t * hD, j * cfg.d_model + (t + 1) * hD) for j in range(3))
+    if leaf == "attn_proj.weight":
+        return ((t * hD, (t + 1) * hD),)
+    if leaf.startswith("c_fc.") or leaf == "mlp_proj.weight":
+        return ((t * ff, (t + 1) * ff),)
+    return None            # LayerNorms and the row-parallel biases (added once, after the reduction)
+
+
+def shard_block(weights, i: int, cfg, t: int, T: int, all_reduce=None) -> Block:
+    """Rank ``t``'s share of transformer block ``i``, read from ``weights``."""
     with torch.device("meta"):
-        block = Block(cfg, n_heads=h)
-    block.load_state_dict({k: v.clone() for k, v in {**w, **cols, **rows}.items()}, assign=True)
+        full, block = Block(cfg), Block(cfg, n_heads=cfg.n_heads // T)
+    block.load_state_dict({leaf: weights.read(f"blocks.{i}.{leaf}", tuple(p.shape), shard_ranges(leaf, cfg, t, T))
+                           for leaf, p in full.named_parameters()}, assign=True)
     block.all_reduce = all_reduce if T > 1 else None
     return block
 
@@ -47,15 +53,20 @@ class VocabParallelEmbedding(nn.Module):
     piece has the same size for the all-gather). A lookup gives the row where this rank owns the id
     and zeros elsewhere; the all-reduce sums one real row with zeros: exactly the full embedding."""
 
-    def __init__(self, full_weight: torch.Tensor, t: int, T: int, all_reduce=None):
+    def __init__(self, rows: torch.Tensor, lo: int, n: int, all_reduce=None):
         super().__init__()
-        V, d = full_weight.shape
-        self.n, self.lo = -(-V // T), t * -(-V // T)
-        piece = torch.zeros(self.n, d, dtype=full_weight.dtype)
-        rows = full_weight[self.lo:self.lo + self.n]
+        self.n, self.lo = n, lo
+        piece = torch.zeros(n, rows.shape[1], dtype=rows.dtype, device=rows.device)
         piece[:len(rows)] = rows
         self.weight = nn.Parameter(piece, requires_grad=False)
-        self.all_reduce = all_reduce if T > 1 else None
+        self.all_reduce = all_reduce
+
+    @classmethod
+    def read(cls, weights, cfg, t: int, T: int, all_reduce=None) -> "VocabParallelEmbedding":
+        V, n = cfg.vocab_size, -(-cfg.vocab_size // T)
+        lo = min(t * n, V)
+        rows = weights.read("wte.weight", (V, cfg.d_model), ((lo, min(lo + n, V)),))
+        return cls(rows, lo, n, all_reduce if T > 1 else None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.lo
@@ -64,22 +75,21 @@ class VocabParallelEmbedding(nn.Module):
         return x if self.all_reduce is None else self.all_reduce(x)
 
 
-def stage_model(full: GPT, layers: tuple[int, int], t: int, T: int, *, first: bool, last: bool,
-                all_reduce=None) -> GPT:
-    """The part of ``full`` that worker ``(stage, t)`` runs: its layers' blocks sharded over heads,
-    plus the embeddings on the first stage and the final LayerNorm and LM head on the last.
-    Parts it does not own are None. Its blocks are numbered from 0 (the worker's K/V pool too)."""
+def stage_model(weights, cfg, layers: tuple[int, int], t: int, T: int, *, first: bool, last: bool,
+                all_reduce=None, **backends) -> GPT:
+    """The part of the model that worker ``(stage, t)`` runs, read from ``weights``: its layers'
+    blocks sharded over heads, plus the embeddings on the first stage and the final LayerNorm and
+    LM head on the last. Parts it does not own are None. Its blocks are numbered from 0 (the
+    worker's K/V pool too)."""
     with torch.device("meta"):
-        part = GPT(full.cfg, full.attention_backend, full.fused_ops_backend)
-    part.blocks = nn.ModuleList(shard_block(full.blocks[i], full.cfg, t, T, all_reduce)
-                                for i in range(*layers))
-    part.wte = VocabParallelEmbedding(full.wte.weight.detach(), t, T, all_reduce) if first or last else None
-    part.wpe = nn.Embedding.from_pretrained(full.wpe.weight.detach().clone()) if first else None
-    part.ln_f = _copy_layer_norm(full.ln_f) if last else None
+        part = GPT(cfg, **backends)
+    part.blocks = nn.ModuleList(shard_block(weights, i, cfg, t, T, all_reduce) for i in range(*layers))
+    part.wte = VocabParallelEmbedding.read(weights, cfg, t, T, all_reduce) if first or last else None
+    part.wpe = nn.Embedding.from_pretrained(weights.read("wpe.weight", (cfg.max_seq_len, cfg.d_model))) \
+        if first else None
+    if last:
+        part.ln_f.load_state_dict({k: weights.read(f"ln_f.{k}", (cfg.d_model,)) for k in ("weight", "bias")},
+                                  assign=True)
+    else:
+        part.ln_f = None
     return part.eval()
-
-
-def _copy_layer_norm(ln: nn.LayerNorm) -> nn.LayerNorm:
-    new = nn.LayerNorm(ln.normalized_shape, eps=ln.eps)
-    new.load_state_dict({k: v.clone() for k, v in ln.state_dict().items()})
-    return new

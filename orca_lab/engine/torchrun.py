@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from orca_lab.config import EngineConfig, model_config
-from orca_lab.engine.model import config_from_hf
+from orca_lab.engine.control import start_heartbeat, watch_master
+from orca_lab.engine.model import checkpoint_config
 from orca_lab.engine.parallel import WorkerPool
-from orca_lab.engine.worker import Worker, WorkerSpec
+from orca_lab.engine.worker import STORE_TIMEOUT, Worker, WorkerSpec
 from orca_lab.llm import SYSTEMS, LLM
 
 
@@ -55,11 +56,14 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-bs", type=int, default=8)
     p.add_argument("--mbs", type=int, default=None, help="the baseline's micro-batch size")
-    p.add_argument("--n-slots", type=int, default=16384)
+    p.add_argument("--n-slots", type=int, default=None,
+                   help="K/V slots (default: 16384 on CPU, what fits in GPU memory on CUDA)")
     p.add_argument("--systems", default="orca,ft", help=f"comma-separated, of {', '.join(SYSTEMS)}")
     p.add_argument("--n-requests", type=int, default=16)
     p.add_argument("--rate", type=float, default=None, help="Poisson arrivals (req/s); default: all at 0")
     p.add_argument("--scale", type=float, default=0.1, help="multiplies the paper's lengths")
+    p.add_argument("--master-timeout", type=float, default=30.0,
+                   help="seconds without the master's heartbeat before a rank gives up")
     p.add_argument("--out", default=None, help="directory for torchrun.json (runs + environment)")
     return p, p.parse_args(argv)
 
@@ -71,19 +75,23 @@ def main(argv=None):
         p.error(f"WORLD_SIZE={world} must equal --tp x --pp = {args.tp * args.pp}")
     ec = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots, device=args.device, executor="workers",
                       tensor_parallel=args.tp, pipeline_parallel=args.pp)
-    cfg = config_from_hf(json.loads((Path(args.checkpoint) / "config.json").read_text())) \
-        if args.checkpoint else model_config(args.model)
-    store, _, _ = next(dist.rendezvous("env://"))
+    cfg = checkpoint_config(args.checkpoint) if args.checkpoint else model_config(args.model)
+    store, _, _ = next(dist.rendezvous("env://", timeout=STORE_TIMEOUT))
     store = dist.PrefixStore("orca_lab", store)
+    if rank == 0:       # from here on, a master that dies or hangs ends every rank within --master-timeout
+        start_heartbeat(store.clone())
+    else:
+        watch_master(store.clone(), args.master_timeout, rank)
     if rank == 0:
-        store.set("secret", secrets.token_hex(16))      # first frame of every control connection
+        store.set("secret", secrets.token_hex(32))      # signs every control message
     spec = WorkerSpec(cfg, ec, rank, bytes.fromhex(store.get("secret").decode()), weights=args.checkpoint,
-                      seed=args.seed, host=control_host(), local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+                      seed=args.seed, host=control_host(), local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+                      master_timeout=args.master_timeout)
     if rank != 0:
         Worker(spec, store).serve()
         return
-    # the master keeps a full copy of the weights only because LLM builds one; the workers own theirs
-    llm = LLM.from_pretrained(args.checkpoint, engine=ec) if args.checkpoint else LLM(cfg, args.seed, engine=ec)
+    # the master holds shapes only (executor="workers"): every rank reads its own shard
+    llm = LLM(cfg, args.seed, engine=ec, checkpoint=args.checkpoint)
     with WorkerPool.rank0(llm, store, spec):
         serve_and_report(llm, args)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import pickle
 import queue
 import sys
 import threading
@@ -24,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 from orca_lab.config import EngineConfig, ModelConfig
-from orca_lab.engine.control import (ControlMessage, Inbox, Reset, StageReport, Stop, WorkerError, connect,
-                                     decode_address, encode_address)
+from orca_lab.engine.control import (ControlError, ControlMessage, Inbox, Reset, StageReport, Stop, WorkerError,
+                                     connect, decode, decode_address, encode_address, watch_master)
 from orca_lab.engine.data_plane import DataPlane
 from orca_lab.engine.executor import split_layers
-from orca_lab.engine.kv_manager import KVSlotManager
-from orca_lab.engine.model import GPT
+from orca_lab.engine.kv_manager import KVSlotManager, rank_shares, size_kv_pool
+from orca_lab.engine.model import CheckpointWeights, RandomWeights, StateDictWeights
 from orca_lab.engine.request import SamplingParams
 from orca_lab.engine.sampler import sample
 from orca_lab.engine.tensor_parallel import stage_model
@@ -44,7 +43,7 @@ class WorkerSpec:
     cfg: ModelConfig
     engine: EngineConfig
     rank: int
-    secret: bytes                        # first frame of every control connection
+    secret: bytes                        # HMAC key of every control message
     store: tuple[str, int] | None = None  # rendezvous TCPStore (spawned workers connect to it)
     session: str = "orca_lab"            # key prefix of this pool in the store
     weights: str | None = None           # torch state-dict file, GPT-2 checkpoint dir, or None: random(seed)
@@ -52,6 +51,7 @@ class WorkerSpec:
     host: str = "127.0.0.1"              # where this worker's control inbox listens
     local_rank: int = 0
     threads: int = 1
+    master_timeout: float = 30.0         # give up when the master's heartbeat stops this long (s)
 
     @property
     def tp(self) -> int:
@@ -85,28 +85,35 @@ class Worker:
         self.device = spec.device
         torch.set_num_threads(spec.threads)
         if self.device.type == "cuda":
+            if spec.local_rank >= torch.cuda.device_count():
+                raise RuntimeError(f"worker rank {spec.rank}: LOCAL_RANK={spec.local_rank} but this node has "
+                                   f"{torch.cuda.device_count()} GPU(s): start at most that many ranks per node")
             torch.cuda.set_device(self.device)
         # listen first: peers find this address in the store as soon as it is there
         self.inbox = Inbox(spec.host, spec.secret)
         store.set(f"inbox/{self.rank}", encode_address(self.inbox.address))
         self.data = DataPlane(self.rank, spec.tp, spec.pp, store, self.device)
-        self._build_stage()
+        self._build_stage(store)
         self.requests: dict[int, RemoteRequest] = {}
         self._connect(store)
         store.set(f"ready/{self.rank}", "1")
 
-    def _build_stage(self):
+    def _build_stage(self, store):
+        """This rank's layers and slices only, read straight onto its device (never the full model),
+        once its GPU is known to hold them and the K/V pool the master sized."""
         spec, cfg, ec = self.spec, self.spec.cfg, self.spec.engine
         lo, hi = split_layers(cfg.n_layers, spec.pp)[self.stage]
-        full = load_model(spec)
-        part = stage_model(full, (lo, hi), self.tp_rank, spec.tp, first=self.first, last=self.last,
-                           all_reduce=self.data.all_reduce)
-        del full
-        dtype = getattr(torch, ec.dtype)
-        self.model = part.to(self.device, dtype)
-        self.dtype = dtype
+        self.dtype = getattr(torch, ec.dtype)
+        n_slots = ec.n_slots if ec.n_slots is not None else int(store.get("n_slots"))
+        if self.device.type == "cuda":
+            share = rank_shares(cfg, spec.tp, [(lo, hi)], self.dtype.itemsize)
+            size_kv_pool(f"worker rank {self.rank}'s share of {cfg.name}", share, n_slots, n_slots, self.device,
+                         ec.gpu_memory_utilization)
+        self.model = stage_model(weight_source(spec, self.device, self.dtype), cfg, (lo, hi), self.tp_rank, spec.tp,
+                                 first=self.first, last=self.last, all_reduce=self.data.all_reduce,
+                                 attention_backend=ec.attention_backend, fused_ops_backend=ec.fused_ops_backend)
         # this rank's K/V pool: its own heads, its stage's layers, all of the engine's slots
-        self.kv = KVSlotManager(ec.n_slots, hi - lo, cfg.n_heads // spec.tp, cfg.head_dim, self.device, dtype)
+        self.kv = KVSlotManager(n_slots, hi - lo, cfg.n_heads // spec.tp, cfg.head_dim, self.device, self.dtype)
 
     def _connect(self, store):
         """Connect downstream first (connecting never waits for the peer to accept), then accept
@@ -134,6 +141,8 @@ class Worker:
                 while not isinstance(msg := inbox.get(), Stop):
                     if msg is None:
                         raise RuntimeError(f"worker rank {self.rank}: the control channel from upstream closed")
+                    if isinstance(msg, ControlError):
+                        raise msg
                     if isinstance(msg, Reset):
                         self.requests.clear()
                     else:
@@ -148,19 +157,22 @@ class Worker:
         self.close()
 
     def _relay(self, out: queue.Queue):
-        """Forward each control frame downstream as it arrives (still pickled: no decoding on the
-        way), then hand it to the tensor thread. ``None`` tells it the upstream is gone."""
+        """Check each control frame's signature and forward it downstream as it arrives (the same
+        signed bytes), then hand the message to the tensor thread. ``None`` tells it the upstream is
+        gone; a refused frame is handed over as its error, which stops this worker."""
         try:
             while True:
-                raw = self.upstream.recv_bytes()
+                raw = self.upstream.recv_raw()
+                msg = decode(raw, self.spec.secret)
                 if self.downstream is not None:
-                    self.downstream.send_bytes(raw)
-                msg = pickle.loads(raw)
+                    self.downstream.send_raw(raw)
                 out.put(msg)
                 if isinstance(msg, Stop):
                     return
         except (EOFError, OSError):
             out.put(None)
+        except ControlError as e:
+            out.put(e)
 
     def run(self, msg: ControlMessage):
         """This stage's share of one iteration."""
@@ -201,29 +213,32 @@ class Worker:
         self.inbox.close()
 
 
-def load_model(spec: WorkerSpec) -> GPT:
-    """The full model on CPU, from which this worker cuts its part."""
-    ec = spec.engine
-    backends = dict(attention_backend=ec.attention_backend, fused_ops_backend=ec.fused_ops_backend)
+def weight_source(spec: WorkerSpec, device, dtype):
+    """Where this worker reads its slices from: ``random(seed)``, a GPT-2 checkpoint directory, or a
+    state-dict file the master wrote (memory-mapped: only the pages of this worker's slices are read)."""
     if spec.weights is None:
-        return GPT.random(spec.cfg, spec.seed, **backends)
+        return RandomWeights(spec.seed, device, dtype)
     if Path(spec.weights).is_dir():
-        return GPT.from_pretrained(spec.weights, **backends)
-    with torch.device("meta"):
-        model = GPT(spec.cfg, **backends)
-    # mmap: each worker reads only the slices it keeps
-    model.load_state_dict(torch.load(spec.weights, mmap=True, weights_only=True), assign=True)
-    return model
+        return CheckpointWeights(spec.weights, device, dtype)
+    return StateDictWeights(torch.load(spec.weights, mmap=True, weights_only=True), device, dtype)
 
 
 def worker_process(spec: WorkerSpec):
     """Entry point of a worker process on this machine: join the pool's store, serve, exit."""
     os.environ["OMP_NUM_THREADS"] = str(spec.threads)      # before the first parallel op starts OpenMP
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")      # the data plane stays on loopback
+    store = None
     try:
         tcp = dist.TCPStore(*spec.store, is_master=False, timeout=STORE_TIMEOUT)
-        Worker(spec, dist.PrefixStore(spec.session, tcp)).serve()
+        store = dist.PrefixStore(spec.session, tcp)
+        watch_master(store.clone(), spec.master_timeout, spec.rank)
+        Worker(spec, store).serve()
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
+        if store is not None:           # the master names it when it sees this process exit
+            try:
+                store.set(f"error/{spec.rank}", traceback.format_exc()[-4000:])
+            except Exception:
+                pass
         os._exit(1)            # never linger in interpreter shutdown next to a broken process group

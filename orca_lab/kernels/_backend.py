@@ -3,12 +3,27 @@
 Importing this module before ``triton`` matters: without a GPU, Triton can only run its kernels in
 the interpreter, and ``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates a function. Setting
 it here (unless the caller already chose) lets ``backend="triton"`` work on a CPU-only machine.
+
+The choice must not touch CUDA: even ``torch.cuda.is_available()`` initializes the driver, and a
+process that did so before forking leaves every forked child unable to use CUDA ("Cannot
+re-initialize CUDA in forked subprocess"). So it asks only whether this torch was built with CUDA and
+whether the node shows an NVIDIA device file, neither of which loads the driver.
 """
+import glob
 import os
 
 import torch
 
-if not torch.cuda.is_available():
+
+def gpu_visible() -> bool:
+    """A CUDA build of torch on a node with an NVIDIA GPU not hidden by ``CUDA_VISIBLE_DEVICES``,
+    decided without initializing CUDA (safe at import time and before a fork)."""
+    if torch.version.cuda is None or os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+if not gpu_visible():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402  (only now: the interpreter choice above must come first)

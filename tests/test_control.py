@@ -1,0 +1,139 @@
+"""The control plane never unpickles: messages are signed JSON, and frames that are tampered with,
+unsigned or signed with another pool's key are refused before they are parsed."""
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from orca_lab import LLM, EngineConfig
+from orca_lab.engine.control import (ControlError, ControlMessage, Hello, Inbox, Reset, StageReport, Stop,
+                                     WorkerError, connect, decode, encode)
+from orca_lab.engine.parallel import WorkerPool
+from orca_lab.engine.request import SamplingParams
+
+SECRET = bytes(range(32))
+MESSAGES = [
+    ControlMessage(7, (3, 9), (0, 12), (5, 1), ((1, 2, 3, 4, 5), (8,)), ("initiation", "increment"), False,
+                   {3: ((0, 1, 2, 3, 4, 5, 6), SamplingParams(max_gen_tokens=3, temperature=0.5, top_k=4, seed=1))},
+                   (2,)),
+    Reset(), Stop(), StageReport(7, 1, 1.5, 2.25, [4, 5]), StageReport(7, 0, 1.0, 1.5), WorkerError(3, "Traceback"),
+    Hello(-1),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(msg):
+    got = decode(encode(msg, SECRET), SECRET)
+    assert type(got) is type(msg)
+    if isinstance(msg, ControlMessage):        # tuples come back as lists: compare what workers read
+        assert got.reserve == msg.reserve and got.iteration == msg.iteration
+        assert [list(t) for t in got.tokens] == [list(t) for t in msg.tokens] and list(got.rids) == list(msg.rids)
+    else:
+        assert got == msg
+
+
+class Boom:
+    def __reduce__(self):
+        return (exec, ("raise SystemExit('unpickled!')",))
+
+
+@pytest.mark.parametrize("frame", [
+    lambda raw: raw[:40] + bytes([raw[40] ^ 1]) + raw[41:],                 # one bit of the body flipped
+    lambda raw: bytes([raw[0] ^ 1]) + raw[1:],                              # the tag flipped
+    lambda raw: raw[32:],                                                   # unsigned JSON
+    lambda raw: bytes(32) + raw[32:],                                       # a zero tag
+    lambda raw: encode(Stop(), b"another pool's secret, 32 bytes!"),        # another key
+    lambda raw: pickle.dumps(Stop()),                                       # a pickle
+    lambda raw: bytes(32) + pickle.dumps(Boom()),                           # a malicious pickle
+    lambda raw: b"",
+], ids=["body", "tag", "unsigned", "zero-tag", "other-key", "pickle", "evil-pickle", "empty"])
+def test_tampered_or_unsigned_frames_are_refused(frame):
+    raw = encode(MESSAGES[0], SECRET)
+    with pytest.raises(ControlError, match="refused"):
+        decode(frame(raw), SECRET)
+
+
+def test_a_signed_frame_that_is_no_message_is_refused():
+    import hmac
+    for body in (b'["Boom", {}]', b'["Stop", {"x": 1}]', b'not json'):
+        with pytest.raises(ControlError, match="not a valid message"):
+            decode(hmac.digest(SECRET, body, "sha256") + body, SECRET)
+
+
+def test_the_inbox_drops_strangers_and_accepts_a_signed_hello():
+    inbox = Inbox("127.0.0.1", SECRET)
+    try:
+        stranger = socket.create_connection(inbox.address)       # a raw pickle, then nothing
+        stranger.sendall(len(pickle.dumps(Hello(0))).to_bytes(4, "big") + pickle.dumps(Hello(0)))
+        other = connect(inbox.address, b"x" * 32, 1)             # signed with another key
+        ours = connect(inbox.address, SECRET, 2)
+        got = inbox.accept(5)
+        assert got is not None and got[1] == 2                   # the first two were dropped
+        ours.send(Reset())
+        assert got[0].recv() == Reset()
+        for c in (stranger, other, ours, got[0]):
+            c.close()
+    finally:
+        inbox.close()
+
+
+def test_a_worker_refuses_a_tampered_control_frame(tiny_llm):
+    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=2, n_slots=256, executor="workers"))
+    with WorkerPool(llm, attach=False) as pool:
+        raw = encode(Reset(), pool._secret)
+        pool._control[0].send_raw(raw.replace(b"Reset", b"Stop"))  # a valid Stop, but not what was signed
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"(?s)worker rank 0 failed:.*ControlError: refused a control frame"):
+            pool.collect(1, timeout=30)
+        assert time.monotonic() - t0 < 10
+
+
+# -- a rank whose master died or hung gives up within --master-timeout --------------------------------
+def start_rank(rank, port, tmp_path, *extra):
+    """``python -m orca_lab.engine.torchrun`` as one rank of a 1 x 2 world whose rendezvous store is
+    hosted elsewhere (as torchrun's agent hosts it), so the store outlives rank 0."""
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1",
+               GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    cmd = [sys.executable, "-m", "orca_lab.engine.torchrun", "--tp", "1", "--pp", "2", "--device", "cpu",
+           "--systems", "orca", "--master-timeout", "3", *extra]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_rank_gives_up_on_a_master_that_never_came_or_hung(tmp_path):
+    lonely_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    t_lonely = time.monotonic()
+    lonely = start_rank(1, lonely_store.port, tmp_path)          # its rank 0 never starts
+    master = start_rank(0, agent.port, tmp_path, "--n-requests", "100000")
+    worker = start_rank(1, agent.port, tmp_path)
+    procs = [lonely, master, worker]
+    try:
+        store, deadline = dist.PrefixStore("orca_lab", agent), time.monotonic() + 120
+        while not store.check(["ready/1"]):                      # the pair is up and serving
+            assert master.poll() is None, master.communicate()[1][-3000:]
+            assert worker.poll() is None, worker.communicate()[1][-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        os.kill(master.pid, signal.SIGSTOP)                       # the master hangs: its sockets stay open
+        t0 = time.monotonic()
+        _, err = worker.communicate(timeout=30)
+        assert worker.returncode == 1, err[-3000:]
+        assert time.monotonic() - t0 < 3 + 5
+        assert "worker rank 1: the engine master (rank 0) sent no heartbeat for 3 s (it died or hung); giving up" in err
+
+        _, err = lonely.communicate(timeout=60)
+        assert lonely.returncode == 1 and "sent no heartbeat for 3 s" in err, err[-3000:]
+        assert time.monotonic() - t_lonely < 60                  # imports included, on a loaded machine
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
