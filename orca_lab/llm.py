@@ -8,18 +8,16 @@ import torch
 from orca_lab.config import EngineConfig, ModelConfig, model_config
 from orca_lab.engine.engine import Engine, RunResult
 from orca_lab.engine.executor import LocalExecutor
-from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.model import GPT
 from orca_lab.engine.parallel import WorkerExecutor, check_degrees, uses_workers
 from orca_lab.engine.request import SamplingParams
-from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler
+from orca_lab.engine.policies import SYSTEMS, new_kv, new_scheduler
 from orca_lab.tokenizer import ByteTokenizer
-
-SYSTEMS = ("orca", "ft")
 
 
 class LLM:
-    """A GPT served by ORCA's engine (``system="orca"``) or by the request-level baseline (``"ft"``)."""
+    """A GPT served by ORCA's engine (``system="orca"``), the request-level baseline (``"ft"``), or
+    the policies after ORCA (``"paged"``, ``"chunked"``: ``engine/policies.py``)."""
 
     def __init__(self, model: str | ModelConfig = "tiny", seed: int = 0, engine: EngineConfig | None = None,
                  tokenizer=None, *, gpt: GPT | None = None):
@@ -52,13 +50,10 @@ class LLM:
         ec, cfg = self.engine_config, self.cfg
         workers = uses_workers(ec)      # workers hold the K/V pools; the master keeps only the accounting
         shape = () if workers else (cfg.n_layers, cfg.n_heads, cfg.head_dim)
-        kv = KVSlotManager(ec.n_slots, *shape, device=ec.device, dtype=getattr(torch, ec.dtype))
-        if system == "orca":
-            scheduler = OrcaScheduler(kv, ec.max_bs)
-        else:
-            if mbs is not None and not 1 <= mbs <= ec.max_bs:
-                raise ValueError(f"mbs={mbs} is out of range: allowed [1, max_bs={ec.max_bs}]")
-            scheduler = RequestLevelScheduler(kv, ec.max_bs, cfg.max_seq_len, mbs)
+        if system == "ft" and mbs is not None and not 1 <= mbs <= ec.max_bs:
+            raise ValueError(f"mbs={mbs} is out of range: allowed [1, max_bs={ec.max_bs}]")
+        kv = new_kv(system, ec.n_slots, ec.block_size, *shape, device=ec.device, dtype=getattr(torch, ec.dtype))
+        scheduler = new_scheduler(system, kv, ec.max_bs, cfg.max_seq_len, mbs, ec.max_num_batched_tokens)
         executor = WorkerExecutor.for_llm(self) if workers else LocalExecutor(self.model, kv, ec.n_workers, ec.device)
         config = {"model": cfg.name, "system": system, "mbs": mbs, **vars(ec)}
         return Engine(scheduler, executor, cfg.vocab_size, cfg.max_seq_len, config)

@@ -21,8 +21,7 @@ import pandas as pd
 
 from orca_lab.config import EngineConfig, ModelConfig, check_choice, check_range, model_config
 from orca_lab.engine.engine import Engine
-from orca_lab.engine.kv_manager import KVSlotManager
-from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler
+from orca_lab.engine.policies import PAGED, new_kv, new_scheduler
 from orca_lab.llm import LLM
 from orca_lab.metrics import per_request
 from orca_lab.sim.cost import AnalyticalCost, Efficiency
@@ -36,45 +35,42 @@ CSV_COLUMNS = ["model", "system", "max_bs", "mbs", "rate", "throughput_rps", "me
 
 @dataclass(frozen=True)
 class Curve:
-    """One line of the paper's figures: ``orca(max_bs)`` or ``ft(max_bs, mbs)``."""
+    """One line of the paper's figures: ``orca(max_bs)`` or ``ft(max_bs, mbs)``; or a policy after
+    ORCA, ``paged(max_bs)`` or ``chunked(max_bs)`` (``engine/policies.py``)."""
     system: str
     max_bs: int
     mbs: int | None = None
 
     def __post_init__(self):
-        check_choice("system", self.system, ("orca", "ft"))
+        check_choice("system", self.system, ("orca", "ft", *PAGED))
         check_range("max_bs", self.max_bs, 1, 65536)
         if self.system == "ft":
             check_range("mbs", self.mbs, 1, self.max_bs)
         elif self.mbs is not None:
-            raise ValueError(f"mbs={self.mbs} is only for ft curves: write orca({self.max_bs})")
+            raise ValueError(f"mbs={self.mbs} is only for ft curves: write {self.system}({self.max_bs})")
 
     @classmethod
     def parse(cls, text: str) -> "Curve":
-        m = re.fullmatch(r"\s*(orca)\((\d+)\)\s*|\s*(ft)\((\d+),\s*(\d+)\)\s*", str(text))
+        m = re.fullmatch(r"\s*(orca|paged|chunked)\((\d+)\)\s*|\s*(ft)\((\d+),\s*(\d+)\)\s*", str(text))
         if not m:
             raise ValueError(f"curve {text!r} is not allowed: write orca(max_bs) or ft(max_bs,mbs), "
-                             "e.g. 'orca(8)' or 'ft(8,8)'")
+                             "or paged(max_bs), chunked(max_bs): e.g. 'orca(8)', 'ft(8,8)', 'paged(8)'")
         if m.group(1):
-            return cls("orca", int(m.group(2)))
+            return cls(m.group(1), int(m.group(2)))
         return cls("ft", int(m.group(4)), int(m.group(5)))
 
     @property
     def label(self) -> str:
-        return f"orca({self.max_bs})" if self.system == "orca" else f"ft({self.max_bs},{self.mbs})"
-
-
-def new_scheduler(curve: Curve, kv: KVSlotManager, max_seq_len: int):
-    if curve.system == "orca":
-        return OrcaScheduler(kv, curve.max_bs)
-    return RequestLevelScheduler(kv, curve.max_bs, max_seq_len, curve.mbs)
+        return f"ft({self.max_bs},{self.mbs})" if self.system == "ft" else f"{self.system}({self.max_bs})"
 
 
 # -- backends -----------------------------------------------------------------------------------
 @dataclass
 class SimBackend:
     """The engine of ``orca_lab`` on a cost model: analytical (``model`` on ``device`` with the
-    paper's parallelism unless given) or any object with ``iteration(batch)`` and ``n_stages``."""
+    paper's parallelism unless given) or any object with ``iteration(batch)`` and ``n_stages``.
+    Paged curves cut the same ``n_slots`` into blocks of ``block_size`` (the remainder, less than a
+    block, unused); chunked ones take ``max_num_batched_tokens`` new tokens per iteration."""
     model: str | ModelConfig
     device: str = "a100-40gb"
     eff: Efficiency | None = None
@@ -82,9 +78,12 @@ class SimBackend:
     n_slots: int | None = None
     tensor_parallel: int | None = None
     pipeline_parallel: int | None = None
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
 
     def __post_init__(self):
         self.cfg = model_config(self.model)
+        EngineConfig(block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens)
         if self.cost is None:
             self.cost = AnalyticalCost(self.cfg, self.device, self.tensor_parallel, self.pipeline_parallel, self.eff)
         if self.n_slots is None:
@@ -96,12 +95,15 @@ class SimBackend:
         return self.cfg.name
 
     def new_engine(self, curve: Curve, eos_after=None) -> Engine:
-        kv = KVSlotManager(self.n_slots)                 # accounting only: no K/V tensors
+        n_slots = self.n_slots - (self.n_slots % self.block_size if curve.system in PAGED else 0)
+        kv = new_kv(curve.system, n_slots, self.block_size)   # accounting only: no K/V tensors
         executor = SimExecutor(self.cost, eos_after)
         config = {"model": self.cfg.name, "system": curve.system, "max_bs": curve.max_bs, "mbs": curve.mbs,
-                  "n_slots": self.n_slots, "n_workers": executor.n_workers, "simulated": True}
-        return Engine(new_scheduler(curve, kv, self.cfg.max_seq_len), executor, self.cfg.vocab_size,
-                      self.cfg.max_seq_len, config)
+                  "n_slots": n_slots, "n_workers": executor.n_workers, "simulated": True,
+                  "block_size": self.block_size, "max_num_batched_tokens": self.max_num_batched_tokens}
+        scheduler = new_scheduler(curve.system, kv, curve.max_bs, self.cfg.max_seq_len, curve.mbs,
+                                  self.max_num_batched_tokens)
+        return Engine(scheduler, executor, self.cfg.vocab_size, self.cfg.max_seq_len, config)
 
     def serve(self, curve: Curve, trace, **kw):
         return self.new_engine(curve, **kw).run(trace)
@@ -111,8 +113,9 @@ class RealBackend:
     """The real engine (``orca_lab.llm``) with ``preset``'s GPT, seeded random weights, on ``device``."""
 
     def __init__(self, preset: str = "tiny", seed: int = 0, n_slots: int = 16384, device: str = "cpu",
-                 dtype: str = "float32"):
-        self._engine = EngineConfig(n_slots=n_slots, device=device, dtype=dtype)
+                 dtype: str = "float32", block_size: int = 16, max_num_batched_tokens: int = 512):
+        self._engine = EngineConfig(n_slots=n_slots, device=device, dtype=dtype, block_size=block_size,
+                                    max_num_batched_tokens=max_num_batched_tokens)
         self.llm = LLM(preset, seed=seed, engine=self._engine)
         self.cfg, self.n_slots = self.llm.cfg, n_slots
 
