@@ -8,6 +8,7 @@ does not know which one it drives.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -26,7 +27,7 @@ from orca_lab.llm import LLM
 from orca_lab.metrics import per_request
 from orca_lab.sim.cost import AnalyticalCost, Efficiency
 from orca_lab.sim.executor import SimExecutor
-from orca_lab.workload import homogeneous_trace, paper_trace
+from orca_lab.workload import homogeneous_trace, paper_trace, real_trace
 
 # Fractions of a curve's capacity: points from light load to past saturation, denser at the knee.
 DEFAULT_LOADS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 2.0)
@@ -131,18 +132,24 @@ class RealBackend:
 # -- traces ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TraceSpec:
-    """A trace to draw at any rate: the paper's (``input_len``/``gen_len`` None) or homogeneous.
-    The same seed gives the same lengths at every rate, and arrivals that only scale with it."""
+    """A trace to draw at any rate: the paper's (``input_len``/``gen_len`` None), homogeneous, or
+    shaped like a real workload (``shape``, one of ``workload.REAL_SHAPES``); ``cv`` > 1 makes
+    arrivals bursty. The same seed gives the same lengths at every rate, and arrivals that only
+    scale with it."""
     n_requests: int = 200
     seed: int = 0
     scale: float = 1.0
     input_len: int | None = None
     gen_len: int | None = None
+    shape: str | None = None
+    cv: float = 1.0
 
-    def make(self, rate: float | None, vocab_size: int):
+    def make(self, rate: float | None, vocab_size: int, max_len: int = 2048):
+        if self.shape is not None:
+            return real_trace(self.shape, self.n_requests, rate, self.seed, self.scale, max_len, vocab_size, self.cv)
         if self.input_len is None:
-            return paper_trace(self.n_requests, rate, self.seed, scale=self.scale, vocab_size=vocab_size)
-        return homogeneous_trace(self.n_requests, self.input_len, self.gen_len, rate, self.seed, vocab_size)
+            return paper_trace(self.n_requests, rate, self.seed, scale=self.scale, vocab_size=vocab_size, cv=self.cv)
+        return homogeneous_trace(self.n_requests, self.input_len, self.gen_len, rate, self.seed, vocab_size, self.cv)
 
 
 # -- one point ------------------------------------------------------------------------------------
@@ -154,7 +161,7 @@ def measure_point(backend, curve: Curve, spec: TraceSpec, rate: float | None) ->
 def serve_point(backend, curve: Curve, spec: TraceSpec, rate: float | None):
     """``measure_point``'s row, and the ``RunResult`` it summarizes."""
     t0, c0 = time.perf_counter(), time.process_time()
-    result = backend.serve(curve, spec.make(rate, backend.cfg.vocab_size))
+    result = backend.serve(curve, spec.make(rate, backend.cfg.vocab_size, backend.cfg.max_seq_len))
     df = per_request(result)
     ms = lambda s: float(np.median(s) * 1e3) if len(s) else math.nan
     return {"model": backend.name, "system": curve.system, "max_bs": curve.max_bs, "mbs": curve.mbs,
@@ -189,7 +196,7 @@ class Sweep:
 
     def run(self) -> pd.DataFrame:
         n_cap = min(self.capacity_requests or self.spec.n_requests, self.spec.n_requests)
-        cap_spec = TraceSpec(n_cap, self.spec.seed, self.spec.scale, self.spec.input_len, self.spec.gen_len)
+        cap_spec = dataclasses.replace(self.spec, n_requests=n_cap)
         pairs = [(b, c) for b in self.backends for c in self.curves]
         with _pool(self.n_procs) as pool:
             caps = {}
