@@ -171,3 +171,20 @@ def test_a_request_that_cannot_fit_alone_is_refused_at_submission(tiny_llm):
         engine.add_request([1] * 60, SamplingParams(max_gen_tokens=20))
     engine.add_request([1] * 40, SamplingParams(max_gen_tokens=4))     # the engine keeps serving
     assert [len(r.output) for r in engine.run().requests] == [4]
+
+
+def test_timeline_and_animation_mark_chunks_and_recomputations(tiny_llm):
+    from orca_lab.viz.animation import ScheduleFrames
+    from orca_lab.viz.timeline import timeline_figure
+    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=8, n_slots=128, max_num_batched_tokens=32))
+    trace = [TraceItem(0.0, tuple(p), g) for p, g in
+             zip(random_prompts(5, llm.cfg.vocab_size, 10, 16, 5), (20, 24, 24, 24, 20))]
+    trace[1] = TraceItem(0.0, tuple(range(70)), 4)                # 70 tokens: three chunks of <= 32
+    result = llm.serve(trace, system="chunked")
+    assert result.requests_df()["n_preemptions"].sum() > 0
+    hover = " ".join(h for tr in timeline_figure(result).data if tr.hovertext for h in tr.hovertext)
+    assert "prefill (chunk 2/3), 31 new token(s)" in hover and "prefill (recompute)" in hover
+    frames = ScheduleFrames(result)
+    lines = [frames.describe(k) for k in range(len(frames))]
+    assert "B chunk 1/3" in lines[0] and any("recompute" in line for line in lines)
+    assert "chunk 2/3" in frames.to_html(1)
