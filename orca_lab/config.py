@@ -88,6 +88,15 @@ def model_config(name_or_config: str | ModelConfig) -> ModelConfig:
     return PRESETS[name_or_config]
 
 
+def check_blocks(n_slots: int, block_size: int):
+    """A paged pool holds whole blocks (checked when a paged or chunked engine is built: ORCA's
+    reservation takes any ``n_slots``)."""
+    check_range("block_size", block_size, 1, 1 << 16)
+    if n_slots % block_size:
+        raise ValueError(f"block_size={block_size} must divide n_slots={n_slots}: a paged pool holds "
+                         f"whole blocks (e.g. n_slots={max(1, n_slots // block_size) * block_size})")
+
+
 DTYPES = ("float32", "float16", "bfloat16")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 EXECUTORS = ("auto", "local", "workers")
@@ -117,6 +126,8 @@ class EngineConfig:
     pipeline_parallel: int = 1
     executor: str = "auto"
     gpu_memory_utilization: float = 0.9
+    block_size: int = 16                 # paged / chunked: K/V slots per block (vLLM's default)
+    max_num_batched_tokens: int = 512    # chunked: new tokens per iteration (Sarathi-Serve's budget)
 
     def __post_init__(self):
         check_range("max_bs", self.max_bs, 1, 65536)
@@ -133,6 +144,8 @@ class EngineConfig:
         check_range("tensor_parallel", self.tensor_parallel, 1, 1024)
         check_range("pipeline_parallel", self.pipeline_parallel, 1, 1024)
         check_choice("executor", self.executor, EXECUTORS)
+        check_range("block_size", self.block_size, 1, 1 << 16)
+        check_range("max_num_batched_tokens", self.max_num_batched_tokens, self.block_size, 1 << 24)
 
     @property
     def n_workers(self) -> int:

@@ -8,14 +8,12 @@ import torch
 from orca_lab.config import EngineConfig, ModelConfig, check_degrees, model_config, uses_workers
 from orca_lab.engine.engine import Engine, RunResult
 from orca_lab.engine.executor import LocalExecutor, split_layers
-from orca_lab.engine.kv_manager import KVSlotManager, rank_shares, size_kv_pool
+from orca_lab.engine.kv_manager import rank_shares, size_kv_pool
 from orca_lab.engine.model import GPT, checkpoint_config
 from orca_lab.engine.parallel import WorkerExecutor
 from orca_lab.engine.request import SamplingParams
-from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler
+from orca_lab.engine.policies import SYSTEMS, new_kv, new_scheduler
 from orca_lab.tokenizer import ByteTokenizer
-
-SYSTEMS = ("orca", "ft")
 
 
 def kv_slots_on_gpu(cfg: ModelConfig, ec: EngineConfig) -> int:
@@ -25,11 +23,13 @@ def kv_slots_on_gpu(cfg: ModelConfig, ec: EngineConfig) -> int:
     stages = split_layers(cfg.n_layers, ec.pipeline_parallel) if workers else [(0, cfg.n_layers)]
     shares = rank_shares(cfg, ec.tensor_parallel if workers else 1, stages, getattr(torch, ec.dtype).itemsize)
     what = f"{cfg.name} in {ec.dtype} (tensor_parallel x pipeline_parallel = {ec.tensor_parallel} x {ec.pipeline_parallel})"
-    return size_kv_pool(what, shares, ec.n_slots, cfg.max_seq_len, ec.device, ec.gpu_memory_utilization)
+    n = size_kv_pool(what, shares, ec.n_slots, cfg.max_seq_len, ec.device, ec.gpu_memory_utilization)
+    return n if ec.n_slots is not None else n - n % ec.block_size    # whole blocks for paged / chunked
 
 
 class LLM:
-    """A GPT served by ORCA's engine (``system="orca"``) or by the request-level baseline (``"ft"``)."""
+    """A GPT served by ORCA's engine (``system="orca"``), the request-level baseline (``"ft"``), or
+    the policies after ORCA (``"paged"``, ``"chunked"``: ``engine/policies.py``)."""
 
     def __init__(self, model: str | ModelConfig = "tiny", seed: int = 0, engine: EngineConfig | None = None,
                  tokenizer=None, *, gpt: GPT | None = None, checkpoint=None):
@@ -79,13 +79,10 @@ class LLM:
         ec, cfg = self.engine_config, self.cfg
         workers = uses_workers(ec)      # workers hold the K/V pools; the master keeps only the accounting
         shape = () if workers else (cfg.n_layers, cfg.n_heads, cfg.head_dim)
-        kv = KVSlotManager(ec.n_slots, *shape, device=ec.device, dtype=getattr(torch, ec.dtype))
-        if system == "orca":
-            scheduler = OrcaScheduler(kv, ec.max_bs)
-        else:
-            if mbs is not None and not 1 <= mbs <= ec.max_bs:
-                raise ValueError(f"mbs={mbs} is out of range: allowed [1, max_bs={ec.max_bs}]")
-            scheduler = RequestLevelScheduler(kv, ec.max_bs, cfg.max_seq_len, mbs)
+        if system == "ft" and mbs is not None and not 1 <= mbs <= ec.max_bs:
+            raise ValueError(f"mbs={mbs} is out of range: allowed [1, max_bs={ec.max_bs}]")
+        kv = new_kv(system, ec.n_slots, ec.block_size, *shape, device=ec.device, dtype=getattr(torch, ec.dtype))
+        scheduler = new_scheduler(system, kv, ec.max_bs, cfg.max_seq_len, mbs, ec.max_num_batched_tokens)
         executor = WorkerExecutor.for_llm(self) if workers else LocalExecutor(self.model, kv, ec.n_workers, ec.device)
         config = {"model": cfg.name, "system": system, "mbs": mbs, **vars(ec)}
         return Engine(scheduler, executor, cfg.vocab_size, cfg.max_seq_len, config)

@@ -23,11 +23,14 @@ SMALL = {   # each notebook at a size that runs in seconds
     "fig11_homogeneous": dict(shapes=[[16, 8]], curves=["orca(4)", "ft(2,2)"], n_requests=10, loads=[0.5, 1.5], n_procs=1),
     "kv_memory": dict(rates=[2.0], n_requests=30),
     "sim_fidelity": dict(presets=["tiny"], curves=["orca(4)"], loads=[0.5], n_requests=6, scale=0.05, repeats=2),
+    "policies": dict(models=["gpt3-13b"], traces=["paper", "sharegpt"], n_requests=16, concurrency_requests=60,
+                     measured_requests=4, loads=[0.5, 1.5], formats=["html", "png", "svg", "pdf"]),
 }
 BAD = {     # a bad parameter, and the message it must stop with (every check: tests/test_sim.py)
     "fig_e2e": (dict(models=["gpt3-999b"]), "unknown model 'gpt3-999b'"),
     "fig11_homogeneous": (dict(rates=[1.0, -2.0]), "rates: -2.0 is not allowed"),
     "kv_memory": (dict(rates=[]), "rates=[] is an empty sweep"),
+    "policies": (dict(traces=["paper", "lmsys"]), "traces='lmsys' is not allowed"),
 }
 
 
@@ -122,6 +125,20 @@ def test_sim_fidelity_reports_errors_per_load(runs):
     assert {"norm_p95_error_pct", "ttft_mean_error_pct", "tpot_p90_error_pct", "e2e_mean_error_pct",
             "measured_norm_p95_ms"} <= set(df.columns) and (df["repeats"] == 2).all()
     _figures(out, "sim_fidelity")
+
+
+def test_policies_compares_every_system_on_every_trace(runs):
+    out = _ok(runs, "policies")
+    held = pd.read_csv(out / "policies_concurrency.csv")
+    assert set(held["trace"]) == {"paper", "sharegpt"} and set(held["curve"]) == {"orca(256)", "paged(256)"}
+    tails = pd.read_csv(out / "policies_tails.csv").set_index("curve")
+    assert tails.loc["chunked(32)", "p99_tpot_ms"] < tails.loc["orca(32)", "p99_tpot_ms"]
+    at = pd.read_csv(out / "policies_at_latency.csv")
+    assert set(at["system"]) == {"orca", "paged", "chunked", "ft"} and len(at) == 8
+    measured = pd.read_csv(out / "policies_measured.csv")
+    assert {"p99_ttft_ms", "p99_tpot_ms", "n_preemptions", "kv_real_share"} <= set(measured.columns)
+    for stem in ("policies_curves", "policies_kv", "policies_preemptions"):
+        _figures(out, stem)
 
 
 @pytest.mark.parametrize("name", sorted(BAD))

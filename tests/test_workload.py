@@ -6,7 +6,7 @@ import pytest
 
 from orca_lab.engine.engine import IterationRecord, RequestRecord, RunResult
 from orca_lab.metrics import per_request, summarize
-from orca_lab.workload import homogeneous_trace, load_trace, paper_trace, save_trace
+from orca_lab.workload import REAL_SHAPES, homogeneous_trace, load_trace, paper_trace, real_trace, save_trace
 
 
 def test_paper_trace_follows_the_paper():
@@ -67,3 +67,23 @@ def test_metrics_on_a_hand_made_run():
     s = summarize(run, slo_norm_latency=0.2)
     assert s["median_norm_latency_ms"] == pytest.approx(250.0) and s["throughput_rps"] == 2.0
     assert s["goodput_rps"] == 1.0 and s["throughput_tok_s"] == 6.0 and not math.isnan(s["median_tpot_ms"])
+
+
+@pytest.mark.parametrize("shape", sorted(REAL_SHAPES))
+def test_real_shaped_traces_follow_their_published_medians_and_fit_the_context(shape):
+    s = REAL_SHAPES[shape]
+    trace = real_trace(shape, 4000, seed=1, max_len=1 << 16)
+    ins = np.array([len(t.prompt) for t in trace])
+    outs = np.array([t.max_gen_tokens for t in trace])
+    assert np.median(ins) == pytest.approx(s.in_median, rel=0.1)
+    assert np.median(outs) == pytest.approx(s.out_median, rel=0.1)
+    small = real_trace(shape, 500, seed=1, max_len=512, scale=0.5)
+    assert max(t.max_tokens for t in small) <= 512 and min(len(t.prompt) for t in small) >= 1
+
+
+def test_bursty_arrivals_and_bad_shapes():
+    gaps = lambda cv: np.diff([t.arrival for t in real_trace("sharegpt", 3000, rate=10.0, seed=2, cv=cv)])
+    assert np.std(gaps(1.0)) / np.mean(gaps(1.0)) == pytest.approx(1.0, rel=0.1)
+    assert np.std(gaps(3.0)) / np.mean(gaps(3.0)) == pytest.approx(3.0, rel=0.2)
+    with pytest.raises(ValueError, match="shape='lmsys' is not allowed"):
+        real_trace("lmsys", 4)

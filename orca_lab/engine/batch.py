@@ -29,9 +29,12 @@ class Batch:
             self.phases = [phase(r, s, q) for r, s, q in zip(self.requests, self.starts, self.q_lens)]
 
     @classmethod
-    def selective(cls, requests) -> "Batch":
-        """ORCA: each request brings whatever it has not run yet (prompt, or last token)."""
+    def selective(cls, requests, q_lens=None) -> "Batch":
+        """ORCA: each request brings whatever it has not run yet (prompt, or last token); with
+        ``q_lens``, only the first ``q_lens[i]`` of those (a prefill chunk, ``policies.py``)."""
         tokens = [r.pending_tokens() for r in requests]
+        if q_lens is not None:
+            tokens = [t[:q] for t, q in zip(tokens, q_lens)]
         return cls(list(requests), [r.n_cached for r in requests], [len(t) for t in tokens],
                    tokens=tokens)
 
@@ -63,9 +66,9 @@ class Batch:
 def phase(req, start: int, q_len: int) -> str:
     if req.finished:
         return "held"      # a finished request still computed by the request-level baseline
-    if start == 0 or start + q_len <= len(req.prompt):
-        return "prefill"
-    return "decode"
+    if q_len == 1 and start == req.context_len - 1 >= len(req.prompt):
+        return "decode"   # its last generated token, on top of the K/V of all the others
+    return "prefill"      # a prompt, a chunk of one, or a preempted request's recomputation
 
 
 @dataclass

@@ -40,6 +40,7 @@ class RequestRecord:
     t_finish: float | None
     n_iterations: int
     output: tuple[int, ...]
+    n_preemptions: int = 0        # paged policies: times its K/V was freed and recomputed
 
 
 @dataclass
@@ -183,7 +184,8 @@ class Engine:
     def result(self, start: float = 0.0) -> RunResult:
         reqs = [RequestRecord(r.rid, r.arrival - start, len(r.prompt), len(r.output),
                               _rel(r.t_scheduled, start), _rel(r.t_first_token, start),
-                              _rel(r.t_finish, start), r.n_iterations, tuple(r.output))
+                              _rel(r.t_finish, start), r.n_iterations, tuple(r.output),
+                              n_preemptions=r.n_preemptions)
                 for r in self.requests]
         iters = [dataclasses.replace(it, start=it.start - start, end=it.end - start) for it in self.records] \
             if start else list(self.records)     # a simulated run starts at 0: nothing to shift

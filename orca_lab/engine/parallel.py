@@ -362,7 +362,7 @@ class WorkerExecutor:
         self.clock = RealClock()
         self._wall0 = time.time() - self.clock.now()    # workers stamp wall-clock time
         self.in_flight: deque = deque()                 # (iteration id, batch), oldest first
-        self.known: dict = {}                           # rid -> Request the workers hold slots for
+        self.known: dict = {}                           # rid -> (Request, the slots the workers hold)
         pool.claim(self)
 
     @classmethod
@@ -375,13 +375,13 @@ class WorkerExecutor:
 
     def submit(self, batch):
         self._check_owner()
-        release = [rid for rid, r in self.known.items() if r.state is RequestState.FINISHED]
+        release = [rid for rid, (r, _) in self.known.items() if r.state is RequestState.FINISHED]
         for rid in release:
             del self.known[rid]
         reserve = {}
         for r in batch.requests:
-            if r.rid not in self.known:
-                self.known[r.rid] = r
+            if self.known.get(r.rid, (None, None))[1] is not r.slots:   # new, or its blocks changed
+                self.known[r.rid] = (r, r.slots)
                 reserve[r.rid] = (tuple(r.slots.tolist() if torch.is_tensor(r.slots) else r.slots), r.params)
         iteration = self.pool.next_iteration()
         self.pool.send(ControlMessage.of(batch, iteration, reserve, release))

@@ -52,6 +52,7 @@ class Request:
     n_iterations: int = 0             # iterations this request has run (FCFS property)
     eos_seen: bool = False
     generator: object = None          # torch.Generator of a sampled (non-greedy) request
+    n_preemptions: int = 0            # times its K/V was freed to be recomputed (paged policies)
 
     @property
     def max_tokens(self) -> int:

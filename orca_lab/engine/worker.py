@@ -179,7 +179,11 @@ class Worker:
         for rid in msg.release:
             self.requests.pop(rid, None)
         for rid, (slots, params) in msg.reserve.items():
-            self.requests[rid] = RemoteRequest(rid, torch.tensor(slots, dtype=torch.int64), params)
+            slots = torch.tensor(slots, dtype=torch.int64)
+            if rid in self.requests:        # a paged request's blocks changed: keep its generator
+                self.requests[rid].slots = slots
+            else:
+                self.requests[rid] = RemoteRequest(rid, slots, params)
         batch = msg.batch(self.requests)
         bt = batch.tensors(self.device)
         if self.first:

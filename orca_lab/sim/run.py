@@ -8,6 +8,7 @@ does not know which one it drives.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -21,14 +22,13 @@ import pandas as pd
 
 from orca_lab.config import EngineConfig, ModelConfig, check_choice, check_range, model_config
 from orca_lab.engine.engine import Engine
-from orca_lab.engine.kv_manager import KVSlotManager
-from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler
+from orca_lab.engine.policies import PAGED, new_kv, new_scheduler
 from orca_lab.llm import LLM
 from orca_lab.metrics import per_request
 from orca_lab.sim.calibration import efficiency
 from orca_lab.sim.cost import AnalyticalCost, Efficiency
 from orca_lab.sim.executor import SimExecutor
-from orca_lab.workload import homogeneous_trace, paper_trace
+from orca_lab.workload import homogeneous_trace, paper_trace, real_trace
 
 # Fractions of a curve's capacity: points from light load to well past saturation, denser at the knee.
 DEFAULT_LOADS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 2.0, 3.0)
@@ -37,38 +37,33 @@ CSV_COLUMNS = ["model", "system", "max_bs", "mbs", "rate", "throughput_rps", "me
 
 @dataclass(frozen=True)
 class Curve:
-    """One line of the paper's figures: ``orca(max_bs)`` or ``ft(max_bs, mbs)``."""
+    """One line of the paper's figures: ``orca(max_bs)`` or ``ft(max_bs, mbs)``; or a policy after
+    ORCA, ``paged(max_bs)`` or ``chunked(max_bs)`` (``engine/policies.py``)."""
     system: str
     max_bs: int
     mbs: int | None = None
 
     def __post_init__(self):
-        check_choice("system", self.system, ("orca", "ft"))
+        check_choice("system", self.system, ("orca", "ft", *PAGED))
         check_range("max_bs", self.max_bs, 1, 65536)
         if self.system == "ft":
             check_range("mbs", self.mbs, 1, self.max_bs)
         elif self.mbs is not None:
-            raise ValueError(f"mbs={self.mbs} is only for ft curves: write orca({self.max_bs})")
+            raise ValueError(f"mbs={self.mbs} is only for ft curves: write {self.system}({self.max_bs})")
 
     @classmethod
     def parse(cls, text: str) -> "Curve":
-        m = re.fullmatch(r"\s*(orca)\((\d+)\)\s*|\s*(ft)\((\d+),\s*(\d+)\)\s*", str(text))
+        m = re.fullmatch(r"\s*(orca|paged|chunked)\((\d+)\)\s*|\s*(ft)\((\d+),\s*(\d+)\)\s*", str(text))
         if not m:
             raise ValueError(f"curve {text!r} is not allowed: write orca(max_bs) or ft(max_bs,mbs), "
-                             "e.g. 'orca(8)' or 'ft(8,8)'")
+                             "or paged(max_bs), chunked(max_bs): e.g. 'orca(8)', 'ft(8,8)', 'paged(8)'")
         if m.group(1):
-            return cls("orca", int(m.group(2)))
+            return cls(m.group(1), int(m.group(2)))
         return cls("ft", int(m.group(4)), int(m.group(5)))
 
     @property
     def label(self) -> str:
-        return f"orca({self.max_bs})" if self.system == "orca" else f"ft({self.max_bs},{self.mbs})"
-
-
-def new_scheduler(curve: Curve, kv: KVSlotManager, max_seq_len: int):
-    if curve.system == "orca":
-        return OrcaScheduler(kv, curve.max_bs)
-    return RequestLevelScheduler(kv, curve.max_bs, max_seq_len, curve.mbs)
+        return f"ft({self.max_bs},{self.mbs})" if self.system == "ft" else f"{self.system}({self.max_bs})"
 
 
 # -- backends -----------------------------------------------------------------------------------
@@ -77,7 +72,9 @@ class SimBackend:
     """The engine of ``orca_lab`` on a cost model: ``AnalyticalCost`` of ``model`` on ``device`` with
     the paper's parallelism unless given, its parameters ``eff`` or those of the named ``cost``
     ("calibrated" on published GPU measurements, the default, or "analytical":
-    ``orca_lab.sim.calibration``), or any object with ``iteration(batch)`` and ``n_stages``."""
+    ``orca_lab.sim.calibration``), or any object with ``iteration(batch)`` and ``n_stages``.
+    Paged curves cut the same ``n_slots`` into blocks of ``block_size`` (the remainder, less than a
+    block, unused); chunked ones take ``max_num_batched_tokens`` new tokens per iteration."""
     model: str | ModelConfig
     device: str = "a100-40gb"
     eff: Efficiency | None = None
@@ -85,9 +82,12 @@ class SimBackend:
     n_slots: int | None = None
     tensor_parallel: int | None = None
     pipeline_parallel: int | None = None
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
 
     def __post_init__(self):
         self.cfg = model_config(self.model)
+        EngineConfig(block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens)
         if self.cost is None or isinstance(self.cost, str):
             eff = self.eff or efficiency(self.cost or "calibrated")
             self.cost = AnalyticalCost(self.cfg, self.device, self.tensor_parallel, self.pipeline_parallel, eff)
@@ -100,12 +100,15 @@ class SimBackend:
         return self.cfg.name
 
     def new_engine(self, curve: Curve, eos_after=None) -> Engine:
-        kv = KVSlotManager(self.n_slots)                 # accounting only: no K/V tensors
+        n_slots = self.n_slots - (self.n_slots % self.block_size if curve.system in PAGED else 0)
+        kv = new_kv(curve.system, n_slots, self.block_size)   # accounting only: no K/V tensors
         executor = SimExecutor(self.cost, eos_after)
         config = {"model": self.cfg.name, "system": curve.system, "max_bs": curve.max_bs, "mbs": curve.mbs,
-                  "n_slots": self.n_slots, "n_workers": executor.n_workers, "simulated": True}
-        return Engine(new_scheduler(curve, kv, self.cfg.max_seq_len), executor, self.cfg.vocab_size,
-                      self.cfg.max_seq_len, config)
+                  "n_slots": n_slots, "n_workers": executor.n_workers, "simulated": True,
+                  "block_size": self.block_size, "max_num_batched_tokens": self.max_num_batched_tokens}
+        scheduler = new_scheduler(curve.system, kv, curve.max_bs, self.cfg.max_seq_len, curve.mbs,
+                                  self.max_num_batched_tokens)
+        return Engine(scheduler, executor, self.cfg.vocab_size, self.cfg.max_seq_len, config)
 
     def serve(self, curve: Curve, trace, **kw):
         return self.new_engine(curve, **kw).run(trace)
@@ -115,8 +118,9 @@ class RealBackend:
     """The real engine (``orca_lab.llm``) with ``preset``'s GPT, seeded random weights, on ``device``."""
 
     def __init__(self, preset: str = "tiny", seed: int = 0, n_slots: int = 16384, device: str = "cpu",
-                 dtype: str = "float32"):
-        self._engine = EngineConfig(n_slots=n_slots, device=device, dtype=dtype)
+                 dtype: str = "float32", block_size: int = 16, max_num_batched_tokens: int = 512):
+        self._engine = EngineConfig(n_slots=n_slots, device=device, dtype=dtype, block_size=block_size,
+                                    max_num_batched_tokens=max_num_batched_tokens)
         self.llm = LLM(preset, seed=seed, engine=self._engine)
         self.cfg, self.n_slots = self.llm.cfg, n_slots
 
@@ -132,18 +136,24 @@ class RealBackend:
 # -- traces ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TraceSpec:
-    """A trace to draw at any rate: the paper's (``input_len``/``gen_len`` None) or homogeneous.
-    The same seed gives the same lengths at every rate, and arrivals that only scale with it."""
+    """A trace to draw at any rate: the paper's (``input_len``/``gen_len`` None), homogeneous, or
+    shaped like a real workload (``shape``, one of ``workload.REAL_SHAPES``); ``cv`` > 1 makes
+    arrivals bursty. The same seed gives the same lengths at every rate, and arrivals that only
+    scale with it."""
     n_requests: int = 200
     seed: int = 0
     scale: float = 1.0
     input_len: int | None = None
     gen_len: int | None = None
+    shape: str | None = None
+    cv: float = 1.0
 
-    def make(self, rate: float | None, vocab_size: int):
+    def make(self, rate: float | None, vocab_size: int, max_len: int = 2048):
+        if self.shape is not None:
+            return real_trace(self.shape, self.n_requests, rate, self.seed, self.scale, max_len, vocab_size, self.cv)
         if self.input_len is None:
-            return paper_trace(self.n_requests, rate, self.seed, scale=self.scale, vocab_size=vocab_size)
-        return homogeneous_trace(self.n_requests, self.input_len, self.gen_len, rate, self.seed, vocab_size)
+            return paper_trace(self.n_requests, rate, self.seed, scale=self.scale, vocab_size=vocab_size, cv=self.cv)
+        return homogeneous_trace(self.n_requests, self.input_len, self.gen_len, rate, self.seed, vocab_size, self.cv)
 
 
 # -- one point ------------------------------------------------------------------------------------
@@ -155,7 +165,7 @@ def measure_point(backend, curve: Curve, spec: TraceSpec, rate: float | None) ->
 def serve_point(backend, curve: Curve, spec: TraceSpec, rate: float | None):
     """``measure_point``'s row, and the ``RunResult`` it summarizes."""
     t0, c0 = time.perf_counter(), time.process_time()
-    result = backend.serve(curve, spec.make(rate, backend.cfg.vocab_size))
+    result = backend.serve(curve, spec.make(rate, backend.cfg.vocab_size, backend.cfg.max_seq_len))
     df = per_request(result)
     ms = lambda s: float(np.median(s) * 1e3) if len(s) else math.nan
     return {"model": backend.name, "system": curve.system, "max_bs": curve.max_bs, "mbs": curve.mbs,
@@ -196,7 +206,7 @@ class Sweep:
 
     def run(self) -> pd.DataFrame:
         n_cap = min(self.capacity_requests or self.spec.n_requests, self.spec.n_requests)
-        cap_spec = TraceSpec(n_cap, self.spec.seed, self.spec.scale, self.spec.input_len, self.spec.gen_len)
+        cap_spec = dataclasses.replace(self.spec, n_requests=n_cap)
         pairs = [(b, c) for b in self.backends for c in self.curves]
         with _pool(self.n_procs) as pool:
             caps = {}

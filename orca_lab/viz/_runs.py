@@ -44,3 +44,30 @@ def request_color(rid: int) -> str:
 def n_slots_of(result, n_slots: int | None = None) -> int | None:
     """The K/V pool size: given, or as recorded in the run's engine configuration."""
     return n_slots if n_slots is not None else result.config.get("n_slots")
+
+
+def prefill_notes(result) -> dict[tuple[int, int], str]:
+    """``{(iteration, rid): note}`` for the policies after ORCA: a prompt split over iterations
+    ("chunk 2/3"), or a request preempted after it had produced tokens, recomputing its context
+    ("recompute")."""
+    notes, runs, decoded = {}, defaultdict(list), set()
+
+    def close(rid):                      # a run of prefill iterations of one request has ended
+        its = runs.pop(rid, [])
+        for k, i in enumerate(its if len(its) > 1 else [], 1):
+            notes[(i, rid)] = (notes.get((i, rid), "") + f" chunk {k}/{len(its)}").strip()
+
+    for i, stages in by_iteration(result).items():
+        for rid, phase in zip(stages[0].rids, stages[0].phases):
+            if phase == "decode":
+                close(rid)
+                decoded.add(rid)
+            elif phase == "prefill":
+                if rid in decoded:           # it had produced tokens: its K/V was freed, now rebuilt
+                    close(rid)
+                    decoded.discard(rid)
+                    notes[(i, rid)] = "recompute"
+                runs[rid].append(i)
+    for rid in list(runs):
+        close(rid)
+    return notes

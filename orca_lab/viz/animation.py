@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from orca_lab.viz._runs import by_iteration, n_slots_of, n_stages, request_color, request_labels
+from orca_lab.viz._runs import by_iteration, n_slots_of, n_stages, prefill_notes, request_color, request_labels
 
 STATES = ("waiting", "running", "increment")   # INITIATION, RUNNING, INCREMENT of Algorithm 1
 
@@ -70,6 +70,7 @@ class ScheduleFrames(Sequence):
         self._heads = [stages[0] for stages in by_iteration(result).values()]   # stage 0, in order
         self._total = Counter(rid for h in self._heads for rid in h.rids)      # iterations per request
         self._frames: dict[int, Frame] = {}
+        self._notes = prefill_notes(result)                                    # chunks, recomputations
 
     def __len__(self) -> int:
         """One frame per iteration, and a last one once every batch has returned."""
@@ -123,10 +124,13 @@ class ScheduleFrames(Sequence):
         return tuple(busy.get(s) for s in range(self.n_stages))
 
     def describe(self, k: int) -> str:
-        return self[k].describe(self.labels)
+        """The frame's line, and the chunks and recomputations of its batch (paged / chunked)."""
+        f = self[k]
+        notes = [f"{self.labels[r]} {self._notes[(f.iteration, r)]}" for r in f.batch if (f.iteration, r) in self._notes]
+        return f.describe(self.labels) + (f"; {', '.join(notes)}" if notes else "")
 
     def to_html(self, k: int) -> str:
-        return render_frame(self[k], self.labels, len(self))
+        return render_frame(self[k], self.labels, len(self), self._notes)
 
 
 # -- rendering: plain HTML, so the widget needs no plotting library in the browser ---------------
@@ -150,12 +154,14 @@ def _batch(rids, labels, extra=""):
             + "".join(_box(r, labels, extra) for r in rids) + "</span>")
 
 
-def render_frame(f: Frame, labels: dict[int, str], n_frames: int | None = None) -> str:
-    """A frame as HTML: pool, Select's choice, n_rsrv against n_slots, workers, returns."""
+def render_frame(f: Frame, labels: dict[int, str], n_frames: int | None = None, notes: dict | None = None) -> str:
+    """A frame as HTML: pool, Select's choice (with ``notes``: chunks, recomputations), n_rsrv
+    against n_slots, workers, returns."""
     row = lambda title, body: (f'<tr><td style="padding:4px 10px 4px 0;color:#555;white-space:nowrap;'
                                f'vertical-align:middle">{title}</td><td>{body}</td></tr>')
     pool = "".join(_box(e.rid, labels, _STATE_STYLE[e.state], f"{e.n_done}/{e.n_total}") for e in f.pool)
-    chosen = " ".join(f"{labels[r]}&nbsp;<small>({p})</small>" for r, p in zip(f.batch, f.phases)) or "-"
+    note = lambda r: f", {notes[(f.iteration, r)]}" if notes and (f.iteration, r) in notes else ""
+    chosen = " ".join(f"{labels[r]}&nbsp;<small>({p}{note(r)})</small>" for r, p in zip(f.batch, f.phases)) or "-"
     kv = f"n_rsrv = {f.n_rsrv}"
     if f.n_slots:
         pct = lambda n: f"{100 * n / f.n_slots:.1f}%"

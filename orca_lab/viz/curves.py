@@ -10,12 +10,14 @@ from plotly.subplots import make_subplots
 
 # ORCA in blues, the baseline in reds; a darker shade for a larger max_bs.
 _SHADES = {"orca": ["#9ecae1", "#6baed6", "#3182bd", "#08519c", "#08306b"],
-           "ft": ["#fc9272", "#de2d26", "#a50f15", "#67000d"]}
+           "ft": ["#fc9272", "#de2d26", "#a50f15", "#67000d"],
+           "paged": ["#a1d99b", "#31a354", "#006d2c"],          # the policies after ORCA
+           "chunked": ["#bcbddc", "#756bb1", "#54278f"]}
 SCHEME_COLORS = {"max_seq_len": "#a50f15", "max_tokens": "#3182bd", "true_length": "#74c476", "paged": "#31a354"}
 
 
 def curve_label(system, max_bs, mbs) -> str:
-    return f"orca({max_bs})" if system == "orca" else f"ft({max_bs},{int(mbs)})"
+    return f"ft({max_bs},{int(mbs)})" if system == "ft" else f"{system}({max_bs})"
 
 
 def _colors(df: pd.DataFrame) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from orca_lab.viz._runs import PHASE_PATTERN, by_iteration, n_stages, request_color, request_labels
+from orca_lab.viz._runs import PHASE_PATTERN, by_iteration, n_stages, prefill_notes, request_color, request_labels
 
 PHASE_OPACITY = {"prefill": 1.0, "decode": 1.0, "held": 0.4}   # held work is wasted: faded
 TIME_UNITS = {"s": 1.0, "ms": 1e3, "units": 1.0}   # "units": a clock where one stage takes 1
@@ -20,7 +20,7 @@ def timeline_figure(result, time_unit: str = "s", first: int | None = None, titl
     """Iterations of ``result`` per worker; ``first`` keeps only the first that many iterations."""
     if time_unit not in TIME_UNITS:
         raise ValueError(f"time_unit={time_unit!r} is not allowed: choose one of {tuple(TIME_UNITS)}")
-    scale, labels = TIME_UNITS[time_unit], request_labels(result)
+    scale, labels, notes = TIME_UNITS[time_unit], request_labels(result), prefill_notes(result)
     points = {phase: dict(base=[], x=[], y=[], width=[], color=[], text=[], hover=[])
               for phase in PHASE_PATTERN}
     for i, stages in list(by_iteration(result).items())[:first]:
@@ -34,9 +34,10 @@ def timeline_figure(result, time_unit: str = "s", first: int | None = None, titl
                 p["base"].append(rec.start * scale)
                 p["x"].append((rec.end - rec.start) * scale)
                 p["color"].append(request_color(rid))
-                p["text"].append(labels[rid])
+                note = notes.get((i, rid), "")       # a chunk of a prompt, or a recomputation
+                p["text"].append(labels[rid] + ("*" if "recompute" in note else "'" if note else ""))
                 p["hover"].append(f"iteration {i}, worker {rec.stage + 1}<br>request {labels[rid]}: "
-                                  f"{phase}, {q} new token(s)<br>{rec.start * scale:.4g} to "
+                                  f"{phase}{' (' + note + ')' if note else ''}, {q} new token(s)<br>{rec.start * scale:.4g} to "
                                   f"{rec.end * scale:.4g} {time_unit}")
     fig = go.Figure()
     for phase, p in points.items():

@@ -1,0 +1,69 @@
+"""The paged K/V manager (vLLM's PagedAttention, after ORCA): the slot pool cut into blocks of
+``block_size`` slots, handed to a request one block at a time as its context grows.
+
+A request's block table is its list of blocks; laid out as slot ids (``req.slots``) it is what the
+kernels already read, so paging needs no new attention path. The pool and its span allocator are
+``KVSlotManager``'s: every run taken or given back is a whole number of blocks, so every free run
+starts on a block boundary and a taken block is always whole. Unlike ORCA's reservation, nothing
+guarantees a running request its next block: the scheduler preempts when the pool runs dry.
+"""
+from __future__ import annotations
+
+import torch
+
+from orca_lab.config import check_blocks
+from orca_lab.engine.kv_manager import KVSlotManager
+
+
+class BlockManager(KVSlotManager):
+    def __init__(self, n_slots: int, block_size: int = 16, *shape, watermark: float = 0.01, **pool):
+        """``watermark``: the fraction of blocks admission leaves free, so that the requests already
+        running can grow for a while before one is preempted (vLLM: 1%)."""
+        check_blocks(n_slots, block_size)
+        super().__init__(n_slots, *shape, **pool)
+        self.block_size = block_size
+        self.n_blocks = n_slots // block_size
+        self.watermark_blocks = int(watermark * self.n_blocks)
+
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    @property
+    def n_free_blocks(self) -> int:
+        return (self.n_slots - self.n_reserved) // self.block_size
+
+    def blocks_held(self, req) -> int:
+        return 0 if req.slots is None else len(req.slots) // self.block_size
+
+    def can_admit(self, n_tokens: int) -> bool:
+        """Admission of a waiting request whose first iteration writes ``n_tokens``: its blocks and
+        the watermark must fit, except into an empty pool (else a long prompt would wait forever)."""
+        spare = self.n_free_blocks - self.blocks_for(n_tokens)
+        return spare >= (self.watermark_blocks if self.n_holders else 0)
+
+    def can_grow(self, req, n_tokens: int) -> bool:
+        return self.blocks_for(n_tokens) - self.blocks_held(req) <= self.n_free_blocks
+
+    def grow(self, req, n_tokens: int):
+        """Extend ``req``'s block table to cover ``n_tokens`` tokens; the caller checked ``can_grow``."""
+        need = self.blocks_for(n_tokens) - self.blocks_held(req)
+        if need <= 0:
+            return
+        if need > self.n_free_blocks:
+            raise RuntimeError(f"cannot grow request {req.rid} by {need} blocks: {self.n_free_blocks} free")
+        runs = self._take(need * self.block_size)
+        self.n_reserved += need * self.block_size
+        self._holders[req.rid] = req
+        self._runs.setdefault(req.rid, []).extend(runs)
+        if self.k is None:
+            new = [i for a, b in runs for i in range(a, b)]
+            req.slots = (req.slots or []) + new
+        else:
+            new = torch.cat([torch.arange(a, b, device=self.device) for a, b in runs])
+            req.slots = new if req.slots is None else torch.cat([req.slots, new])
+
+    def block_table(self, req) -> list[int]:
+        """The request's blocks, in context order (block ``b`` holds slots ``[b*bs, (b+1)*bs)``)."""
+        if req.slots is None:
+            return []
+        return [int(s) // self.block_size for s in req.slots[::self.block_size]]

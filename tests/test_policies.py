@@ -1,0 +1,190 @@
+"""The policies after ORCA (paged K/V with recompute preemption, chunked prefill): batched greedy =
+alone under forced preemption and prompts longer than the budget, no leaks, FCFS, the simulator's
+batches, a pipeline of worker processes, and their refusals of bad settings."""
+import pytest
+import torch
+
+from helpers import random_prompts
+from orca_lab import LLM, EngineConfig, SamplingParams
+from orca_lab.engine.blocks import BlockManager
+from orca_lab.engine.parallel import WorkerPool
+from orca_lab.engine.request import Request
+from orca_lab.sim.cost import AnalyticalCost
+from orca_lab.sim.run import Curve, SimBackend
+from orca_lab.workload import TraceItem
+
+# (system, pool, budget): a pool too small for every context at once forces preemption; a budget
+# below the longest prompt splits it over iterations
+SETTINGS = {"paged-preempting": ("paged", 64, 512), "chunked-preempting": ("chunked", 64, 16),
+            "chunked-roomy": ("chunked", 4096, 24)}
+
+
+def trace_of(vocab, n=9, seed=0, lo=1, hi=50):
+    prompts = random_prompts(n, vocab, lo, hi, seed)
+    return [TraceItem(0.0, tuple(p), 2 + (5 * i + seed) % 11) for i, p in enumerate(prompts)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Small ops on a shared 2-core machine: one intra-op thread (see ``engine/executor.py``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llm):
+    """Each request of the module's trace run alone (ORCA, one request in the engine)."""
+    trace = trace_of(tiny_llm.cfg.vocab_size)
+    return trace, [tiny_llm.generate([list(t.prompt)], max_gen_tokens=t.max_gen_tokens)[0] for t in trace]
+
+
+def engine_for(tiny_llm, setting, n_workers=1, executor="local", max_bs=4):
+    system, n_slots, budget = SETTINGS[setting]
+    cfg = EngineConfig(max_bs=max_bs, n_slots=n_slots, block_size=8, max_num_batched_tokens=budget,
+                       pipeline_parallel=n_workers, executor=executor)
+    return LLM(gpt=tiny_llm.model, engine=cfg).new_engine(system)
+
+
+def assert_no_leak(engine):
+    kv = engine.scheduler.kv
+    assert (kv.n_reserved, kv.n_holders, kv._spans) == (0, 0, [[0, kv.n_slots]])
+    assert all(r.slots is None for r in engine.requests)
+
+
+@pytest.mark.parametrize("n_workers", [1, 2])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_batched_greedy_equals_each_request_alone(tiny_llm, expected, setting, n_workers):
+    trace, alone = expected
+    engine = engine_for(tiny_llm, setting, n_workers)
+    result = engine.run(trace)
+    assert [list(r.output) for r in result.requests] == alone
+    df = result.requests_df()
+    system, n_slots, budget = SETTINGS[setting]
+    if n_slots == 64:
+        assert df["n_preemptions"].sum() > 0, "the pool should be too small for every context at once"
+    if system == "chunked":
+        assert max(it.n_tokens for it in result.iterations) <= budget
+        long = [r for r in result.requests if r.prompt_len > budget]
+        assert long and all(r.n_iterations > r.n_generated for r in long)   # prompts over several chunks
+        mixed = [it for it in result.iterations if {"prefill", "decode"} <= set(it.phases)]
+        assert mixed, "decodes should run beside prefill chunks"
+    if n_slots > 64:               # room for n_workers batches at once
+        assert max(it.in_flight for it in result.iterations) == n_workers
+    assert_no_leak(engine)
+
+
+def test_preemption_frees_the_latest_arrival_and_admission_is_fcfs(tiny_llm):
+    """Seven 16-token prompts growing to 40 tokens in a pool of 8 blocks of 16."""
+    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=8, n_slots=128))
+    engine = llm.new_engine("paged")
+    trace = [TraceItem(0.0, tuple(p), 24) for p in random_prompts(7, llm.cfg.vocab_size, 16, 16, 3)]
+    result = engine.run(trace)
+    its = sorted((it for it in result.iterations), key=lambda it: it.iteration)
+    first_in = {}
+    for it in its:
+        for rid in it.rids:
+            first_in.setdefault(rid, it.iteration)
+    assert list(first_in) == sorted(first_in)                   # first admitted in arrival order
+    assert its[0].rids == (0, 1, 2, 3, 4, 5, 6)                 # 7 prompts x 1 block: the pool holds all
+    grown = next(i for i, it in enumerate(its) if len(it.rids) < 7)
+    assert its[grown].rids == (0, 1, 2, 3)                      # the three latest arrivals gave way
+    df = result.requests_df().set_index("rid")
+    assert df.loc[[4, 5, 6], "n_preemptions"].min() >= 1 and df.loc[0, "n_preemptions"] == 0
+    assert engine.scheduler.n_preemptions == df["n_preemptions"].sum()
+    recompute = [it for it in its[grown + 1:] if 4 in it.rids]
+    assert recompute[0].q_lens[recompute[0].rids.index(4)] > 16   # prompt + generated tokens again
+    assert_no_leak(engine)
+
+
+def test_chunked_schedules_decodes_first_and_fills_the_budget_with_the_oldest_prompt(tiny_llm):
+    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=8, n_slots=1024, max_num_batched_tokens=32))
+    engine = llm.new_engine("chunked")
+    trace = [TraceItem(0.0, tuple(range(1, 11)), 6), TraceItem(0.0, tuple(range(1, 81)), 3),
+             TraceItem(0.0, tuple(range(1, 21)), 2)]
+    its = [(it.rids, it.q_lens, it.phases) for it in engine.run(trace).iterations]
+    assert its[0] == ((0, 1), (10, 22), ("prefill", "prefill"))
+    assert its[1] == ((0, 1), (1, 31), ("decode", "prefill"))      # the decode first, then 31 of 80
+    assert its[2] == ((0, 1, 2), (1, 27, 4), ("decode", "prefill", "prefill"))  # prompt 1 done: 2 starts
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("setting", ["paged-preempting", "chunked-preempting"])
+def test_simulator_and_real_engine_make_the_same_batches(tiny_llm, setting):
+    system, n_slots, budget = SETTINGS[setting]
+    trace = trace_of(tiny_llm.cfg.vocab_size, n=8, seed=4)
+    real = engine_for(tiny_llm, setting, n_workers=2).run(trace)
+    sim = SimBackend(tiny_llm.cfg, cost=AnalyticalCost(tiny_llm.cfg, pipeline_parallel=2), n_slots=n_slots,
+                     block_size=8, max_num_batched_tokens=budget)
+    simulated = sim.serve(Curve.parse(f"{system}(4)"), trace)
+    key = lambda res: [(it.iteration, it.rids, it.q_lens, it.kv_reserved, it.kv_used)
+                       for it in res.iterations if it.stage == 0]
+    assert key(simulated) == key(real)
+    assert list(simulated.requests_df()["n_preemptions"]) == list(real.requests_df()["n_preemptions"])
+    assert simulated.requests_df()["n_preemptions"].sum() > 0
+
+
+def test_a_pipeline_of_worker_processes_gives_the_same_tokens(tiny_llm, expected):
+    """1 x 2 workers over gloo: blocks grow and preempted requests come back with new slots."""
+    trace, alone = expected
+    cfg = EngineConfig(max_bs=4, n_slots=64, block_size=8, max_num_batched_tokens=16, pipeline_parallel=2)
+    llm = LLM(gpt=tiny_llm.model, engine=cfg)
+    with WorkerPool(llm):
+        for system in ("paged", "chunked"):
+            result = llm.serve(trace, system=system)
+            assert [list(r.output) for r in result.requests] == alone, system
+            assert result.requests_df()["n_preemptions"].sum() > 0
+
+
+def test_block_manager_hands_out_whole_blocks_and_takes_them_all_back():
+    kv = BlockManager(64, 8, watermark=0.25)
+    a, b = Request(0, [1] * 5, SamplingParams()), Request(1, [1] * 5, SamplingParams())
+    kv.grow(a, 5)
+    kv.grow(b, 9)
+    kv.grow(a, 17)
+    assert kv.block_table(a) == [0, 3, 4] and kv.block_table(b) == [1, 2]
+    assert a.slots[8:16] == list(range(24, 32))                 # block 3, slot by slot
+    assert kv.n_free_blocks == 3 and kv.watermark_blocks == 2
+    assert kv.can_admit(8) and not kv.can_admit(9)               # 2 blocks would leave 1 < watermark
+    kv.release(a)
+    kv.release(b)
+    assert kv._spans == [[0, 64]] and kv.n_reserved == 0
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(block_size=0), r"block_size=0 is out of range"),
+    (dict(max_num_batched_tokens=0), r"max_num_batched_tokens=0 is out of range"),
+    (dict(block_size=32, max_num_batched_tokens=16), r"max_num_batched_tokens=16 is out of range: allowed \[32,"),
+    (dict(n_slots=100, block_size=16), r"block_size=16 must divide n_slots=100"),
+])
+def test_bad_block_size_or_token_budget_is_refused(tiny_llm, changes, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(gpt=tiny_llm.model, engine=EngineConfig(**changes)).new_engine("paged")
+    with pytest.raises(ValueError, match="system='vllm' is not allowed"):
+        tiny_llm.new_engine("vllm")
+
+
+def test_a_request_that_cannot_fit_alone_is_refused_at_submission(tiny_llm):
+    engine = LLM(gpt=tiny_llm.model, engine=EngineConfig(n_slots=64, block_size=16)).new_engine("chunked")
+    with pytest.raises(ValueError, match="max_tokens=80 .* exceeds n_slots=64"):
+        engine.add_request([1] * 60, SamplingParams(max_gen_tokens=20))
+    engine.add_request([1] * 40, SamplingParams(max_gen_tokens=4))     # the engine keeps serving
+    assert [len(r.output) for r in engine.run().requests] == [4]
+
+
+def test_timeline_and_animation_mark_chunks_and_recomputations(tiny_llm):
+    from orca_lab.viz.animation import ScheduleFrames
+    from orca_lab.viz.timeline import timeline_figure
+    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=8, n_slots=128, max_num_batched_tokens=32))
+    trace = [TraceItem(0.0, tuple(p), g) for p, g in
+             zip(random_prompts(5, llm.cfg.vocab_size, 10, 16, 5), (20, 24, 24, 24, 20))]
+    trace[1] = TraceItem(0.0, tuple(range(70)), 4)                # 70 tokens: three chunks of <= 32
+    result = llm.serve(trace, system="chunked")
+    assert result.requests_df()["n_preemptions"].sum() > 0
+    hover = " ".join(h for tr in timeline_figure(result).data if tr.hovertext for h in tr.hovertext)
+    assert "prefill (chunk 2/3), 31 new token(s)" in hover and "prefill (recompute)" in hover
+    frames = ScheduleFrames(result)
+    lines = [frames.describe(k) for k in range(len(frames))]
+    assert "B chunk 1/3" in lines[0] and any("recompute" in line for line in lines)
+    assert "chunk 2/3" in frames.to_html(1)
