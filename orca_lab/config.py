@@ -24,6 +24,13 @@ def check_choice(name: str, value, choices):
     return value
 
 
+def check_bool(name: str, value):
+    """Raise ValueError naming ``name`` and its value unless it is True or False."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is not allowed: choose True or False")
+    return value
+
+
 def _range_text(lo, hi) -> str:
     return f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
 
@@ -101,6 +108,9 @@ class EngineConfig:
     ``executor``: "auto" runs tensor_parallel x pipeline_parallel worker processes when that is above 1,
     else the model in this process; "local" emulates the pipeline stages in this process; "workers"
     always uses worker processes (even 1 x 1).
+    ``tf32``: fp32 matmuls and attention dots on a GPU may use TF32 tensor cores (10-bit mantissa
+    products; off by default, so fp32 stays IEEE). ``cuda_graphs``: decode-only iterations replay
+    CUDA graphs captured per padded batch size (on a GPU, in this process, with Triton attention).
     """
     max_bs: int = 32
     n_slots: int = 16384
@@ -111,6 +121,8 @@ class EngineConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     executor: str = "auto"
+    tf32: bool = False
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         check_range("max_bs", self.max_bs, 1, 65536)
@@ -123,6 +135,8 @@ class EngineConfig:
         check_range("tensor_parallel", self.tensor_parallel, 1, 1024)
         check_range("pipeline_parallel", self.pipeline_parallel, 1, 1024)
         check_choice("executor", self.executor, EXECUTORS)
+        check_bool("tf32", self.tf32)
+        check_bool("cuda_graphs", self.cuda_graphs)
 
     @property
     def n_workers(self) -> int:
