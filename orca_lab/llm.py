@@ -6,6 +6,7 @@ from typing import Iterator
 import torch
 
 from orca_lab.config import EngineConfig, ModelConfig, model_config
+from orca_lab.engine.cuda_graphs import decode_graphs_for
 from orca_lab.engine.engine import Engine, RunResult
 from orca_lab.engine.executor import LocalExecutor
 from orca_lab.engine.kv_manager import KVSlotManager
@@ -33,6 +34,7 @@ class LLM:
         self.model = gpt.to(ec.device, dtype) if gpt is not None else \
             GPT.random(model_config(model), seed, ec.device, dtype, **backends)
         self.model.attention_backend, self.model.fused_ops_backend = ec.attention_backend, ec.fused_ops_backend
+        self.model.tf32 = ec.tf32
         self.cfg = self.model.cfg
         self.tokenizer = tokenizer or (ByteTokenizer() if self.cfg.vocab_size == ByteTokenizer.vocab_size else None)
 
@@ -59,7 +61,8 @@ class LLM:
             if mbs is not None and not 1 <= mbs <= ec.max_bs:
                 raise ValueError(f"mbs={mbs} is out of range: allowed [1, max_bs={ec.max_bs}]")
             scheduler = RequestLevelScheduler(kv, ec.max_bs, cfg.max_seq_len, mbs)
-        executor = WorkerExecutor.for_llm(self) if workers else LocalExecutor(self.model, kv, ec.n_workers, ec.device)
+        executor = WorkerExecutor.for_llm(self) if workers else \
+            LocalExecutor(self.model, kv, ec.n_workers, ec.device, decode_graphs_for(self.model, kv, ec))
         config = {"model": cfg.name, "system": system, "mbs": mbs, **vars(ec)}
         return Engine(scheduler, executor, cfg.vocab_size, cfg.max_seq_len, config)
 

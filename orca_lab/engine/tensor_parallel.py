@@ -70,7 +70,7 @@ def stage_model(full: GPT, layers: tuple[int, int], t: int, T: int, *, first: bo
     plus the embeddings on the first stage and the final LayerNorm and LM head on the last.
     Parts it does not own are None. Its blocks are numbered from 0 (the worker's K/V pool too)."""
     with torch.device("meta"):
-        part = GPT(full.cfg, full.attention_backend, full.fused_ops_backend)
+        part = GPT(full.cfg, full.attention_backend, full.fused_ops_backend, full.tf32)
     part.blocks = nn.ModuleList(shard_block(full.blocks[i], full.cfg, t, T, all_reduce)
                                 for i in range(*layers))
     part.wte = VocabParallelEmbedding(full.wte.weight.detach(), t, T, all_reduce) if first or last else None

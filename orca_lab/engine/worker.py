@@ -27,7 +27,7 @@ from orca_lab.config import EngineConfig, ModelConfig
 from orca_lab.engine.control import (ControlMessage, Inbox, Reset, StageReport, Stop, WorkerError, connect,
                                      decode_address, encode_address)
 from orca_lab.engine.data_plane import DataPlane
-from orca_lab.engine.executor import split_layers
+from orca_lab.engine.executor import StageClock, split_layers
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.model import GPT
 from orca_lab.engine.request import SamplingParams
@@ -170,22 +170,25 @@ class Worker:
             self.requests[rid] = RemoteRequest(rid, torch.tensor(slots, dtype=torch.int64), params)
         batch = msg.batch(self.requests)
         bt = batch.tensors(self.device)
+        # Busy from the moment its input is here. On a GPU a recv returns once queued, so the stage
+        # clock marks the stream (CUDA events) and reads the host clock at one synchronized point.
+        clock = StageClock(self.device, time.time)
         if self.first:
-            start = time.time()
+            clock.mark()
             x = self.model.embed(bt)
         else:
             x = self.data.recv_prev((batch.n_tokens, self.spec.cfg.d_model), self.dtype)
-            start = time.time()                     # busy from the moment its input is here
+            clock.mark()
         x = self.model.run_layers(x, bt, self.kv, 0, len(self.model.blocks))
         tokens = None
         if self.last:
             tokens = self._sample(x, bt, batch.requests)
         else:
             self.data.send_next(x)
-            if self.device.type == "cuda" and self.report is not None:
-                torch.cuda.current_stream().synchronize()   # for the trace's end time only
         if self.report is not None:
-            self.report.send(StageReport(msg.iteration, self.stage, start, time.time(), tokens))
+            clock.mark()
+            start, end = clock.times()
+            self.report.send(StageReport(msg.iteration, self.stage, start, end, tokens))
 
     def _sample(self, x, bt, requests):
         logits = self.model.head(x, bt)                     # this rank's vocabulary rows
