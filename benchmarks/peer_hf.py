@@ -110,19 +110,16 @@ def _left_padded(prompts):
 def run_hf_cb(hf, trace, max_bs):
     """HF continuous batching; latency from the manager's own finish time of each request."""
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
     gen = GenerationConfig(max_new_tokens=max(it.max_gen_tokens for it in trace), do_sample=False,
                            eos_token_id=-1, pad_token_id=0)
     page = 256   # tokens per cache page; every request gets its pages, twice over, plus a margin
     pages = sum(math.ceil(it.max_tokens / page) for it in trace)
-    cb = ContinuousBatchingConfig(page_size=page, num_blocks=2 * pages + 16, max_requests_per_batch=max_bs)
     results = {}
-    with hf.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
-                                                block=True, timeout=30) as manager:
+    with cb_manager(hf, gen, page, 2 * pages + 16, max_bs) as manager:
         start, cpu = time.perf_counter(), time.process_time()
         for i, it in enumerate(trace):
-            manager.add_request(list(it.prompt), request_id=str(i), max_new_tokens=it.max_gen_tokens,
-                                eos_token_id=-1)
+            _call(manager.add_request, list(it.prompt), request_id=str(i), max_new_tokens=it.max_gen_tokens,
+                  eos_token_id=-1)
         while len(results) < len(trace):
             res = manager.get_result(timeout=1)
             if res is not None and res.is_finished():
@@ -133,6 +130,58 @@ def run_hf_cb(hf, trace, max_bs):
     outs = [results[i] for i in range(len(trace))]
     latencies = [r.lifespan[1] - start for r in outs]
     return [list(r.generated_tokens) for r in outs], latencies, max(latencies), cpu
+
+
+def cb_manager(hf, gen, page: int, num_blocks: int, max_bs: int):
+    """HF's continuous-batching manager as a context manager, on whichever API this transformers has.
+
+    - 5.x: a ``ContinuousBatchingConfig`` (its page size is ``page_size`` in some releases and
+      ``block_size`` in others; each keyword is passed only where the installed class takes it);
+    - 4.56-4.5x: the cache settings ride on the ``GenerationConfig`` (``block_size``, ``num_blocks``)
+      and ``init_continuous_batching`` returns the manager.
+    Older releases have no continuous batching: that is refused, naming the version.
+    """
+    import transformers
+    try:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    except ImportError:
+        ContinuousBatchingConfig = None
+    if ContinuousBatchingConfig is not None and hasattr(hf, "continuous_batching_context_manager"):
+        import inspect
+        page_key = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters \
+            else "block_size"
+        cb = _call(ContinuousBatchingConfig, **{page_key: page}, num_blocks=num_blocks,
+                   max_requests_per_batch=max_bs, max_batch_size=max_bs)
+        return hf.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                      block=True, timeout=30)
+    if hasattr(hf, "init_continuous_batching"):
+        gen.block_size, gen.num_blocks, gen.max_batch_tokens = page, num_blocks, max_bs * page
+        return _started(hf.init_continuous_batching(generation_config=gen))
+    raise RuntimeError(f"hf_cb needs transformers' continuous batching (generate_batch / "
+                       f"init_continuous_batching, transformers >= 4.56); installed: {transformers.__version__}")
+
+
+def _call(fn, *args, **kwargs):
+    """``fn`` with the keywords its signature takes (the continuous-batching API moves between
+    releases); the rest are dropped."""
+    import inspect
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(*args, **kwargs)
+
+
+class _started:
+    """start() on entry, stop() on exit, for managers without a context manager of their own."""
+    def __init__(self, manager):
+        self.manager = manager
+
+    def __enter__(self):
+        self.manager.start()
+        return self.manager
+
+    def __exit__(self, *exc):
+        self.manager.stop(block=True, timeout=30)
 
 
 def run(system, llm, hf, trace, max_bs):
