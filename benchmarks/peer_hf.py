@@ -1,6 +1,11 @@
 """orca_lab against its peer on this machine: Hugging Face transformers, on the same weights and trace.
 
     python benchmarks/peer_hf.py [--presets tiny gpt2] [--rounds 3] [--threads 1] [--out results/peer_hf.json]
+    python benchmarks/peer_hf.py --device cuda --dtype bfloat16 --presets gpt2 --n-requests 256 --max-bs 64
+
+``--device``/``--dtype`` put both sides on the same device with the same weights in the same dtype
+(on a GPU: bf16, orca_lab on its Triton kernels and CUDA graphs, HF on its default attention).
+The continuous-batching peer needs transformers >= 4.56; its API is detected (``cb_manager``).
 
 One process, one GPT-2-architecture model per preset (seeded random weights, saved once in the Hugging
 Face layout and loaded by ``GPT2LMHeadModel.from_pretrained``), one paper-shaped trace scaled for a
@@ -85,7 +90,7 @@ def run_hf_generate(hf, trace, max_bs):
     start, cpu = time.perf_counter(), time.process_time()
     for i in range(0, len(trace), max_bs):
         items = trace[i:i + max_bs]
-        ids, mask = _left_padded([list(it.prompt) for it in items])
+        ids, mask = (t.to(hf.device) for t in _left_padded([list(it.prompt) for it in items]))
         n_new = max(it.max_gen_tokens for it in items)
         with torch.inference_mode():
             out = hf.generate(ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
@@ -219,14 +224,16 @@ def check_tokens(trace, runs) -> dict:
 
 def bench_preset(preset, args, out_dir) -> dict:
     scale = args.scale or SCALES.get(preset, 0.125)
-    engine = EngineConfig(max_bs=args.max_bs, n_slots=args.max_bs * 1024)   # ft reserves 1024 per request
+    engine = EngineConfig(max_bs=args.max_bs, n_slots=args.max_bs * 1024,   # ft reserves 1024 per request
+                          device=args.device, dtype=args.dtype)
     llm = LLM(preset, seed=args.seed, engine=engine)
     trace = paper_trace(args.n_requests, rate=None, seed=args.seed, scale=scale, vocab_size=llm.cfg.vocab_size)
-    hf = load_hf(llm, out_dir / f"{preset}_hf")
+    hf = load_hf(llm, out_dir / f"{preset}_hf", args.device, args.dtype)
     print(f"\n== {preset}: {args.n_requests} requests, inputs {min(len(t.prompt) for t in trace)}.."
           f"{max(len(t.prompt) for t in trace)} (sum {sum(len(t.prompt) for t in trace)}), generated "
           f"{min(t.max_gen_tokens for t in trace)}..{max(t.max_gen_tokens for t in trace)} (sum "
-          f"{sum(t.max_gen_tokens for t in trace)}), max_bs {args.max_bs}, {torch.get_num_threads()} thread(s)")
+          f"{sum(t.max_gen_tokens for t in trace)}), max_bs {args.max_bs}, {args.device} {args.dtype}, "
+          f"{torch.get_num_threads()} thread(s)")
     for system in SYSTEMS:     # warm-up: first calls (kernel selection, allocations) out of the way
         run(system, llm, hf, trace[:2], args.max_bs)
     rounds = []
@@ -239,7 +246,7 @@ def bench_preset(preset, args, out_dir) -> dict:
             print_tokens(tokens)
         rounds.append(row)
         print_round(r, row)
-    floor = matmul_floor(llm, trace)
+    floor = matmul_floor(llm, trace, args.device, getattr(torch, args.dtype))
     summary = {s: {k: statistics.median(rd[s][k] for rd in rounds) for k in rounds[0][s]} for s in SYSTEMS}
     ratios = {s: statistics.median(rd[s]["tokens_per_s"] / rd[REFERENCE]["tokens_per_s"] for rd in rounds)
               for s in SYSTEMS}
@@ -255,8 +262,8 @@ def bench_preset(preset, args, out_dir) -> dict:
             "tokens_per_cpu_s_ratio_to_hf_cb": cpu_ratios, "matmul_floor": floor}
 
 
-def matmul_floor(llm, trace) -> dict:
-    """Seconds the linear layers of ORCA's schedule of this trace take bare, on this core."""
+def matmul_floor(llm, trace, device="cpu", dtype=torch.float32) -> dict:
+    """Seconds the linear layers of ORCA's schedule of this trace take bare, on this core (or GPU)."""
     result = llm.serve(trace, system="orca")
     cfg, d = llm.cfg, llm.cfg.d_model
     shapes = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)]          # (out, in) per layer
@@ -264,11 +271,13 @@ def matmul_floor(llm, trace) -> dict:
 
     def linear_s(m, n_out, n_in):
         if (m, n_out, n_in) not in cache:
-            x, w, b = torch.randn(m, n_in), torch.randn(n_out, n_in), torch.randn(n_out)
+            x, w, b = (torch.randn(*shape, device=device, dtype=dtype) for shape in ((m, n_in), (n_out, n_in), (n_out,)))
             F.linear(x, w, b)
+            _sync(device)
             t = time.perf_counter()
             for _ in range(3):
                 F.linear(x, w, b)
+            _sync(device)
             cache[m, n_out, n_in] = (time.perf_counter() - t) / 3
         return cache[m, n_out, n_in]
 
@@ -282,10 +291,16 @@ def matmul_floor(llm, trace) -> dict:
             "iterations": len(result.iterations)}
 
 
-def load_hf(llm, path):
+def _sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def load_hf(llm, path, device="cpu", dtype="float32"):
+    """orca_lab's weights in HF's GPT-2, on the same device and in the same dtype."""
     from transformers import GPT2LMHeadModel
     llm.save_pretrained(path)
-    return GPT2LMHeadModel.from_pretrained(path).eval()
+    return GPT2LMHeadModel.from_pretrained(path).to(device=device, dtype=getattr(torch, dtype)).eval()
 
 
 # ----------------------------------------------------------------------------------- printing
@@ -326,9 +341,15 @@ def main(argv=None):
     p.add_argument("--max-bs", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=THREADS, help="torch intra-op threads for every system")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (both systems)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--smoke", action="store_true", help="tiny preset, 4 short requests, 1 round")
     p.add_argument("--out", default="results/peer_hf.json")
     args = p.parse_args(argv)
+    if args.device.split(":")[0] not in ("cpu", "cuda"):
+        p.error(f"--device={args.device!r}: use cpu, cuda or cuda:N")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device={args.device!r} but no CUDA device is available")
     if args.smoke:
         args.presets, args.rounds, args.n_requests, args.scale = ["tiny"], 1, 4, 0.05
     torch.set_num_threads(args.threads)
