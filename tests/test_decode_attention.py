@@ -115,6 +115,28 @@ def test_tuner_uses_the_fixed_config_in_the_interpreter_and_caches_per_bucket():
     assert [bucket(n) for n in (1, 2, 3, 8, 9)] == [1, 2, 4, 8, 16]
 
 
+def test_tuner_times_each_candidate_once_and_skips_what_does_not_fit(monkeypatch):
+    """The GPU path of the tuner, its timer replaced: the fastest config that runs wins, a config
+    that needs too much shared memory is skipped, and the bucket is not timed again."""
+    import triton
+    cost, launched = {"a": 3.0, "b": 1.0, "c": 0.5}, []
+
+    def launch(cfg):
+        launched.append(cfg)
+        if cfg == "c":
+            raise triton.runtime.errors.OutOfResources(300_000, 232_448, "shared memory")
+
+    def do_bench(fn, **kw):
+        fn()
+        return cost[launched[-1]]
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    tuner = LaunchTuner()
+    assert tuner.choose("key", ["a", "b", "c"], launch, on_gpu=True) == "b"
+    n = len(launched)
+    assert tuner.choose("key", ["a", "b", "c"], launch, on_gpu=True) == "b" and len(launched) == n
+
+
 def test_launch_configs_describe_every_kernel_argument():
     entries = attention.launch_configs(dtypes=(torch.bfloat16, torch.float32), head_sizes=(80,))
     names = {e["fn"].__name__ for e in entries}

@@ -30,7 +30,7 @@ class LaunchTuner:
             return got
         if not on_gpu or len(candidates) == 1:
             got = candidates[0]
-        elif torch.cuda.is_current_stream_capturing():
+        elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return candidates[0]           # no timing inside a CUDA graph capture: warm up first
         else:
             got = _fastest(candidates, launch)

@@ -331,13 +331,23 @@ INTERPRETER_DECODE = DecodeConfig(2, 16, 32, 1, 1)
 NO_SPLIT = 1 << 30      # the partition of an unsplit context: longer than any
 
 
-def prefill_candidates(head_size: int) -> list[PrefillConfig]:
-    """What the GPU tuner times for the ragged kernel (the first one also serves untuned)."""
-    if next_pow2(head_size, 16) > 128:   # keep the pipelined K/V tiles within shared memory
-        return [PrefillConfig(32, 32, 4, 2), PrefillConfig(16, 32, 4, 2), PrefillConfig(64, 32, 8, 1)]
-    return [PrefillConfig(64, 64, 4, 2), PrefillConfig(128, 64, 8, 2), PrefillConfig(128, 32, 4, 3),
-            PrefillConfig(64, 32, 4, 3), PrefillConfig(128, 128, 8, 2), PrefillConfig(32, 64, 4, 2),
-            PrefillConfig(16, 64, 4, 2)]   # short chunks: fewer wasted query rows
+# Shared memory a ragged-kernel launch may plan for: under A100's 164 KiB (H100 has 227 KiB).
+SHARED_LIMIT = 160 * 1024
+
+
+def prefill_candidates(head_size: int, elem_bytes: int = 2) -> list[PrefillConfig]:
+    """What the GPU tuner times for the ragged kernel (the first one also serves untuned). Tiles
+    whose Q block and pipelined K/V blocks would not fit ``SHARED_LIMIT`` are left out (fp32 halves
+    what fits; checked against the compiler's figures for sm_80 and sm_90)."""
+    block_d = next_pow2(head_size, 16)
+    if block_d > 128:
+        cands = [PrefillConfig(32, 32, 4, 2), PrefillConfig(16, 32, 4, 2), PrefillConfig(64, 32, 8, 1)]
+    else:
+        cands = [PrefillConfig(64, 64, 4, 2), PrefillConfig(128, 64, 8, 2), PrefillConfig(128, 32, 4, 3),
+                 PrefillConfig(64, 32, 4, 3), PrefillConfig(128, 128, 8, 2), PrefillConfig(32, 64, 4, 2),
+                 PrefillConfig(16, 64, 4, 2)]   # short chunks: fewer wasted query rows
+    shared = lambda c: elem_bytes * block_d * (c.block_m + 2 * c.block_n * c.num_stages)
+    return [c for c in cands if shared(c) <= SHARED_LIMIT] or [PrefillConfig(16, 16, 4, 1)]
 
 
 def decode_candidates(head_size: int, n_heads: int) -> list[DecodeConfig]:
@@ -390,7 +400,7 @@ def launch_configs(dtypes=(torch.float16, torch.bfloat16, torch.float32), head_s
         t = _TRITON_DTYPES[dtype]
         for d in head_sizes:
             bd = next_pow2(d, 16)
-            for cfg in prefill_candidates(d):
+            for cfg in prefill_candidates(d, dtype.itemsize):
                 for prec in sorted({_dot_precision(dtype, False), _dot_precision(dtype, True)}):
                     out.append(_entry(_ragged_attention_kernel, t, cfg, dict(
                         DOT_PRECISION=prec, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd,
@@ -501,7 +511,8 @@ def _launch_prefill(q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, scale, plan, p
 
     if cfg is None:
         key = ("prefill", H, D, q.dtype, precision, bucket(plan.max_q), bucket(plan.n_prefill_tokens))
-        cfg = _TUNER.choose(key, prefill_candidates(D) if on_gpu else [INTERPRETER_PREFILL], launch, on_gpu)
+        cands = prefill_candidates(D, q.dtype.itemsize) if on_gpu else [INTERPRETER_PREFILL]
+        cfg = _TUNER.choose(key, cands, launch, on_gpu)
     launch(cfg)
 
 
