@@ -410,7 +410,7 @@ def launch_configs(dtypes=(torch.float16, torch.bfloat16, torch.float32), head_s
                     out.append(_entry(_decode_attention_kernel, t, cfg, dict(
                         SPLIT=split, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=bd,
                         INTERPRETED=False)))
-            for block_s in (2, 4, 8, 16):
+            for block_s in (2, 4, 8, 16, 32, 64):
                 out.append(_entry(_decode_reduce_kernel, t, DecodeConfig(1, 1, 0, 4, 1), dict(
                     BLOCK_S=block_s, BLOCK_D=bd, INTERPRETED=False)))
     return out
