@@ -1,6 +1,11 @@
 """orca_lab against its peer on this machine: Hugging Face transformers, on the same weights and trace.
 
     python benchmarks/peer_hf.py [--presets tiny gpt2] [--rounds 3] [--threads 1] [--out results/peer_hf.json]
+    python benchmarks/peer_hf.py --device cuda --dtype bfloat16 --presets gpt2 --n-requests 256 --max-bs 64
+
+``--device``/``--dtype`` put both sides on the same device with the same weights in the same dtype
+(on a GPU: bf16, orca_lab on its Triton kernels and CUDA graphs, HF on its default attention).
+The continuous-batching peer needs transformers >= 4.56; its API is detected (``cb_manager``).
 
 One process, one GPT-2-architecture model per preset (seeded random weights, saved once in the Hugging
 Face layout and loaded by ``GPT2LMHeadModel.from_pretrained``), one paper-shaped trace scaled for a
@@ -85,7 +90,7 @@ def run_hf_generate(hf, trace, max_bs):
     start, cpu = time.perf_counter(), time.process_time()
     for i in range(0, len(trace), max_bs):
         items = trace[i:i + max_bs]
-        ids, mask = _left_padded([list(it.prompt) for it in items])
+        ids, mask = (t.to(hf.device) for t in _left_padded([list(it.prompt) for it in items]))
         n_new = max(it.max_gen_tokens for it in items)
         with torch.inference_mode():
             out = hf.generate(ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
@@ -110,19 +115,16 @@ def _left_padded(prompts):
 def run_hf_cb(hf, trace, max_bs):
     """HF continuous batching; latency from the manager's own finish time of each request."""
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
     gen = GenerationConfig(max_new_tokens=max(it.max_gen_tokens for it in trace), do_sample=False,
                            eos_token_id=-1, pad_token_id=0)
     page = 256   # tokens per cache page; every request gets its pages, twice over, plus a margin
     pages = sum(math.ceil(it.max_tokens / page) for it in trace)
-    cb = ContinuousBatchingConfig(page_size=page, num_blocks=2 * pages + 16, max_requests_per_batch=max_bs)
     results = {}
-    with hf.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
-                                                block=True, timeout=30) as manager:
+    with cb_manager(hf, gen, page, 2 * pages + 16, max_bs) as manager:
         start, cpu = time.perf_counter(), time.process_time()
         for i, it in enumerate(trace):
-            manager.add_request(list(it.prompt), request_id=str(i), max_new_tokens=it.max_gen_tokens,
-                                eos_token_id=-1)
+            _call(manager.add_request, list(it.prompt), request_id=str(i), max_new_tokens=it.max_gen_tokens,
+                  eos_token_id=-1)
         while len(results) < len(trace):
             res = manager.get_result(timeout=1)
             if res is not None and res.is_finished():
@@ -133,6 +135,58 @@ def run_hf_cb(hf, trace, max_bs):
     outs = [results[i] for i in range(len(trace))]
     latencies = [r.lifespan[1] - start for r in outs]
     return [list(r.generated_tokens) for r in outs], latencies, max(latencies), cpu
+
+
+def cb_manager(hf, gen, page: int, num_blocks: int, max_bs: int):
+    """HF's continuous-batching manager as a context manager, on whichever API this transformers has.
+
+    - 5.x: a ``ContinuousBatchingConfig`` (its page size is ``page_size`` in some releases and
+      ``block_size`` in others; each keyword is passed only where the installed class takes it);
+    - 4.56-4.5x: the cache settings ride on the ``GenerationConfig`` (``block_size``, ``num_blocks``)
+      and ``init_continuous_batching`` returns the manager.
+    Older releases have no continuous batching: that is refused, naming the version.
+    """
+    import transformers
+    try:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    except ImportError:
+        ContinuousBatchingConfig = None
+    if ContinuousBatchingConfig is not None and hasattr(hf, "continuous_batching_context_manager"):
+        import inspect
+        page_key = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters \
+            else "block_size"
+        cb = _call(ContinuousBatchingConfig, **{page_key: page}, num_blocks=num_blocks,
+                   max_requests_per_batch=max_bs, max_batch_size=max_bs)
+        return hf.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                      block=True, timeout=30)
+    if hasattr(hf, "init_continuous_batching"):
+        gen.block_size, gen.num_blocks, gen.max_batch_tokens = page, num_blocks, max_bs * page
+        return _started(hf.init_continuous_batching(generation_config=gen))
+    raise RuntimeError(f"hf_cb needs transformers' continuous batching (generate_batch / "
+                       f"init_continuous_batching, transformers >= 4.56); installed: {transformers.__version__}")
+
+
+def _call(fn, *args, **kwargs):
+    """``fn`` with the keywords its signature takes (the continuous-batching API moves between
+    releases); the rest are dropped."""
+    import inspect
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(*args, **kwargs)
+
+
+class _started:
+    """start() on entry, stop() on exit, for managers without a context manager of their own."""
+    def __init__(self, manager):
+        self.manager = manager
+
+    def __enter__(self):
+        self.manager.start()
+        return self.manager
+
+    def __exit__(self, *exc):
+        self.manager.stop(block=True, timeout=30)
 
 
 def run(system, llm, hf, trace, max_bs):
@@ -170,14 +224,16 @@ def check_tokens(trace, runs) -> dict:
 
 def bench_preset(preset, args, out_dir) -> dict:
     scale = args.scale or SCALES.get(preset, 0.125)
-    engine = EngineConfig(max_bs=args.max_bs, n_slots=args.max_bs * 1024)   # ft reserves 1024 per request
+    engine = EngineConfig(max_bs=args.max_bs, n_slots=args.max_bs * 1024,   # ft reserves 1024 per request
+                          device=args.device, dtype=args.dtype)
     llm = LLM(preset, seed=args.seed, engine=engine)
     trace = paper_trace(args.n_requests, rate=None, seed=args.seed, scale=scale, vocab_size=llm.cfg.vocab_size)
-    hf = load_hf(llm, out_dir / f"{preset}_hf")
+    hf = load_hf(llm, out_dir / f"{preset}_hf", args.device, args.dtype)
     print(f"\n== {preset}: {args.n_requests} requests, inputs {min(len(t.prompt) for t in trace)}.."
           f"{max(len(t.prompt) for t in trace)} (sum {sum(len(t.prompt) for t in trace)}), generated "
           f"{min(t.max_gen_tokens for t in trace)}..{max(t.max_gen_tokens for t in trace)} (sum "
-          f"{sum(t.max_gen_tokens for t in trace)}), max_bs {args.max_bs}, {torch.get_num_threads()} thread(s)")
+          f"{sum(t.max_gen_tokens for t in trace)}), max_bs {args.max_bs}, {args.device} {args.dtype}, "
+          f"{torch.get_num_threads()} thread(s)")
     for system in SYSTEMS:     # warm-up: first calls (kernel selection, allocations) out of the way
         run(system, llm, hf, trace[:2], args.max_bs)
     rounds = []
@@ -190,7 +246,7 @@ def bench_preset(preset, args, out_dir) -> dict:
             print_tokens(tokens)
         rounds.append(row)
         print_round(r, row)
-    floor = matmul_floor(llm, trace)
+    floor = matmul_floor(llm, trace, args.device, getattr(torch, args.dtype))
     summary = {s: {k: statistics.median(rd[s][k] for rd in rounds) for k in rounds[0][s]} for s in SYSTEMS}
     ratios = {s: statistics.median(rd[s]["tokens_per_s"] / rd[REFERENCE]["tokens_per_s"] for rd in rounds)
               for s in SYSTEMS}
@@ -206,8 +262,8 @@ def bench_preset(preset, args, out_dir) -> dict:
             "tokens_per_cpu_s_ratio_to_hf_cb": cpu_ratios, "matmul_floor": floor}
 
 
-def matmul_floor(llm, trace) -> dict:
-    """Seconds the linear layers of ORCA's schedule of this trace take bare, on this core."""
+def matmul_floor(llm, trace, device="cpu", dtype=torch.float32) -> dict:
+    """Seconds the linear layers of ORCA's schedule of this trace take bare, on this core (or GPU)."""
     result = llm.serve(trace, system="orca")
     cfg, d = llm.cfg, llm.cfg.d_model
     shapes = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)]          # (out, in) per layer
@@ -215,11 +271,13 @@ def matmul_floor(llm, trace) -> dict:
 
     def linear_s(m, n_out, n_in):
         if (m, n_out, n_in) not in cache:
-            x, w, b = torch.randn(m, n_in), torch.randn(n_out, n_in), torch.randn(n_out)
+            x, w, b = (torch.randn(*shape, device=device, dtype=dtype) for shape in ((m, n_in), (n_out, n_in), (n_out,)))
             F.linear(x, w, b)
+            _sync(device)
             t = time.perf_counter()
             for _ in range(3):
                 F.linear(x, w, b)
+            _sync(device)
             cache[m, n_out, n_in] = (time.perf_counter() - t) / 3
         return cache[m, n_out, n_in]
 
@@ -233,10 +291,16 @@ def matmul_floor(llm, trace) -> dict:
             "iterations": len(result.iterations)}
 
 
-def load_hf(llm, path):
+def _sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def load_hf(llm, path, device="cpu", dtype="float32"):
+    """orca_lab's weights in HF's GPT-2, on the same device and in the same dtype."""
     from transformers import GPT2LMHeadModel
     llm.save_pretrained(path)
-    return GPT2LMHeadModel.from_pretrained(path).eval()
+    return GPT2LMHeadModel.from_pretrained(path).to(device=device, dtype=getattr(torch, dtype)).eval()
 
 
 # ----------------------------------------------------------------------------------- printing
@@ -277,9 +341,15 @@ def main(argv=None):
     p.add_argument("--max-bs", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=THREADS, help="torch intra-op threads for every system")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (both systems)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--smoke", action="store_true", help="tiny preset, 4 short requests, 1 round")
     p.add_argument("--out", default="results/peer_hf.json")
     args = p.parse_args(argv)
+    if args.device.split(":")[0] not in ("cpu", "cuda"):
+        p.error(f"--device={args.device!r}: use cpu, cuda or cuda:N")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device={args.device!r} but no CUDA device is available")
     if args.smoke:
         args.presets, args.rounds, args.n_requests, args.scale = ["tiny"], 1, 4, 0.05
     torch.set_num_threads(args.threads)

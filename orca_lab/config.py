@@ -25,6 +25,13 @@ def check_choice(name: str, value, choices):
     return value
 
 
+def check_bool(name: str, value):
+    """Raise ValueError naming ``name`` and its value unless it is True or False."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is not allowed: choose True or False")
+    return value
+
+
 def _range_text(lo, hi) -> str:
     return f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
 
@@ -115,6 +122,9 @@ class EngineConfig:
     ``executor``: "auto" runs tensor_parallel x pipeline_parallel worker processes when that is above 1,
     else the model in this process; "local" emulates the pipeline stages in this process; "workers"
     always uses worker processes (even 1 x 1).
+    ``tf32``: fp32 matmuls and attention dots on a GPU may use TF32 tensor cores (10-bit mantissa
+    products; off by default, so fp32 stays IEEE). ``cuda_graphs``: decode-only iterations replay
+    CUDA graphs captured per padded batch size (on a GPU, in this process, with Triton attention).
     """
     max_bs: int = 32
     n_slots: int | None = None
@@ -128,6 +138,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     block_size: int = 16                 # paged / chunked: K/V slots per block (vLLM's default)
     max_num_batched_tokens: int = 512    # chunked: new tokens per iteration (Sarathi-Serve's budget)
+    tf32: bool = False
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         check_range("max_bs", self.max_bs, 1, 65536)
@@ -146,6 +158,8 @@ class EngineConfig:
         check_choice("executor", self.executor, EXECUTORS)
         check_range("block_size", self.block_size, 1, 1 << 16)
         check_range("max_num_batched_tokens", self.max_num_batched_tokens, self.block_size, 1 << 24)
+        check_bool("tf32", self.tf32)
+        check_bool("cuda_graphs", self.cuda_graphs)
 
     @property
     def n_workers(self) -> int:

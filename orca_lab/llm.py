@@ -6,6 +6,7 @@ from typing import Iterator
 import torch
 
 from orca_lab.config import EngineConfig, ModelConfig, check_degrees, model_config, uses_workers
+from orca_lab.engine.cuda_graphs import decode_graphs_for
 from orca_lab.engine.engine import Engine, RunResult
 from orca_lab.engine.executor import LocalExecutor, split_layers
 from orca_lab.engine.kv_manager import rank_shares, size_kv_pool
@@ -56,6 +57,7 @@ class LLM:
         else:
             self.model = GPT.random(cfg, seed, ec.device, dtype, **backends)
         self.model.attention_backend, self.model.fused_ops_backend = ec.attention_backend, ec.fused_ops_backend
+        self.model.tf32 = ec.tf32
         self.cfg = self.model.cfg
         self.tokenizer = tokenizer or (ByteTokenizer() if self.cfg.vocab_size == ByteTokenizer.vocab_size else None)
 
@@ -83,7 +85,8 @@ class LLM:
             raise ValueError(f"mbs={mbs} is out of range: allowed [1, max_bs={ec.max_bs}]")
         kv = new_kv(system, ec.n_slots, ec.block_size, *shape, device=ec.device, dtype=getattr(torch, ec.dtype))
         scheduler = new_scheduler(system, kv, ec.max_bs, cfg.max_seq_len, mbs, ec.max_num_batched_tokens)
-        executor = WorkerExecutor.for_llm(self) if workers else LocalExecutor(self.model, kv, ec.n_workers, ec.device)
+        executor = WorkerExecutor.for_llm(self) if workers else \
+            LocalExecutor(self.model, kv, ec.n_workers, ec.device, decode_graphs_for(self.model, kv, ec))
         config = {"model": cfg.name, "system": system, "mbs": mbs, **vars(ec)}
         return Engine(scheduler, executor, cfg.vocab_size, cfg.max_seq_len, config)
 

@@ -370,7 +370,7 @@ def test_bench_smoke(tmp_path, capsys):
     kernels = {row["kernel"] for row in result["results"]}
     assert kernels == {"ragged_attention", "write_kv", "layer_norm", "bias_gelu"}
     impls = {row["impl"] for row in result["results"] if row["kernel"] == "ragged_attention"}
-    assert impls == {"triton", "sdpa-loop", "padded-ft"}
+    assert impls == {"triton", "triton-ragged", "sdpa-loop", "padded-ft"}
     for row in result["results"]:
         assert row["time_ms"] > 0 and row["floor_ms"] > 0 and row["sizes"]
     assert "interpreted" in capsys.readouterr().out

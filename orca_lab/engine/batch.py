@@ -73,7 +73,12 @@ def phase(req, start: int, q_len: int) -> str:
 
 @dataclass
 class BatchTensors:
-    """Flat metadata of one iteration on the model's device."""
+    """Flat metadata of one iteration on the model's device, and its host copies.
+
+    The host copies (numpy) are what the attention plans are built from, once per iteration: the
+    layers then read nothing back from the device. Slot ids are host data from the start (the K/V
+    manager hands them out on the host), so building them costs no device synchronization.
+    """
     input_ids: torch.Tensor     # [T] (padded: [B, L])
     positions: torch.Tensor     # [T] (padded: [L])
     slot_mapping: torch.Tensor  # [T]: slot of each new token's K/V
@@ -82,12 +87,15 @@ class BatchTensors:
     cu_seqlens_k: torch.Tensor  # [B+1] int32
     last_idx: torch.Tensor      # [B]: row of each request's last new token in [T]
     padded: bool
+    cu_q_host: np.ndarray = field(default=None, repr=False, compare=False)      # [B+1] int64
+    cu_k_host: np.ndarray = field(default=None, repr=False, compare=False)      # [B+1] int64
+    slots_host: np.ndarray = field(default=None, repr=False, compare=False)     # slot_mapping, kv_slot_ids
     attn_plan: object = field(default=None, repr=False, compare=False)  # set by the model, per iteration
 
     @classmethod
     def build(cls, batch: Batch, device) -> "BatchTensors":
-        """Index arithmetic on the host in numpy (microseconds, where a torch op costs several), then
-        two gathers from all the batch's reserved slots laid back to back: no per-request tensor op."""
+        """Index arithmetic on the host in numpy (microseconds, where a torch op costs several): one
+        gather from all the batch's reserved slots laid back to back, then one copy per tensor."""
         q_lens, starts = np.array(batch.q_lens), np.array(batch.starts)
         kv_lens = starts + q_lens
         cu_q, cu_k = _offsets(q_lens), _offsets(kv_lens)
@@ -98,8 +106,10 @@ class BatchTensors:
         new_rows = _ramp(first + starts - cu_q[:-1], q_lens)
         kv_rows = _ramp(first - cu_k[:-1], kv_lens)
         reserved = torch.cat(slots)
-        rows = torch.from_numpy(np.concatenate([new_rows, kv_rows])).to(reserved.device)
-        slot_mapping, kv_slot_ids = reserved.index_select(0, rows).split([len(new_rows), len(kv_rows)])
+        if reserved.device.type != "cpu":   # slot ids held on a device cost a synchronization here
+            reserved = reserved.cpu()
+        slots_host = reserved.numpy()[np.concatenate([new_rows, kv_rows])]
+        slot_mapping, kv_slot_ids = torch.from_numpy(slots_host).split([len(new_rows), len(kv_rows)])
         ids = torch.tensor(list(chain.from_iterable(batch.tokens)), dtype=torch.int64)
         positions = torch.from_numpy(positions)
         if batch.padded:
@@ -109,7 +119,16 @@ class BatchTensors:
         cu = torch.from_numpy(np.stack([cu_q, cu_k]).astype(np.int32)).to(device)
         to = dict(device=device, non_blocking=True)
         return cls(ids.to(**to), positions.to(**to), slot_mapping.to(**to), kv_slot_ids.to(**to),
-                   cu[0], cu[1], torch.from_numpy(cu_q[1:] - 1).to(**to), batch.padded)
+                   cu[0], cu[1], torch.from_numpy(cu_q[1:] - 1).to(**to), batch.padded,
+                   cu_q, cu_k, slots_host)
+
+    def check_slots(self, n_slots: int):
+        """Every slot id in ``[0, n_slots)``, checked on the host copy (an out-of-range slot would
+        read or write foreign memory). The model calls it once per iteration, where slots enter."""
+        if self.slots_host is not None and self.slots_host.size:
+            lo, hi = int(self.slots_host.min()), int(self.slots_host.max())
+            if lo < 0 or hi >= n_slots:
+                raise ValueError(f"slot ids hold values in [{lo}, {hi}], allowed [0, n_slots={n_slots})")
 
 
 def _offsets(lens) -> np.ndarray:

@@ -54,6 +54,35 @@ class VirtualClock:
         self.t = max(self.t, t)
 
 
+class StageClock:
+    """Marks taken between a stage's launches, read as host times that mean what they say.
+
+    On a GPU, ops return once queued: a host timestamp after one says when it was queued, not when it
+    ran (a ``dist.recv`` in a worker, a layer here). So each mark is a CUDA event on the stream, and
+    ``times()`` synchronizes on the last one and places every mark on the host clock by its elapsed
+    time to that last one. On CPU, ops are synchronous and a mark is the host clock itself.
+    """
+
+    def __init__(self, device, now):
+        self.cuda, self.now, self.marks = torch.device(device).type == "cuda", now, []
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(self.now())
+
+    def times(self) -> list[float]:
+        if not self.cuda:
+            return list(self.marks)
+        last = self.marks[-1]
+        last.synchronize()
+        end = self.now()
+        return [end - event.elapsed_time(last) / 1e3 for event in self.marks]
+
+
 @dataclass(frozen=True)
 class StageTime:
     stage: int
@@ -78,14 +107,16 @@ def split_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
 class LocalExecutor:
     """The model in this process. With ``n_workers > 1`` it keeps that many batches in flight and
     runs the layers of each as ``n_workers`` stages, one after another: the schedule of a pipeline
-    without its concurrency (the worker processes give the concurrency)."""
+    without its concurrency (the worker processes give the concurrency). ``graphs`` (a
+    ``DecodeGraphs``) runs decode-only iterations from padded CUDA graphs."""
 
-    def __init__(self, model, kv, n_workers: int = 1, device="cpu"):
+    def __init__(self, model, kv, n_workers: int = 1, device="cpu", graphs=None):
         self.model, self.kv, self.device = model, kv, torch.device(device)
         self.n_workers = n_workers
         self.stages = split_layers(model.cfg.n_layers, n_workers)
         self.clock = RealClock()
         self.in_flight: deque[Batch] = deque()
+        self.graphs = graphs if n_workers == 1 else None
 
     def submit(self, batch: Batch):
         self.in_flight.append(batch)
@@ -93,15 +124,21 @@ class LocalExecutor:
     @torch.inference_mode()
     def wait(self, timeout: float | None = None) -> Completion | None:
         batch = self.in_flight.popleft()
-        bt = batch.tensors(self.device)
-        times, x = [], None
-        for s, (lo, hi) in enumerate(self.stages):
-            start = self.clock.now()
-            x = self.model.run_layers(self.model.embed(bt) if s == 0 else x, bt, self.kv, lo, hi)
-            if s == len(self.stages) - 1:
-                tokens = sample(self.model.head(x, bt), batch.requests)   # .tolist() syncs the device
-            times.append(StageTime(s, start, self.clock.now()))
-        return Completion(batch, tokens, times)
+        clock = StageClock(self.device, self.clock.now)
+        clock.mark()
+        logits = self.graphs.run(batch) if self.graphs is not None and self.graphs.takes(batch) else None
+        if logits is not None:
+            tokens = sample(logits, batch.requests)
+            clock.mark()
+        else:
+            bt, x = batch.tensors(self.device), None
+            for s, (lo, hi) in enumerate(self.stages):
+                x = self.model.run_layers(self.model.embed(bt) if s == 0 else x, bt, self.kv, lo, hi)
+                if s == len(self.stages) - 1:
+                    tokens = sample(self.model.head(x, bt), batch.requests)  # .tolist() syncs the device
+                clock.mark()
+        t = clock.times()
+        return Completion(batch, tokens, [StageTime(s, a, b) for s, (a, b) in enumerate(zip(t, t[1:]))])
 
     def close(self):
         self.in_flight.clear()

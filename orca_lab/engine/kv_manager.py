@@ -60,8 +60,8 @@ class KVSlotManager:
         runs = self._take(n)
         if self.k is None:
             req.slots = [i for a, b in runs for i in range(a, b)]
-        else:
-            req.slots = torch.cat([torch.arange(a, b, device=self.device) for a, b in runs])
+        else:   # on the host: each iteration's metadata is built there and copied to the device once
+            req.slots = torch.cat([torch.arange(a, b) for a, b in runs])
         self._runs[req.rid] = runs
         self._holders[req.rid] = req
         self.n_reserved += n

@@ -18,7 +18,8 @@ from torch import nn
 from orca_lab import kernels
 from orca_lab.config import ModelConfig
 from orca_lab.kernels._backend import use_triton
-from orca_lab.kernels.attention import attention_plan, causal_mask, ragged_attention_torch
+from orca_lab.kernels.attention import (attention_plan, causal_mask, ragged_attention_torch,
+                                        ragged_attention_triton, tf32_matmuls, triton_plan)
 
 
 class Block(nn.Module):
@@ -56,10 +57,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention_backend="auto", fused_ops_backend="auto"):
+    def __init__(self, cfg: ModelConfig, attention_backend="auto", fused_ops_backend="auto", tf32=False):
         super().__init__()
         self.cfg = cfg
         self.attention_backend, self.fused_ops_backend = attention_backend, fused_ops_backend
+        self.tf32 = tf32     # fp32 matmuls and attention dots on TF32 tensor cores (a GPU only)
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -75,31 +77,37 @@ class GPT(nn.Module):
     def run_layers(self, x, bt, kv, lo: int = 0, hi: int | None = None, layer_offset: int = 0):
         """Blocks ``lo..hi`` on ``x``; ``kv.layer(i - layer_offset)`` holds block i's K/V pool."""
         hi = len(self.blocks) if hi is None else hi
-        for i in range(lo, hi):
-            k_pool, v_pool = kv.layer(i - layer_offset)
-            x = self.blocks[i](x, self._attention(bt, k_pool, v_pool), self.fused_ops_backend)
+        with tf32_matmuls(self.tf32 and x.is_cuda):
+            for i in range(lo, hi):
+                k_pool, v_pool = kv.layer(i - layer_offset)
+                x = self.blocks[i](x, self._attention(bt, k_pool, v_pool), self.fused_ops_backend)
         return x
 
     def head(self, x, bt) -> torch.Tensor:
         """Logits of each request's last new token only: ``[B, vocab]`` (LM head tied to wte)."""
         h = F.layer_norm(x.index_select(0, bt.last_idx), (self.cfg.d_model,), self.ln_f.weight, self.ln_f.bias,
                          self.cfg.layer_norm_eps)
-        return F.linear(h, self.wte.weight)
+        with tf32_matmuls(self.tf32 and x.is_cuda):
+            return F.linear(h, self.wte.weight)
 
     def forward(self, bt, kv) -> torch.Tensor:
         return self.head(self.run_layers(self.embed(bt), bt, kv), bt)
 
     def _attention(self, bt, k_pool, v_pool):
+        """``attend(q, k, v)`` of one layer. The kernels run unchecked (``check=False``) on what the
+        engine built itself; the plan, built by the first layer from host data, checked the slots."""
         backend, scale = self.attention_backend, 1.0 / math.sqrt(self.cfg.head_dim)
+        triton = use_triton(backend, k_pool)
+        plan = _plan(bt, triton, k_pool.shape[0])
 
         def attend(q, k, v):
             kernels.write_kv(k, v, k_pool, v_pool, bt.slot_mapping, backend=backend, check=False)
             if bt.padded:
                 return padded_attention(q, k_pool, v_pool, bt)
-            if use_triton(backend, q):
-                return kernels.ragged_attention(q, k_pool, v_pool, bt.kv_slot_ids, bt.cu_seqlens_q,
-                                                bt.cu_seqlens_k, scale, backend=backend, check=False)
-            return ragged_attention_torch(q, k_pool, v_pool, _plan(bt), scale, k, v)
+            if triton:
+                return ragged_attention_triton(q, k_pool, v_pool, bt.kv_slot_ids, bt.cu_seqlens_q,
+                                               bt.cu_seqlens_k, scale, plan, tf32=self.tf32)
+            return ragged_attention_torch(q, k_pool, v_pool, plan, scale, k, v)
         return attend
 
     # -- weights ----------------------------------------------------------------------------------
@@ -146,10 +154,18 @@ class GPT(nn.Module):
         (path / "config.json").write_text(json.dumps(config_to_hf(self.cfg), indent=2))
 
 
-def _plan(bt):
-    """The iteration's attention plan, built by the first layer and read by the others."""
+def _plan(bt, triton: bool, n_slots: int):
+    """The iteration's attention plan, built by the first layer from the batch's host copies (no
+    read from the device) and read by the others. The slot ids are checked here, once."""
     if bt.attn_plan is None:
-        bt.attn_plan = attention_plan(bt.cu_seqlens_q.tolist(), bt.cu_seqlens_k.tolist(), bt.kv_slot_ids)
+        bt.check_slots(n_slots)
+        if bt.padded:
+            bt.attn_plan = "padded"       # dense attention: nothing to plan
+        elif triton:
+            bt.attn_plan = triton_plan(bt.cu_q_host, bt.cu_k_host, bt.kv_slot_ids.device)
+        else:
+            bt.attn_plan = attention_plan(bt.cu_q_host, bt.cu_k_host, bt.kv_slot_ids,
+                                          bt.slots_host[len(bt.slot_mapping):])
     return bt.attn_plan
 
 

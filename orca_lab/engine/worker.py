@@ -26,7 +26,7 @@ from orca_lab.config import EngineConfig, ModelConfig
 from orca_lab.engine.control import (ControlError, ControlMessage, Inbox, Reset, StageReport, Stop, WorkerError,
                                      connect, decode, decode_address, encode_address, watch_master)
 from orca_lab.engine.data_plane import DataPlane
-from orca_lab.engine.executor import split_layers
+from orca_lab.engine.executor import StageClock, split_layers
 from orca_lab.engine.kv_manager import KVSlotManager, rank_shares, size_kv_pool
 from orca_lab.engine.model import CheckpointWeights, RandomWeights, StateDictWeights
 from orca_lab.engine.request import SamplingParams
@@ -111,7 +111,7 @@ class Worker:
                          ec.gpu_memory_utilization)
         self.model = stage_model(weight_source(spec, self.device, self.dtype), cfg, (lo, hi), self.tp_rank, spec.tp,
                                  first=self.first, last=self.last, all_reduce=self.data.all_reduce,
-                                 attention_backend=ec.attention_backend, fused_ops_backend=ec.fused_ops_backend)
+                                 attention_backend=ec.attention_backend, fused_ops_backend=ec.fused_ops_backend, tf32=ec.tf32)
         # this rank's K/V pool: its own heads, its stage's layers, all of the engine's slots
         self.kv = KVSlotManager(n_slots, hi - lo, cfg.n_heads // spec.tp, cfg.head_dim, self.device, self.dtype)
 
@@ -186,22 +186,25 @@ class Worker:
                 self.requests[rid] = RemoteRequest(rid, slots, params)
         batch = msg.batch(self.requests)
         bt = batch.tensors(self.device)
+        # Busy from the moment its input is here. On a GPU a recv returns once queued, so the stage
+        # clock marks the stream (CUDA events) and reads the host clock at one synchronized point.
+        clock = StageClock(self.device, time.time)
         if self.first:
-            start = time.time()
+            clock.mark()
             x = self.model.embed(bt)
         else:
             x = self.data.recv_prev((batch.n_tokens, self.spec.cfg.d_model), self.dtype)
-            start = time.time()                     # busy from the moment its input is here
+            clock.mark()
         x = self.model.run_layers(x, bt, self.kv, 0, len(self.model.blocks))
         tokens = None
         if self.last:
             tokens = self._sample(x, bt, batch.requests)
         else:
             self.data.send_next(x)
-            if self.device.type == "cuda" and self.report is not None:
-                torch.cuda.current_stream().synchronize()   # for the trace's end time only
         if self.report is not None:
-            self.report.send(StageReport(msg.iteration, self.stage, start, time.time(), tokens))
+            clock.mark()
+            start, end = clock.times()
+            self.report.send(StageReport(msg.iteration, self.stage, start, end, tokens))
 
     def _sample(self, x, bt, requests):
         logits = self.model.head(x, bt)                     # this rank's vocabulary rows

@@ -2,14 +2,25 @@
 
 Selective batching flattens the new tokens of all requests into ``q [T, H, D]``; only attention must
 be split per request, because each request attends over its own keys. ORCA concatenates the thread
-blocks of the per-request kernels into one launch; here that is one Triton grid over
-(query block of some request, head), with a small map, built on the host, from program id to
-(request, query block). Each program runs FlashAttention's online softmax over its request's keys,
-block by block, gathering them from the slot pool through ``slot_ids``, so memory does not grow with
-the context and slots need not be contiguous.
+blocks of the per-request kernels into one launch. Here that takes two Triton kernels, each reading
+the keys it needs from the slot pool through ``slot_ids`` (slots need not be contiguous):
+
+- the *ragged* kernel, for requests with several new tokens (prompts): a grid over (query block of
+  some request, head), with a small host-built map from program id to (request, query block); each
+  program runs FlashAttention's online softmax over its request's keys, block by block;
+- the *decode* kernel, for requests with one new token: decoding is bound by the bandwidth of
+  reading the context, so each program reads its request's K/V once for a group of heads with no
+  wasted query rows, and long contexts are split over keys (FlashDecoding) with a second small
+  kernel merging the splits' softmax statistics.
+
+What the launches need from the host (offsets, the work map, which requests decode, the longest
+context) is worked out once per iteration from host arrays (``triton_plan``) and read by every layer,
+so no layer reads anything back from the device. Launch configurations are chosen per shape bucket
+(``_tuning``): timed once on a GPU, small and fixed in the interpreter.
 """
 import math
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -17,6 +28,7 @@ import torch.nn.functional as F
 
 from orca_lab.kernels._backend import (FLOAT_DTYPES, INDEX_DTYPES, cast_rne, check_indices,
                                        check_same, check_tensor, next_pow2, use_triton)
+from orca_lab.kernels._tuning import LaunchTuner, bucket
 
 import triton  # noqa: E402  (after _backend, which sets TRITON_INTERPRET on CPU-only machines)
 import triton.language as tl  # noqa: E402
@@ -93,6 +105,100 @@ def _ragged_attention_kernel(
              mask=mask_m[:, None] & mask_d[None, :])
 
 
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, m_ptr, l_ptr, slot_ptr, cu_q_ptr, cu_k_ptr, req_ptr,
+    stride_qt, stride_qh, stride_qd,
+    stride_kn, stride_kh, stride_kd,
+    stride_vn, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    qk_scale, n_heads, head_size, partition,
+    SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    # Program (i, head group, split): the i-th one-token request, BLOCK_H of its heads, and the keys
+    # [split * partition, (split + 1) * partition) of its context. A slot's K (and V) row holds all
+    # heads side by side, so a head group reads BLOCK_H * D contiguous elements per key.
+    i = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    req = tl.load(req_ptr + i)
+    row = tl.load(cu_q_ptr + req)
+    k_start = tl.load(cu_k_ptr + req)
+    kv_len = tl.load(cu_k_ptr + req + 1) - k_start
+    lo = split * partition
+    hi = tl.minimum(kv_len, lo + partition)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < n_heads
+    mask_hd = mask_h[:, None] & (offs_d < head_size)[None, :]
+    # One query row: no tensor cores to feed, so all math is fp32 multiply-adds (also the
+    # interpreter's only correct arithmetic for bf16 inputs).
+    q = tl.load(q_ptr + row * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=mask_hd, other=0.0).to(tl.float32) * qk_scale                # [BLOCK_H, BLOCK_D]
+    k_cols = offs_h[None, :, None] * stride_kh + offs_d[None, None, :] * stride_kd
+    v_cols = offs_h[None, :, None] * stride_vh + offs_d[None, None, :] * stride_vd
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + offs_n
+        mask_n = n < hi
+        slots = tl.load(slot_ptr + k_start + n, mask=mask_n, other=0).to(tl.int64)
+        mask = mask_n[:, None, None] & mask_hd[None, :, :]
+        k = tl.load(k_ptr + slots[:, None, None] * stride_kn + k_cols, mask=mask, other=0.0)
+        s = tl.sum(k.to(tl.float32) * q[None, :, :], 2)                           # [BLOCK_N, BLOCK_H]
+        s = tl.where(mask_n[:, None], s, float("-inf"))
+        # Key `start` is valid, so m_new is finite from the first block on: no -inf - -inf.
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        v = tl.load(v_ptr + slots[:, None, None] * stride_vn + v_cols, mask=mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32), 0)
+        m_i = m_new
+
+    if SPLIT:  # partial results, merged by _decode_reduce_kernel (a split past the context stays empty)
+        base = (i * n_heads + offs_h) * tl.num_programs(2) + split
+        tl.store(m_ptr + base, m_i, mask=mask_h)
+        tl.store(l_ptr + base, l_i, mask=mask_h)
+        tl.store(part_ptr + base[:, None] * head_size + offs_d[None, :], acc, mask=mask_hd)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + row * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 cast_rne(out, out_ptr.dtype.element_ty, INTERPRETED), mask=mask_hd)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_ptr, m_ptr, l_ptr, out_ptr, cu_q_ptr, cu_k_ptr, req_ptr,
+    stride_ot, stride_oh, stride_od,
+    n_heads, head_size, n_splits, partition,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    # Program (i, head): merge the splits that hold keys, each weighted by exp2(m_s - max m).
+    i = tl.program_id(0)
+    head = tl.program_id(1)
+    req = tl.load(req_ptr + i)
+    row = tl.load(cu_q_ptr + req)
+    kv_len = tl.load(cu_k_ptr + req + 1) - tl.load(cu_k_ptr + req)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < (kv_len + partition - 1) // partition
+    base = (i * n_heads + head) * n_splits + offs_s
+    m = tl.load(m_ptr + base, mask=mask_s, other=float("-inf"))
+    l_s = tl.load(l_ptr + base, mask=mask_s, other=0.0)
+    w = tl.where(mask_s, tl.exp2(m - tl.max(m, 0)), 0.0)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < head_size
+    acc = tl.load(part_ptr + base[:, None] * head_size + offs_d[None, :],
+                  mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l_s, 0)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d * stride_od,
+             cast_rne(out, out_ptr.dtype.element_ty, INTERPRETED), mask=mask_d)
+
+
 # ------------------------------------------------------------------------------------ reference
 def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
     """Causal, aligned bottom-right: the last ``q_len`` of ``kv_len`` tokens are the queries, and
@@ -136,10 +242,12 @@ class AttentionPlan:
     slot_ids: torch.Tensor     # every request's context slots, back to back (read when gathering)
 
 
-def attention_plan(cu_q: list[int], cu_k: list[int], slot_ids: torch.Tensor) -> AttentionPlan:
-    """The plan of a batch whose offsets ``cu_q``, ``cu_k`` are host lists (``B + 1`` entries)."""
+def attention_plan(cu_q, cu_k, slot_ids: torch.Tensor, host_slots: np.ndarray) -> AttentionPlan:
+    """The plan of a batch from host data: offsets ``cu_q``, ``cu_k`` (``B + 1`` entries each) and
+    ``host_slots``, the host copy of ``slot_ids`` (nothing is read back from ``slot_ids``)."""
+    cu_q, cu_k = [int(x) for x in cu_q], [int(x) for x in cu_k]
     plan = []
-    for b, first in enumerate(_contiguous_runs(cu_k, slot_ids)):
+    for b, first in enumerate(_contiguous_runs(cu_k, host_slots)):
         q_len, kv_len = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
         if q_len == 0:
             continue
@@ -149,10 +257,10 @@ def attention_plan(cu_q: list[int], cu_k: list[int], slot_ids: torch.Tensor) -> 
     return AttentionPlan(tuple(plan), slot_ids)
 
 
-def _contiguous_runs(cu_k, slot_ids) -> list:
+def _contiguous_runs(cu_k, ids: np.ndarray) -> list:
     """Per request, its first slot if its context is the run first, first + 1, ...; else None.
     Host arithmetic in numpy: a few microseconds, where each torch op costs several."""
-    ids = slot_ids.cpu().numpy().astype(np.int64)
+    ids = np.asarray(ids, dtype=np.int64)
     if ids.size == 0:
         return [None] * (len(cu_k) - 1)
     breaks = np.zeros(ids.size, dtype=np.int64)
@@ -194,6 +302,248 @@ def ragged_attention_torch(q, k_pool, v_pool, plan: AttentionPlan, scale: float,
 def _heads_first(x):
     """``[L, H, D]`` -> ``[1, H, L, D]``, a view: 4-D SDPA takes CPU's fused kernel, 3-D does not."""
     return x.transpose(0, 1).unsqueeze(0)
+
+
+# ---------------------------------------------------------------------------- launch configurations
+@dataclass(frozen=True)
+class PrefillConfig:
+    """The ragged kernel's launch: queries and keys per program step, warps, pipeline stages."""
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """The decode kernel's launch: heads per program, keys per step, keys per split (0: no split)."""
+    block_h: int
+    block_n: int
+    partition: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Under the interpreter: small blocks (its cost grows with the block area), and a split every 32 keys
+# so that the split-and-merge path runs on the short contexts tests can afford.
+INTERPRETER_PREFILL = PrefillConfig(16, 16, 1, 1)
+INTERPRETER_DECODE = DecodeConfig(2, 16, 32, 1, 1)
+NO_SPLIT = 1 << 30      # the partition of an unsplit context: longer than any
+
+
+# Shared memory a ragged-kernel launch may plan for: under A100's 164 KiB (H100 has 227 KiB).
+SHARED_LIMIT = 160 * 1024
+
+
+def prefill_candidates(head_size: int, elem_bytes: int = 2) -> list[PrefillConfig]:
+    """What the GPU tuner times for the ragged kernel (the first one also serves untuned). Tiles
+    whose Q block and pipelined K/V blocks would not fit ``SHARED_LIMIT`` are left out (fp32 halves
+    what fits; checked against the compiler's figures for sm_80 and sm_90)."""
+    block_d = next_pow2(head_size, 16)
+    if block_d > 128:
+        cands = [PrefillConfig(32, 32, 4, 2), PrefillConfig(16, 32, 4, 2), PrefillConfig(64, 32, 8, 1)]
+    else:
+        cands = [PrefillConfig(64, 64, 4, 2), PrefillConfig(128, 64, 8, 2), PrefillConfig(128, 32, 4, 3),
+                 PrefillConfig(64, 32, 4, 3), PrefillConfig(128, 128, 8, 2), PrefillConfig(32, 64, 4, 2),
+                 PrefillConfig(16, 64, 4, 2)]   # short chunks: fewer wasted query rows
+    shared = lambda c: elem_bytes * block_d * (c.block_m + 2 * c.block_n * c.num_stages)
+    return [c for c in cands if shared(c) <= SHARED_LIMIT] or [PrefillConfig(16, 16, 4, 1)]
+
+
+def decode_candidates(head_size: int, n_heads: int) -> list[DecodeConfig]:
+    """What the GPU tuner times for the decode kernel: head groups x key blocks x splits."""
+    wide = next_pow2(head_size, 16) > 128
+    shapes = ((2, 32, 4), (1, 64, 4), (4, 16, 4), (2, 64, 8), (4, 32, 8), (1, 128, 8))
+    out = []
+    for part in (512, 0, 256, 1024):
+        for bh, bn, warps in shapes:
+            cfg = DecodeConfig(min(bh, next_pow2(n_heads)), bn // 2 if wide else bn, part, warps, 2)
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def _dot_precision(dtype, tf32: bool) -> str:
+    """fp32 keeps IEEE dots unless TF32 was asked for; fp16/bf16 inputs are tensor-core native."""
+    return "tf32" if tf32 or dtype != torch.float32 else "ieee"
+
+
+@contextmanager
+def tf32_matmuls(enabled: bool):
+    """PyTorch's fp32 matmuls on TF32 tensor cores inside the block only (the flag is restored)."""
+    if not enabled:
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+_TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def launch_configs(dtypes=(torch.float16, torch.bfloat16, torch.float32), head_sizes=(64, 80, 128),
+                   n_heads=40) -> list[dict]:
+    """Every launch the GPU path of this module can make, for ahead-of-time compilation checks.
+
+    Each entry: ``fn`` (the ``@triton.jit`` kernel), ``signature`` (argument name -> Triton type,
+    ``"constexpr"`` for compile-time ones, as ``triton.compiler.ASTSource`` takes it), ``constexprs``
+    (name -> value), ``num_warps``, ``num_stages``. Covers the tuner's candidates for the ragged
+    kernel (both dot precisions for fp32), the decode kernel (split and not) and the merge kernel,
+    with int64 slot ids (what the K/V manager hands out) and int32 offsets.
+    """
+    out = []
+    for dtype in dtypes:
+        t = _TRITON_DTYPES[dtype]
+        for d in head_sizes:
+            bd = next_pow2(d, 16)
+            for cfg in prefill_candidates(d, dtype.itemsize):
+                for prec in sorted({_dot_precision(dtype, False), _dot_precision(dtype, True)}):
+                    out.append(_entry(_ragged_attention_kernel, t, cfg, dict(
+                        DOT_PRECISION=prec, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd,
+                        INTERPRETED=False)))
+            for cfg in decode_candidates(d, n_heads):
+                for split in (False, True):
+                    out.append(_entry(_decode_attention_kernel, t, cfg, dict(
+                        SPLIT=split, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=bd,
+                        INTERPRETED=False)))
+            for block_s in (2, 4, 8, 16, 32, 64):
+                out.append(_entry(_decode_reduce_kernel, t, DecodeConfig(1, 1, 0, 4, 1), dict(
+                    BLOCK_S=block_s, BLOCK_D=bd, INTERPRETED=False)))
+    return out
+
+
+def _entry(fn, t, cfg, constexprs) -> dict:
+    """One launch's ahead-of-time description: pointer types by role, i32 scalars, fp32 scale."""
+    ptr = {"slot_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "part_ptr": "*fp32"}
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = ptr.get(name, "*i32" if name.startswith(("cu_", "work_", "req_"))
+                                      else f"*{t}")
+        else:
+            signature[name] = "fp32" if name == "qk_scale" else "i32"
+    return dict(fn=fn, signature=signature, constexprs=constexprs, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+
+
+# ------------------------------------------------------------------------------ iteration plan
+@dataclass
+class TritonPlan:
+    """What the Triton launches of one iteration need from the host, built once from host offsets
+    and read by every layer: which requests the ragged kernel takes (several new tokens) and which
+    the decode kernel takes (one), the longest decode context (it sizes the split grid), and the
+    ragged kernel's work map per query-block size (made on first use, then cached)."""
+    cu_q: np.ndarray                 # [B + 1] host offsets of the new tokens
+    prefill_reqs: np.ndarray         # requests with more than one new token
+    max_q: int                       # their longest query
+    n_prefill_tokens: int
+    decode_reqs: torch.Tensor | None  # [n_decode] int32 on the device: requests with one new token
+    n_decode: int
+    max_kv: int                      # >= every decode request's context
+    device: torch.device
+    works: dict = field(default_factory=dict)
+
+    def work_map(self, block_m: int) -> torch.Tensor:
+        """Program id -> (request, query block): the per-request grids concatenated into one launch."""
+        work = self.works.get(block_m)
+        if work is None:
+            q_lens = np.diff(self.cu_q)[self.prefill_reqs]
+            n_blocks = -(-q_lens // block_m)
+            req = np.repeat(self.prefill_reqs, n_blocks)
+            blk = np.arange(req.size) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
+            work = torch.from_numpy(np.stack([req, blk]).astype(np.int32))
+            work = self.works[block_m] = work.to(self.device, non_blocking=True)
+        return work
+
+
+def triton_plan(cu_q, cu_k, device, *, decode: bool = True, max_kv: int | None = None) -> TritonPlan:
+    """The plan of a batch whose offsets ``cu_q``, ``cu_k`` are on the host. ``decode=False`` sends
+    every request to the ragged kernel (for comparisons); ``max_kv`` fixes the split grid (a CUDA
+    graph replays one grid for any context up to it)."""
+    cu_q, cu_k = np.asarray(cu_q, dtype=np.int64), np.asarray(cu_k, dtype=np.int64)
+    q_lens = np.diff(cu_q)
+    one = q_lens == 1 if decode else np.zeros(q_lens.size, dtype=bool)
+    dec, pre = np.flatnonzero(one), np.flatnonzero(~one & (q_lens > 0))
+    decode_reqs = torch.from_numpy(dec.astype(np.int32)).to(device, non_blocking=True) if dec.size else None
+    if max_kv is None:
+        max_kv = int(np.diff(cu_k)[dec].max(initial=0))
+    return TritonPlan(cu_q, pre, int(q_lens[pre].max(initial=0)), int(q_lens[pre].sum()), decode_reqs,
+                      int(dec.size), max_kv, torch.device(device))
+
+
+# ------------------------------------------------------------------------------------ launchers
+_TUNER = LaunchTuner()
+
+
+def ragged_attention_triton(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale,
+                            plan: TritonPlan, *, tf32: bool = False, prefill: PrefillConfig | None = None,
+                            decode: DecodeConfig | None = None):
+    """Both kernels over one batch, no checks and no reads from the device (``plan`` holds what the
+    host needs). ``prefill``/``decode`` force a launch configuration (tests); else it is tuned."""
+    out = torch.empty_like(q)
+    if plan.prefill_reqs.size:
+        _launch_prefill(q, k_pool, v_pool, out, slot_ids, cu_seqlens_q, cu_seqlens_k, scale, plan,
+                        _dot_precision(q.dtype, tf32), prefill)
+    if plan.n_decode:
+        _launch_decode(q, k_pool, v_pool, out, slot_ids, cu_seqlens_q, cu_seqlens_k, scale, plan, decode)
+    return out
+
+
+def _launch_prefill(q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, scale, plan, precision, cfg):
+    H, D = q.shape[1:]
+    on_gpu = q.is_cuda
+
+    def launch(c: PrefillConfig):
+        work = plan.work_map(c.block_m)
+        _ragged_attention_kernel[(work.shape[1], H)](
+            q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, work[0], work[1],
+            *q.stride(), *k_pool.stride(), *v_pool.stride(), *out.stride(),
+            scale * math.log2(math.e), D,
+            DOT_PRECISION=precision, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+            BLOCK_D=next_pow2(D, 16),  # the GPU compiler wants tl.dot dimensions >= 16
+            INTERPRETED=not on_gpu, num_warps=c.num_warps, num_stages=c.num_stages)
+
+    if cfg is None:
+        key = ("prefill", H, D, q.dtype, precision, bucket(plan.max_q), bucket(plan.n_prefill_tokens))
+        cands = prefill_candidates(D, q.dtype.itemsize) if on_gpu else [INTERPRETER_PREFILL]
+        cfg = _TUNER.choose(key, cands, launch, on_gpu)
+    launch(cfg)
+
+
+def _launch_decode(q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, scale, plan, cfg):
+    H, D = q.shape[1:]
+    on_gpu, n = q.is_cuda, plan.n_decode
+    block_d = next_pow2(D, 16)
+
+    def launch(c: DecodeConfig):
+        n_splits = max(1, -(-plan.max_kv // c.partition)) if c.partition else 1
+        split = n_splits > 1
+        part = q.new_empty((n, H, n_splits, D) if split else (0,), dtype=torch.float32)
+        m, l_ = (q.new_empty((n, H, n_splits) if split else (0,), dtype=torch.float32) for _ in range(2))
+        _decode_attention_kernel[(n, triton.cdiv(H, c.block_h), n_splits)](
+            q, k_pool, v_pool, out, part, m, l_, slot_ids, cu_q, cu_k, plan.decode_reqs,
+            *q.stride(), *k_pool.stride(), *v_pool.stride(), *out.stride(),
+            scale * math.log2(math.e), H, D, c.partition if split else NO_SPLIT,
+            SPLIT=split, BLOCK_H=c.block_h, BLOCK_N=c.block_n, BLOCK_D=block_d,
+            INTERPRETED=not on_gpu, num_warps=c.num_warps, num_stages=c.num_stages)
+        if split:
+            _decode_reduce_kernel[(n, H)](
+                part, m, l_, out, cu_q, cu_k, plan.decode_reqs, *out.stride(), H, D, n_splits,
+                c.partition, BLOCK_S=next_pow2(n_splits), BLOCK_D=block_d, INTERPRETED=not on_gpu,
+                num_warps=4 if on_gpu else 1)
+
+    if cfg is None:
+        key = ("decode", H, D, q.dtype, bucket(n), bucket(plan.max_kv))
+        cands = decode_candidates(D, H) if on_gpu else \
+            [replace(INTERPRETER_DECODE, block_h=min(INTERPRETER_DECODE.block_h, next_pow2(H)))]
+        cfg = _TUNER.choose(key, cands, launch, on_gpu)
+    launch(cfg)
 
 
 # -------------------------------------------------------------------------------------- wrapper
@@ -239,62 +589,26 @@ def _check_attention_args(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_
     return cu_q
 
 
-def _work_map(cu_q, block_m, device):
-    """Program id -> (request, query block): the per-request grids concatenated into one launch."""
-    q_lens = torch.tensor(cu_q).diff()
-    n_blocks = (q_lens + block_m - 1) // block_m
-    req = torch.repeat_interleave(torch.arange(len(q_lens)), n_blocks)
-    first = torch.repeat_interleave(n_blocks.cumsum(0) - n_blocks, n_blocks)
-    blk = torch.arange(req.numel()) - first
-    return torch.stack([req, blk]).to(device=device, dtype=torch.int32)
-
-
-def _block_sizes(max_q_len, head_size, on_gpu):
-    """(BLOCK_M, BLOCK_N, BLOCK_D): queries, keys and head dims per program step."""
-    block_d = next_pow2(head_size, 16)  # the GPU compiler wants tl.dot dimensions >= 16
-    if not on_gpu:  # the interpreter's cost grows with the block area: small blocks, fewer wasted rows
-        return 16, 16, block_d
-    if block_d > 128:  # keep the K/V tiles of the pipelined loop within shared memory
-        return (16 if max_q_len <= 16 else 32), 32, block_d
-    # Decode (q_len 1) wastes the rows of a query block, so keep it small there.
-    return (16 if max_q_len <= 16 else 128 if block_d <= 64 else 64), 64, block_d
-
-
-def ragged_attention_triton(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale, cu_q):
-    """One launch for the whole batch; ``cu_q`` is ``cu_seqlens_q`` already on the host."""
-    T, H, D = q.shape
-    out = torch.empty_like(q)
-    max_q_len = max(b - a for a, b in zip(cu_q, cu_q[1:]))
-    block_m, block_n, block_d = _block_sizes(max_q_len, D, q.is_cuda)
-    work = _work_map(cu_q, block_m, q.device)
-    if work.shape[1] == 0:  # every request has zero new tokens
-        return out
-    _ragged_attention_kernel[(work.shape[1], H)](
-        q, k_pool, v_pool, out, slot_ids, cu_seqlens_q, cu_seqlens_k, work[0], work[1],
-        *q.stride(), *k_pool.stride(), *v_pool.stride(), *out.stride(),
-        scale * math.log2(math.e), D,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, INTERPRETED=not q.is_cuda,
-    )
-    return out
-
-
 def ragged_attention(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale=None,
-                     backend="auto", *, check=True):
+                     backend="auto", *, check=True, tf32=False):
     """Attention of T flattened new tokens ``q [T, H, D]`` over each request's own K/V.
 
     Request b owns queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` and keys in the slots
     ``slot_ids[cu_seqlens_k[b]:cu_seqlens_k[b+1]]`` (its context, new tokens included and already
-    written). Returns ``[T, H, D]`` in q's dtype. ``check=False`` skips the argument checks: only
-    for a caller that built the arguments itself (the engine's hot path).
+    written). Returns ``[T, H, D]`` in q's dtype. ``check=False`` skips the argument checks (for a
+    caller that built the arguments itself); ``tf32=True`` lets fp32 dots use TF32 on a GPU. This
+    wrapper reads the offsets back to the host; the engine's layers instead call the backends with
+    a plan built once per iteration from host data (``triton_plan`` / ``attention_plan``).
     """
     if check:
         cu_q = _check_attention_args(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale)
     else:
         cu_q = cu_seqlens_q.tolist()
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    cu_k = cu_seqlens_k.tolist()
     if use_triton(backend, q):
+        plan = triton_plan(cu_q, cu_k, q.device)
         return ragged_attention_triton(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale,
-                                       cu_q)
-    plan = attention_plan(cu_q, cu_seqlens_k.tolist(), slot_ids)
+                                       plan, tf32=tf32)
+    plan = attention_plan(cu_q, cu_k, slot_ids, slot_ids.cpu().numpy())
     return ragged_attention_torch(q, k_pool, v_pool, plan, scale)

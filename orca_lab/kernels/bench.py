@@ -4,15 +4,19 @@
 
 For each kernel: time, achieved GB/s and TFLOP/s, and the roofline floor ``max(bytes / bandwidth,
 FLOPs / matmul rate)`` with both peaks measured in the same run (a large copy, a large matmul).
-Attention is also timed the FasterTransformer way (requests padded to ``[B, L, H, D]``, one dense
-masked SDPA) and as a per-request SDPA loop (the torch backend), in a decode phase (many requests,
-one new token each, long contexts) and a prefill phase (whole prompts).
+Attention is timed as the engine runs it (``triton``: the decode kernel for one-token requests,
+the ragged kernel for the rest, with the iteration's plan built before timing as the engine builds
+it once per iteration), with the ragged kernel alone (``triton-ragged``), the FasterTransformer way
+(requests padded to ``[B, L, H, D]``, one dense masked SDPA) and as a per-request SDPA loop (the torch
+backend), in a decode phase (many requests, one new token each, long contexts) and a prefill phase
+(whole prompts). The first call of each is untimed: it compiles, and on a GPU tunes the launch.
 
 Without a GPU the Triton kernels run in Triton's interpreter: sizes are small (``--quick`` is the
 default there) and those timings say nothing about speed; the table marks them "interpreted".
 """
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -22,7 +26,7 @@ import torch.nn.functional as F
 
 from orca_lab.kernels import _backend  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 from orca_lab.kernels import bias_gelu, layer_norm, ragged_attention, write_kv
-from orca_lab.kernels.attention import causal_mask
+from orca_lab.kernels.attention import causal_mask, ragged_attention_triton, triton_plan
 from orca_lab.environment import environment
 
 import triton  # noqa: E402
@@ -115,8 +119,12 @@ def attention_cost(q_lens, kv_lens, heads, head_size, elem):
 def bench_attention(phase, q_lens, kv_lens, size, dtype, device):
     H, D = size["heads"], size["head_size"]
     args, (qp, kp, vp, mask) = attention_case(q_lens, kv_lens, H, D, dtype, device)
+    cu_q, cu_k = (args[i].tolist() for i in (4, 5))
+    plans = {decode: triton_plan(cu_q, cu_k, device, decode=decode) for decode in (True, False)}
+    scale = 1 / math.sqrt(D)
     impls = {
-        "triton": lambda: ragged_attention(*args, backend="triton"),
+        "triton": lambda: ragged_attention_triton(*args, scale, plans[True]),
+        "triton-ragged": lambda: ragged_attention_triton(*args, scale, plans[False]),
         "sdpa-loop": lambda: ragged_attention(*args, backend="torch"),
         "padded-ft": lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask),
     }
@@ -170,18 +178,18 @@ def run(mode, reps, device):
         rows.append(dict(kernel=kernel, case=case, impl=impl, sizes=sizes, dtype=str(dtype)[6:],
                          bytes=bytes_, flops=flops, time_ms=ms, GBps=bytes_ / ms / 1e6,
                          TFLOPs=flops / ms / 1e9, floor_ms=floor, roofline_frac=floor / ms,
-                         interpreted=impl == "triton" and device.type != "cuda"))
+                         interpreted=impl.startswith("triton") and device.type != "cuda"))
     return peaks, rows
 
 
 def print_table(peaks, rows, device_name):
     print(f"device: {device_name}   measured peaks: {peaks['bandwidth_GBps']:.1f} GB/s copy, "
           f"{peaks['matmul_TFLOPs']:.2f} TFLOP/s {peaks['matmul_dtype']} matmul")
-    print(f"{'kernel':<17}{'case':<15}{'impl':<10}{'ms':>10} {'GB/s':>10} {'TFLOP/s':>10} "
+    print(f"{'kernel':<17}{'case':<15}{'impl':<14}{'ms':>10} {'GB/s':>10} {'TFLOP/s':>10} "
           f"{'floor ms':>10} {'% roof':>9}")
     for r in rows:
         note = "  interpreted: not a speed" if r["interpreted"] else ""
-        print(f"{r['kernel']:<17}{r['case']:<15}{r['impl']:<10}{r['time_ms']:>10.4g} {r['GBps']:>10.3g} "
+        print(f"{r['kernel']:<17}{r['case']:<15}{r['impl']:<14}{r['time_ms']:>10.4g} {r['GBps']:>10.3g} "
               f"{r['TFLOPs']:>10.3g} {r['floor_ms']:>10.3g} {100 * r['roofline_frac']:>8.3g}%{note}")
 
 

@@ -1,0 +1,52 @@
+"""Launch configurations chosen per shape bucket: timed once on a GPU, fixed in the interpreter.
+
+A kernel's best block sizes, ``num_warps`` and ``num_stages`` depend on its shape (how many programs,
+how long the loop over keys), so the choice is cached per *bucket* of shapes: nearby shapes share
+it, and each bucket is timed only the first time it is seen (every candidate launched on the real
+arguments, which is safe because the attention kernels only read their inputs). Under Triton's
+interpreter timing says nothing, so the first candidate (a small fixed configuration) is used.
+"""
+from __future__ import annotations
+
+import torch
+
+import triton  # noqa: E402  (callers import _backend first, which picks the interpreter on CPU)
+
+
+def bucket(n: int) -> int:
+    """Shapes up to the next power of two share a launch configuration."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+class LaunchTuner:
+    """``choose(key, candidates, launch)``: the fastest candidate for this bucket, timed once."""
+
+    def __init__(self):
+        self.best: dict = {}
+
+    def choose(self, key, candidates, launch, on_gpu: bool):
+        got = self.best.get(key)
+        if got is not None:
+            return got
+        if not on_gpu or len(candidates) == 1:
+            got = candidates[0]
+        elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return candidates[0]           # no timing inside a CUDA graph capture: warm up first
+        else:
+            got = _fastest(candidates, launch)
+        self.best[key] = got
+        return got
+
+
+def _fastest(candidates, launch):
+    """Time each candidate that compiles and fits the device (too much shared memory is skipped)."""
+    times = {}
+    for cfg in candidates:
+        try:
+            launch(cfg)                    # compiles; raises if the configuration cannot run here
+        except (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError):
+            continue
+        times[cfg] = triton.testing.do_bench(lambda cfg=cfg: launch(cfg), warmup=5, rep=20)
+    if not times:
+        raise RuntimeError(f"no launch configuration of {candidates} runs on this device")
+    return min(times, key=times.get)

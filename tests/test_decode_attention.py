@@ -1,0 +1,191 @@
+"""The decode path of the attention kernels against float64, and its launch machinery.
+
+On a GPU the tensors live there; without one the kernels run in Triton's interpreter at small sizes.
+Contexts cross the interpreter's split boundary (32 keys) so both the one-pass path and the
+split-and-merge path (FlashDecoding) run; head sizes 13 and 80 are masked tails of power-of-two blocks.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from orca_lab.config import EngineConfig
+from orca_lab.kernels import attention
+from orca_lab.kernels._tuning import LaunchTuner, bucket
+from orca_lab.kernels.attention import (DecodeConfig, PrefillConfig, ragged_attention_ref,
+                                        ragged_attention_triton, triton_plan)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def make_batch(q_lens, kv_lens, heads, head_size, dtype, seed=0):
+    """A ragged batch whose K/V sit in shuffled, non-contiguous slots of a larger pool (int64 ids,
+    as the K/V manager hands them out)."""
+    g = torch.Generator().manual_seed(seed)
+    n_keys = sum(kv_lens)
+    n_slots = 2 * n_keys + 3
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE, dtype)
+    q, k_pool, v_pool = rand(sum(q_lens), heads, head_size), rand(n_slots, heads, head_size), \
+        rand(n_slots, heads, head_size)
+    slot_ids = torch.randperm(n_slots, generator=g)[:n_keys].to(DEVICE)
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(lens)]) for lens in (q_lens, kv_lens))
+    to_dev = lambda cu: torch.from_numpy(cu.astype(np.int32)).to(DEVICE)
+    return (q, k_pool, v_pool, slot_ids, to_dev(cu_q), to_dev(cu_k)), cu_q, cu_k
+
+
+def oracle(q, k_pool, v_pool, slot_ids, cu_q, cu_k, scale):
+    """float64, one query at a time: query i of a request sees its first kv_len - q_len + i + 1 keys."""
+    q, k_pool, v_pool = q.double().cpu(), k_pool.double().cpu(), v_pool.double().cpu()
+    slot_ids, cu_q, cu_k = slot_ids.cpu(), cu_q.tolist(), cu_k.tolist()
+    out = torch.full_like(q, float("nan"))
+    for b in range(len(cu_q) - 1):
+        keys, values = (pool[slot_ids[cu_k[b]:cu_k[b + 1]]] for pool in (k_pool, v_pool))
+        q_len = cu_q[b + 1] - cu_q[b]
+        for i in range(q_len):
+            seen = len(keys) - q_len + i + 1
+            p = torch.softmax(torch.einsum("hd,khd->hk", q[cu_q[b] + i], keys[:seen]) * scale, dim=-1)
+            out[cu_q[b] + i] = torch.einsum("hk,khd->hd", p, values[:seen])
+    return out
+
+
+def check(q_lens, kv_lens, heads, head_size, dtype, **forced):
+    args, cu_q, cu_k = make_batch(q_lens, kv_lens, heads, head_size, dtype, seed=head_size + heads)
+    scale = 1 / math.sqrt(head_size)
+    expected = oracle(*args, scale)
+    plan = triton_plan(cu_q, cu_k, DEVICE)
+    out = ragged_attention_triton(*args, scale, plan, **forced).cpu()
+    assert out.dtype == dtype and not torch.isnan(out).any(), "an output row was never written"
+    err = (out.double() - expected).abs().max().item()
+    # no worse than PyTorch's own attention in the same dtype (FlashAttention's rule), plus a floor
+    torch_err = (ragged_attention_ref(*args, scale).cpu().double() - expected).abs().max().item()
+    assert err <= 2 * torch_err + (1e-5 if dtype == torch.float32 else 0.0), (err, torch_err)
+    return plan
+
+
+# contexts 1, 17, 32 (one split), 33 (one key past the boundary) and 70 (three splits)
+DECODE = ([1] * 5, [1, 17, 32, 33, 70])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_size", [13, 80])
+def test_decode_kernel_against_float64(dtype, head_size):
+    plan = check(*DECODE, 3, head_size, dtype)
+    assert plan.n_decode == 5 and plan.prefill_reqs.size == 0 and plan.max_kv == 70
+
+
+@pytest.mark.parametrize("cfg", [DecodeConfig(1, 16, 16, 1, 1), DecodeConfig(4, 16, 0, 1, 1),
+                                 DecodeConfig(2, 32, 48, 1, 1), DecodeConfig(4, 16, 5, 1, 1)], ids=str)
+def test_decode_kernel_launch_configurations(cfg):
+    """Head groups wider than the heads (masked), no split, a split that is not a multiple of the
+    key block, and splits shorter than a key block (14 merged)."""
+    check(*DECODE, 3, 16, torch.float32, decode=cfg)
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_mixed_batch_splits_between_the_kernels(decode):
+    """Prefill, decode, a request with no new tokens and a partial prompt in one batch: the decode
+    kernel takes the one-token requests, the ragged kernel the rest (or all, with decode=False)."""
+    q_lens, kv_lens = [7, 1, 0, 1, 5, 1], [7, 40, 3, 1, 23, 33]
+    plan = check(q_lens, kv_lens, 2, 13, torch.float32, prefill=PrefillConfig(16, 16, 1, 1))
+    assert plan.prefill_reqs.tolist() == [0, 4] and plan.n_decode == 3 and plan.max_q == 7
+    if not decode:
+        args, cu_q, cu_k = make_batch(q_lens, kv_lens, 2, 13, torch.float32, seed=15)
+        ragged_only = triton_plan(cu_q, cu_k, DEVICE, decode=False)
+        assert ragged_only.n_decode == 0 and ragged_only.prefill_reqs.tolist() == [0, 1, 3, 4, 5]
+        both = ragged_attention_triton(*args, 0.3, triton_plan(cu_q, cu_k, DEVICE))
+        torch.testing.assert_close(ragged_attention_triton(*args, 0.3, ragged_only), both)
+
+
+def test_work_map_is_built_once_per_block_size():
+    plan = triton_plan([0, 19, 20, 23], [0, 19, 40, 30 + 23 - 20], DEVICE)
+    work = plan.work_map(16)
+    assert work.cpu().tolist() == [[0, 0, 2], [0, 1, 0]]     # request 0: two blocks; request 2: one
+    assert plan.work_map(16) is work and plan.work_map(64).shape == (2, 2)
+
+
+def test_tuner_uses_the_fixed_config_in_the_interpreter_and_caches_per_bucket():
+    tuner, launched = LaunchTuner(), []
+    pick = tuner.choose(("k", bucket(5)), ["small", "big"], launched.append, on_gpu=False)
+    assert pick == "small" and launched == [] and tuner.best == {("k", 8): "small"}
+    assert [bucket(n) for n in (1, 2, 3, 8, 9)] == [1, 2, 4, 8, 16]
+
+
+def test_tuner_times_each_candidate_once_and_skips_what_does_not_fit(monkeypatch):
+    """The GPU path of the tuner, its timer replaced: the fastest config that runs wins, a config
+    that needs too much shared memory is skipped, and the bucket is not timed again."""
+    import triton
+    cost, launched = {"a": 3.0, "b": 1.0, "c": 0.5}, []
+
+    def launch(cfg):
+        launched.append(cfg)
+        if cfg == "c":
+            raise triton.runtime.errors.OutOfResources(300_000, 232_448, "shared memory")
+
+    def do_bench(fn, **kw):
+        fn()
+        return cost[launched[-1]]
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    tuner = LaunchTuner()
+    assert tuner.choose("key", ["a", "b", "c"], launch, on_gpu=True) == "b"
+    n = len(launched)
+    assert tuner.choose("key", ["a", "b", "c"], launch, on_gpu=True) == "b" and len(launched) == n
+
+
+def test_launch_configs_describe_every_kernel_argument():
+    entries = attention.launch_configs(dtypes=(torch.bfloat16, torch.float32), head_sizes=(80,))
+    names = {e["fn"].__name__ for e in entries}
+    assert names == {"_ragged_attention_kernel", "_decode_attention_kernel", "_decode_reduce_kernel"}
+    for e in entries:
+        assert list(e["signature"]) == e["fn"].arg_names
+        assert {n for n, t in e["signature"].items() if t == "constexpr"} == set(e["constexprs"])
+    splits = {e["constexprs"]["SPLIT"] for e in entries if "SPLIT" in e["constexprs"]}
+    precisions = {e["constexprs"]["DOT_PRECISION"] for e in entries if "DOT_PRECISION" in e["constexprs"]}
+    assert splits == {False, True} and precisions == {"ieee", "tf32"}
+
+
+AOT = """
+import json, os
+os.environ["TRITON_INTERPRET"] = "0"
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from orca_lab.kernels import attention
+shared = {}
+entries = attention.launch_configs(dtypes=(torch.bfloat16,), head_sizes=(128,))
+picked = [e for e in entries if e["fn"].__name__ != "_ragged_attention_kernel"][:2] + entries[-1:]
+for cc in (80, 90):
+    for e in picked:
+        k = triton.compile(triton.compiler.ASTSource(e["fn"], e["signature"], e["constexprs"]),
+                           target=GPUTarget("cuda", cc, 32),
+                           options=dict(num_warps=e["num_warps"], num_stages=e["num_stages"]))
+        shared[f"{cc}/{e['fn'].__name__}/{e['constexprs'].get('SPLIT')}"] = k.metadata.shared
+print(json.dumps(shared))
+"""
+
+
+def test_decode_kernels_compile_for_sm80_and_sm90():
+    """The real compiler (ptxas ships with Triton) in a fresh process: it refuses what the
+    interpreter lets through. The full sweep of launch_configs() is the AOT test's job."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", AOT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(shared) == 6 and all(0 <= s <= 48 * 1024 for s in shared.values()), shared
+
+
+def test_tf32_is_a_validated_engine_option():
+    assert EngineConfig().tf32 is False and EngineConfig(tf32=True).tf32 is True
+    with pytest.raises(ValueError, match="tf32='yes'"):
+        EngineConfig(tf32="yes")
+    before = torch.backends.cuda.matmul.allow_tf32
+    with attention.tf32_matmuls(True):
+        assert torch.backends.cuda.matmul.allow_tf32
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    assert attention._dot_precision(torch.float32, False) == "ieee"
+    assert attention._dot_precision(torch.float32, True) == "tf32"
