@@ -25,6 +25,8 @@ SMALL = {   # each notebook at a size that runs in seconds
     "kv_memory": dict(rates=[2.0], n_requests=30),
     "sim_fidelity": dict(presets=["tiny"], curves=["orca(4)"], loads=[0.5], n_requests=6, scale=0.05),
 }
+# the real engine at a toy size, on this machine's device (a GPU where there is one: bf16, Triton)
+MEASURE = dict(mode="measure", preset="tiny", batch_sizes=[1, 4], input_lens=[8], gen_len=4, formats=["html"])
 BAD = {     # a bad parameter, and the message it must stop with (every check: tests/test_sim.py)
     "fig_e2e": (dict(models=["gpt3-999b"]), "unknown model 'gpt3-999b'"),
     "fig11_homogeneous": (dict(rates=[1.0, -2.0]), "rates: -2.0 is not allowed"),
@@ -47,6 +49,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("reproduce")
     small = SMALL
     jobs = {**{(name, "small"): (params, root / f"{name}-small") for name, params in small.items()},
+            ("fig9_engine", "measure"): (MEASURE, root / "fig9_engine-measure"),
             **{(name, "bad"): (params, root / f"{name}-bad") for name, (params, _) in BAD.items()}}
     for _, out in jobs.values():
         out.mkdir()
@@ -109,6 +112,18 @@ def test_fig9_marks_the_baseline_out_of_memory(runs):
     assert oom[("ft", 8)] and not oom[("ft", 1)] and not oom[("orca", 8)]
     assert df.loc[~df["oom"], "time_ms"].gt(0).all()
     _figures(out, "fig9_engine")
+
+
+def test_fig9_measures_the_real_engine_on_this_device(runs):
+    error, out = runs[("fig9_engine", "measure")]
+    assert error is None, f"fig9_engine (measure) failed: {error}"
+    meta = json.loads((out / "fig9_engine.json").read_text())["meta"]
+    on_gpu = meta["measure"]["device"] == "cuda"
+    assert meta["measure"] == dict(preset="tiny", device=meta["device"], dtype="bfloat16" if on_gpu else "float32",
+                                   tensor_parallel=1, pipeline_parallel=1)
+    df = pd.read_csv(out / "fig9_engine.csv")
+    assert len(df) == 4 and df["time_ms"].gt(0).all() and not df["oom"].any()
+    assert sorted(p.name for p in out.glob("fig9_engine.*")) == ["fig9_engine.csv", "fig9_engine.html", "fig9_engine.json"]
 
 
 def test_fig11_writes_unnormalized_latency(runs):
