@@ -99,7 +99,8 @@ def test_launches_are_typed_as_the_launcher_types_them(compiled):
     what a launch on a GPU would compile, not a looser or stricter variant."""
     _, rows = compiled
     attention = [r for r in rows if r["arch"] == 80 and r["kernel"].endswith("_ragged_attention_kernel")]
-    aligned = next(r for r in attention if r["what"] == "1 heads of 128, q_len <= 1, torch.bfloat16")
+    aligned = next(r for r in attention if r["what"].endswith("bfloat16") and r["constexprs"]["BLOCK_D"] == "128"
+                   and r["signature"]["head_size"] == "i32")      # head size 112 or 128, say
     odd = next(r for r in attention if r["what"].endswith("float16") and r["signature"]["head_size"] == "i32"
                and "head_size" not in r["divisible_by_16"])
     assert aligned["signature"]["q_ptr"] == "*bf16" and odd["signature"]["slot_ptr"] == "*i64"
