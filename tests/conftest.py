@@ -13,14 +13,7 @@ except ImportError:
 
 
 @pytest.fixture(scope="session")
-def device():
-    """The device the kernel and engine tests run on: CUDA where it exists, else the CPU."""
-    from helpers import DEVICE
-    return DEVICE
-
-
-@pytest.fixture(scope="session")
 def tiny_llm():
-    """The tiny preset on the CPU, fp32 (test_engine.py and test_model.py move a copy to ``device``)."""
+    """The tiny preset on the CPU, fp32 (test_engine.py and test_model.py put a copy on ``helpers.DEVICE``)."""
     from orca_lab import LLM, EngineConfig
     return LLM("tiny", seed=1, engine=EngineConfig(max_bs=4, n_slots=4096))
