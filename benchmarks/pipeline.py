@@ -32,6 +32,7 @@ from orca_lab.workload import paper_trace
 
 
 def run(llm, trace, label, system, mbs=None) -> dict:
+    llm.serve(trace[:llm.engine_config.max_bs], system=system, mbs=mbs)   # warm-up: this system's shapes
     result = llm.serve(trace, system=system, mbs=mbs)
     busy = busy_fraction(result)
     s = summarize(result)
@@ -73,7 +74,6 @@ def main(argv=None):
     for pp in ([1] if args.pp > 1 else []) + [args.pp]:
         llm = engine_for(model, args, pp)
         with WorkerPool(llm):
-            llm.serve(trace[:2])                              # warm-up: first-call costs out of the way
             if pp == 1:
                 rows.append(run(llm, trace, f"orca({args.max_bs}), 1 stage", "orca"))
                 continue

@@ -2,7 +2,8 @@ import os
 
 import pytest
 
-# Triton runs kernels on CPU only through its interpreter, which must be chosen before any @triton.jit.
+# Without a GPU, Triton runs kernels only through its interpreter, which must be chosen before any
+# @triton.jit; with one, the kernels are compiled and run on it (tests/helpers.py: DEVICE).
 try:
     import torch
     if not torch.cuda.is_available():
@@ -13,5 +14,6 @@ except ImportError:
 
 @pytest.fixture(scope="session")
 def tiny_llm():
+    """The tiny preset on the CPU, fp32 (test_engine.py and test_model.py put a copy on ``helpers.DEVICE``)."""
     from orca_lab import LLM, EngineConfig
     return LLM("tiny", seed=1, engine=EngineConfig(max_bs=4, n_slots=4096))

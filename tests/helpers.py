@@ -1,5 +1,34 @@
-"""Small shared pieces of the tests."""
+"""Small shared pieces of the tests, and the device they run on.
+
+``DEVICE`` is the GPU where CUDA exists, else the CPU, where the Triton kernels run in Triton's
+interpreter (``conftest.py`` turns it on). The same ``pytest`` command then tests the kernels and the
+engine for real on a GPU machine and through the interpreter here; a test that only means something
+on a GPU is marked ``needs_gpu`` and skips here, saying so.
+"""
 import random
+
+import pytest
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_GPU = DEVICE.type == "cuda"
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (scripts/gpu_check.sh runs it there)")
+
+
+def engine_config(**kw):
+    """An ``EngineConfig`` on the test device (``LLM(gpt=model, ...)`` moves the model there)."""
+    from orca_lab import EngineConfig
+    return EngineConfig(**{"device": str(DEVICE), **kw})
+
+
+def on_device(llm):
+    """``llm`` itself on the CPU; on a GPU machine a copy of its model there (``LLM(gpt=...)`` moves
+    the module it is given, so the CPU original stays for the tests that share it)."""
+    if not ON_GPU:
+        return llm
+    import copy
+    from orca_lab import LLM
+    return LLM(gpt=copy.deepcopy(llm.model), engine=llm.engine_config.replace(device=str(DEVICE)))
 
 
 def random_prompts(n, vocab, lo=1, hi=40, seed=0):

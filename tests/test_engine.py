@@ -1,15 +1,22 @@
 """The engine's invariants: batched = alone, FCFS, reservations, in-flight batches, the baseline."""
+import copy
 import itertools
 
 import pytest
 import torch
 
-from helpers import random_prompts
+from helpers import engine_config, on_device, random_prompts
 from orca_lab import LLM, EngineConfig, SamplingParams
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.request import Request, RequestState
 from orca_lab.engine.scheduler import OrcaScheduler
 from orca_lab.workload import TraceItem, paper_trace
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llm):
+    """The session's tiny model on the test device (a GPU where there is one)."""
+    return on_device(tiny_llm)
 
 
 def alone(llm, prompt, n, **kw):
@@ -28,7 +35,7 @@ def ragged_trace(vocab, n=10, seed=0):
 def test_batched_greedy_equals_each_request_alone(tiny_llm, system, n_workers, mbs):
     """In this process; with n_workers > 1 the pipeline stages are emulated (test_parallel.py runs
     real worker processes)."""
-    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=3, n_slots=4096, pipeline_parallel=n_workers,
+    llm = LLM(gpt=tiny_llm.model, engine=engine_config(max_bs=3, n_slots=4096, pipeline_parallel=n_workers,
                                                       executor="local"))
     trace = ragged_trace(llm.cfg.vocab_size, seed=n_workers)
     result = llm.serve(trace, system=system, mbs=mbs)
@@ -74,7 +81,7 @@ def test_every_slot_is_free_after_a_trace(tiny_llm, system):
 
 def test_iteration_level_fcfs_property(tiny_llm):
     """If x_i arrived before x_j, x_i has run at least as many iterations as x_j, at all times."""
-    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=3, n_slots=160))
+    llm = LLM(gpt=tiny_llm.model, engine=engine_config(max_bs=3, n_slots=160))
     trace = [TraceItem(0.0, tuple(p), 1 + i % 5) for i, p in
              enumerate(random_prompts(9, llm.cfg.vocab_size, 5, 50, seed=5))]
     result = llm.serve(trace)
@@ -104,7 +111,7 @@ def test_select_breaks_instead_of_skipping():
 
 
 def test_n_workers_batches_in_flight(tiny_llm):
-    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=2, n_slots=4096, pipeline_parallel=3,
+    llm = LLM(gpt=tiny_llm.model, engine=engine_config(max_bs=2, n_slots=4096, pipeline_parallel=3,
                                                       executor="local"))
     result = llm.serve(ragged_trace(llm.cfg.vocab_size, n=8))
     assert max(it.in_flight for it in result.iterations) == 3
@@ -114,7 +121,7 @@ def test_n_workers_batches_in_flight(tiny_llm):
 
 
 def test_baseline_micro_batches_take_turns_through_the_pipeline(tiny_llm):
-    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=4, n_slots=4096, pipeline_parallel=2,
+    llm = LLM(gpt=tiny_llm.model, engine=engine_config(max_bs=4, n_slots=4096, pipeline_parallel=2,
                                                       executor="local"))
     trace = [TraceItem(0.0, tuple(range(1, 4 + i)), 2 + i) for i in range(4)]
     result = llm.serve(trace, system="ft", mbs=1)
@@ -125,7 +132,7 @@ def test_baseline_micro_batches_take_turns_through_the_pipeline(tiny_llm):
 
 
 def test_baseline_pads_holds_early_finishers_and_reserves_max_length(tiny_llm):
-    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=3, n_slots=3 * 1024))
+    llm = LLM(gpt=tiny_llm.model, engine=engine_config(max_bs=3, n_slots=3 * 1024))
     trace = [TraceItem(0.0, tuple(range(1, 9)), 2), TraceItem(0.0, tuple(range(1, 21)), 9),
              TraceItem(0.0, tuple(range(1, 6)), 3), TraceItem(0.0, (7, 7), 2)]
     engine = llm.new_engine("ft")
@@ -155,7 +162,7 @@ def test_baseline_pads_holds_early_finishers_and_reserves_max_length(tiny_llm):
     ("text", 4, "list of token ids"),
 ])
 def test_bad_request_is_refused_and_the_engine_serves_the_others(tiny_llm, prompt, n, match):
-    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=4, n_slots=512))
+    llm = LLM(gpt=tiny_llm.model, engine=engine_config(max_bs=4, n_slots=512))
     engine = llm.new_engine()
     good = engine.add_request([5, 6, 7], SamplingParams(max_gen_tokens=3))
     with pytest.raises((ValueError, TypeError), match=match):
@@ -165,7 +172,7 @@ def test_bad_request_is_refused_and_the_engine_serves_the_others(tiny_llm, promp
 
 
 def test_baseline_refuses_what_its_max_length_reservation_cannot_hold(tiny_llm):
-    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=4, n_slots=512))
+    llm = LLM(gpt=tiny_llm.model, engine=engine_config(max_bs=4, n_slots=512))
     with pytest.raises(ValueError, match="exceeds n_slots=512"):
         llm.new_engine("ft").add_request([1, 2], SamplingParams(max_gen_tokens=2))
 
@@ -182,7 +189,7 @@ def test_bad_engine_config_names_the_field(kw, match):
 
 def test_more_stages_than_layers_is_refused(tiny_llm):
     with pytest.raises(ValueError, match=r"pipeline_parallel=5 is out of range: allowed \[1, 4\]"):
-        LLM(gpt=tiny_llm.model, engine=EngineConfig(pipeline_parallel=5, executor="local")).new_engine()
+        LLM(gpt=tiny_llm.model, engine=engine_config(pipeline_parallel=5, executor="local")).new_engine()
 
 
 def test_kv_manager_reports_used_reserved_and_free():
@@ -205,15 +212,37 @@ def test_sampling_params_are_validated():
             SamplingParams(**kw)
 
 
-def test_float_dtypes_run(tiny_llm):
-    llm = LLM(gpt=GPTcopy(tiny_llm), engine=EngineConfig(max_bs=4, n_slots=2048, dtype="bfloat16"))
-    out = llm.generate([[1, 2, 3]], max_gen_tokens=3)
-    assert len(out[0]) == 3 and llm.model.wte.weight.dtype == torch.bfloat16
+def iteration_logits(llm, prompts, n, monkeypatch, forced=None):
+    """The last-token logits of every iteration of ``llm.generate(prompts, n)``, as fp32 on the CPU,
+    and the tokens chosen; ``forced``: the tokens to feed instead of the argmax (teacher forcing),
+    so another run sees exactly the same inputs at every iteration."""
+    from orca_lab.engine import executor
+    logits, tokens = [], []
+
+    def record(rows, requests):
+        logits.append(rows.float().cpu())
+        tokens.append(forced[len(tokens)] if forced else rows.argmax(-1).tolist())
+        return tokens[-1]
+
+    monkeypatch.setattr(executor, "sample", record)
+    llm.generate(prompts, max_gen_tokens=n)
+    return logits, tokens
 
 
-def GPTcopy(llm):
-    import copy
-    return copy.deepcopy(llm.model)
+@pytest.mark.parametrize("dtype,tol", [("float16", 0.01), ("bfloat16", 0.05)])
+def test_float_dtypes_give_the_fp32_logits(tiny_llm, monkeypatch, dtype, tol):
+    """Half precision on the same weights and the same inputs (prefill, then decode iterations with
+    fp32's tokens fed back): every logit within ``tol`` of fp32's, relative to the largest.
+    Sequences are not compared: random-weight half precision picks other tokens after a few steps."""
+    prompts = random_prompts(4, tiny_llm.cfg.vocab_size, 3, 40, seed=6)
+    ref, tokens = iteration_logits(tiny_llm, prompts, 4, monkeypatch)
+    half = LLM(gpt=copy.deepcopy(tiny_llm.model), engine=tiny_llm.engine_config.replace(dtype=dtype))
+    assert half.model.wte.weight.dtype == getattr(torch, dtype)
+    out, _ = iteration_logits(half, prompts, 4, monkeypatch, forced=tokens)
+    assert len(out) == len(ref) == 4 and [r.shape for r in out] == [r.shape for r in ref]
+    for i, (a, b) in enumerate(zip(out, ref)):
+        err = (a - b).abs().max().item() / b.abs().max().item()
+        assert err < tol, f"iteration {i}: {dtype} logits off by {err:.3g} of the largest (allowed {tol})"
 
 
 def test_the_real_clock_sleeps_through_long_idle_spells_and_polls_the_last_of_them():

@@ -1,6 +1,7 @@
 """The selective-batching kernels against float64 oracles, on both backends.
 
-On a machine without a GPU the Triton path runs in Triton's interpreter (``orca_lab.kernels._backend``
+Inputs live on the test device (``helpers.DEVICE``): on a GPU the Triton kernels are compiled and
+run there, fp16 and bf16 for real; without one they run in Triton's interpreter (``conftest.py``
 turns it on), so sizes stay small. Outputs are poisoned with NaN before each run, so an element the
 kernel forgets to write fails the test. The error bound is FlashAttention's rule: no larger than twice
 the error of the same computation done by PyTorch in the same dtype (plus a tiny floor for fp32).
@@ -14,6 +15,7 @@ import torch
 from orca_lab.kernels import attention, bias_gelu, gelu, kv_write, layer_norm, layernorm
 from orca_lab.kernels import ragged_attention, write_kv
 from orca_lab.kernels import bench
+from helpers import DEVICE, ON_GPU, needs_gpu
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 FP32_FLOOR = 1e-5
@@ -48,9 +50,10 @@ def no_launch(monkeypatch):
 def assert_close_as_torch(out, torch_out, oracle, dtype):
     """FlashAttention's rule: max error vs float64 <= 2x the same-dtype PyTorch error."""
     assert not torch.isnan(out).any(), "an output element was never written"
-    assert out.dtype == dtype and out.shape == oracle.shape
-    err = (out.double() - oracle).abs().max().item()
-    torch_err = (torch_out.double() - oracle).abs().max().item()
+    assert out.dtype == dtype and out.shape == oracle.shape and out.device == torch_out.device
+    oracle = oracle.cpu()
+    err = (out.double().cpu() - oracle).abs().max().item()
+    torch_err = (torch_out.double().cpu() - oracle).abs().max().item()
     floor = FP32_FLOOR if dtype == torch.float32 else 0.0
     assert err <= 2 * torch_err + floor, f"error {err:.3g} vs PyTorch's {torch_err:.3g} in {dtype}"
 
@@ -66,11 +69,12 @@ def make_batch(q_lens, kv_lens, heads, head_size, dtype, seed=0, slot_dtype=torc
     v_pool = torch.randn(n_slots, heads, head_size, generator=g).to(dtype)
     slot_ids = torch.randperm(n_slots, generator=g)[:n_keys].to(slot_dtype)
     offsets = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    return q, k_pool, v_pool, slot_ids, offsets(q_lens), offsets(kv_lens)
+    return tuple(t.to(DEVICE) for t in (q, k_pool, v_pool, slot_ids, offsets(q_lens), offsets(kv_lens)))
 
 
 def attention_oracle(q, k_pool, v_pool, slot_ids, cu_q, cu_k, scale):
     """float64, one query at a time: query i of a request sees its first kv_len - q_len + i + 1 keys."""
+    q, k_pool, v_pool, slot_ids = (t.cpu() for t in (q, k_pool, v_pool, slot_ids))
     q, k_pool, v_pool = q.double(), k_pool.double(), v_pool.double()
     out = torch.full_like(q, float("nan"))
     for b in range(len(cu_q) - 1):
@@ -119,14 +123,24 @@ def check_attention(q_lens, kv_lens, head_size, dtype, batch=None, scale=None):
     assert_close_as_torch(out, torch_out, oracle, dtype)
     # The torch backend itself must be right, not just close to a kernel sharing its bug.
     tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
-    assert (torch_out.double() - oracle).abs().max().item() < tol
+    assert (torch_out.double().cpu() - oracle.cpu()).abs().max().item() < tol
 
 
 def test_attention_auto_is_torch_on_cpu(monkeypatch):
-    args = make_batch(*MIXED, 2, 16, torch.float32)
+    args = tuple(t.cpu() for t in make_batch(*MIXED, 2, 16, torch.float32))
     monkeypatch.setattr(attention, "_ragged_attention_kernel", None)  # would fail if called
     out = ragged_attention(*args)
     assert torch.equal(out, ragged_attention(*args, backend="torch"))
+
+
+@needs_gpu
+def test_attention_auto_is_triton_on_gpu(monkeypatch):
+    args = make_batch(*MIXED, 2, 16, torch.float32)
+    assert args[0].is_cuda
+    assert torch.equal(ragged_attention(*args), ragged_attention(*args, backend="triton"))
+    monkeypatch.setattr(attention, "_ragged_attention_kernel", None)  # auto must launch it: now it fails
+    with pytest.raises(TypeError):
+        ragged_attention(*args)
 
 
 # --------------------------------------------------------------------------------------- write_kv
@@ -135,14 +149,14 @@ def test_attention_auto_is_torch_on_cpu(monkeypatch):
 def test_write_kv(dtype, head_size):
     g = torch.Generator().manual_seed(1)
     T, H, n_slots = 11, 3, 40
-    k, v = (torch.randn(T, H, head_size, generator=g).to(dtype) for _ in range(2))
-    slots = torch.randperm(n_slots, generator=g)[:T].int()
+    k, v = (torch.randn(T, H, head_size, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    slots = torch.randperm(n_slots, generator=g)[:T].int().to(DEVICE)
     for backend in ("torch", "triton"):
-        k_pool = torch.full((n_slots, H, head_size), float("nan"), dtype=dtype)
+        k_pool = torch.full((n_slots, H, head_size), float("nan"), dtype=dtype, device=DEVICE)
         v_pool = k_pool.clone()
         write_kv(k, v, k_pool, v_pool, slots, backend=backend)
         assert torch.equal(k_pool[slots.long()], k) and torch.equal(v_pool[slots.long()], v)
-        untouched = torch.ones(n_slots, dtype=torch.bool)
+        untouched = torch.ones(n_slots, dtype=torch.bool, device=DEVICE)
         untouched[slots.long()] = False
         assert k_pool[untouched].isnan().all() and v_pool[untouched].isnan().all()
 
@@ -150,9 +164,9 @@ def test_write_kv(dtype, head_size):
 def test_write_kv_into_strided_pool_with_cast():
     """A one-layer view of a [n_slots, L, H, D] pool; fp32 K/V written into an fp16 pool."""
     g = torch.Generator().manual_seed(2)
-    pools = torch.full((30, 2, 4, 16), float("nan"), dtype=torch.float16)
-    k, v = (torch.randn(5, 4, 16, generator=g) for _ in range(2))
-    slots = torch.tensor([29, 0, 7, 8, 3])
+    pools = torch.full((30, 2, 4, 16), float("nan"), dtype=torch.float16, device=DEVICE)
+    k, v = (torch.randn(5, 4, 16, generator=g).to(DEVICE) for _ in range(2))
+    slots = torch.tensor([29, 0, 7, 8, 3], device=DEVICE)
     write_kv(k, v, pools[:, 0], pools[:, 1], slots, backend="triton")
     assert torch.equal(pools[slots, 0], k.half()) and torch.equal(pools[slots, 1], v.half())
     assert pools[:, 0].isnan().sum() == pools[:, 1].isnan().sum() == (30 - 5) * 4 * 16
@@ -163,11 +177,11 @@ def ln_inputs(rows, width, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     x, residual = (torch.randn(rows, width, generator=g).to(dtype) * 3 + 1 for _ in range(2))
     weight, bias = torch.rand(width, generator=g).to(dtype) + 0.5, torch.randn(width, generator=g).to(dtype)
-    return x, weight, bias, residual
+    return tuple(t.to(DEVICE) for t in (x, weight, bias, residual))
 
 
 def ln_oracle(x, weight, bias, eps=1e-5):
-    x = x.double()
+    x, weight, bias = x.double().cpu(), weight.cpu(), bias.cpu()
     mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
     return (x - mean) / torch.sqrt(var + eps) * weight.double() + bias.double()
 
@@ -207,17 +221,18 @@ def test_layer_norm_chunked_row_and_3d_input(poison, monkeypatch):
 @pytest.mark.parametrize("shape", [(7, 200), (3, 5, 768)])
 def test_bias_gelu(poison, dtype, shape):
     g = torch.Generator().manual_seed(5)
-    x = (torch.randn(*shape, generator=g) * 4).to(dtype)  # wide range: both tails of the sigmoid
-    bias = torch.randn(shape[-1], generator=g).to(dtype)
-    u = x.double() + bias.double()
+    x = (torch.randn(*shape, generator=g) * 4).to(dtype).to(DEVICE)  # wide range: both sigmoid tails
+    bias = torch.randn(shape[-1], generator=g).to(dtype).to(DEVICE)
+    u = x.double().cpu() + bias.double().cpu()
     oracle = 0.5 * u * (1 + torch.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
     assert_close_as_torch(bias_gelu(x, bias, backend="triton"), bias_gelu(x, bias, backend="torch"),
                           oracle, dtype)
 
 
 # ------------------------------------------------------------------------------------ validation
+# The argument checks run on the host before any launch: their tests use CPU tensors on every machine.
 def _attn_args(**change):
-    q, k_pool, v_pool, slot_ids, cu_q, cu_k = make_batch([2, 1], [3, 4], 2, 8, torch.float32)
+    q, k_pool, v_pool, slot_ids, cu_q, cu_k = (t.cpu() for t in make_batch([2, 1], [3, 4], 2, 8, torch.float32))
     args = dict(q=q, k_pool=k_pool, v_pool=v_pool, slot_ids=slot_ids, cu_seqlens_q=cu_q,
                 cu_seqlens_k=cu_k)
     return {**args, **change}
@@ -307,7 +322,7 @@ def test_write_kv_refuses(no_launch, backend, case):
 
 
 def _ln_args(**change):
-    x, weight, bias, _ = ln_inputs(3, 8, torch.float32)
+    x, weight, bias, _ = (t.cpu() for t in ln_inputs(3, 8, torch.float32))
     return {**dict(x=x, weight=weight, bias=bias), **change}
 
 
@@ -373,4 +388,8 @@ def test_bench_smoke(tmp_path, capsys):
     assert impls == {"triton", "triton-ragged", "sdpa-loop", "padded-ft"}
     for row in result["results"]:
         assert row["time_ms"] > 0 and row["floor_ms"] > 0 and row["sizes"]
-    assert "interpreted" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    # Without a GPU the Triton rows are the interpreter's and say so; on a GPU they are real speeds.
+    assert result["interpreted"] is not ON_GPU and result["device_type"] == DEVICE.type
+    assert ("interpreted" in printed) is not ON_GPU
+    assert all(row["interpreted"] is (row["impl"] == "triton" and not ON_GPU) for row in result["results"])

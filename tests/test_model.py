@@ -1,8 +1,10 @@
 """The model against Hugging Face transformers' GPT-2 on the same weights, and its checkpoints."""
+import copy
+
 import pytest
 import torch
 
-from helpers import random_prompts
+from helpers import engine_config, random_prompts
 from orca_lab import LLM, EngineConfig, ModelConfig, PRESETS
 from orca_lab.engine.model import GPT
 
@@ -98,9 +100,12 @@ def test_unknown_preset_is_refused():
 
 
 def test_triton_backend_gives_the_torch_backends_tokens(tiny_llm):
-    """The whole engine on the Triton kernels (interpreted on CPU) against the PyTorch path."""
+    """The whole engine on the Triton kernels (compiled on a GPU, interpreted on a CPU) against the
+    PyTorch path on the same device."""
     prompts = random_prompts(3, tiny_llm.cfg.vocab_size, 2, 12, seed=8)
-    cfg = EngineConfig(max_bs=3, n_slots=256, attention_backend="triton", fused_ops_backend="triton")
-    import copy
-    triton_llm = LLM(gpt=copy.deepcopy(tiny_llm.model), engine=cfg)
-    assert triton_llm.generate(prompts, max_gen_tokens=3) == tiny_llm.generate(prompts, max_gen_tokens=3)
+    kw = dict(max_bs=3, n_slots=256)
+    triton_llm = LLM(gpt=copy.deepcopy(tiny_llm.model),
+                     engine=engine_config(**kw, attention_backend="triton", fused_ops_backend="triton"))
+    torch_llm = LLM(gpt=copy.deepcopy(tiny_llm.model),
+                    engine=engine_config(**kw, attention_backend="torch", fused_ops_backend="torch"))
+    assert triton_llm.generate(prompts, max_gen_tokens=3) == torch_llm.generate(prompts, max_gen_tokens=3)

@@ -4,6 +4,7 @@ import math
 
 import pandas as pd
 import pytest
+import torch
 
 from helpers import random_prompts
 from orca_lab import LLM, EngineConfig
@@ -166,6 +167,12 @@ def test_analytical_cost_follows_the_roofline_and_the_paper_s_differences():
     (lambda: P.check_curves("orca(8)"), "must be a list"),
     (lambda: P.check_mode("guess", "tiny", "a100-40gb"), "mode='guess'"),
     (lambda: P.check_efficiency({"warp_speed": 2.0}), "unknown field\\(s\\) \\['warp_speed'\\]"),
+    (lambda: P.check_mode("measure", "tiny", "h100"), "device='h100' is not allowed in measure mode"),
+    (lambda: P.check_mode("simulate", "tiny", "cuda"), "device='cuda' is not allowed"),
+    (lambda: P.check_measure("tiny", "cpu", "int8", None, None), "dtype='int8'"),
+    (lambda: P.check_measure("tiny", "cpu", "auto", 0, None), "tensor_parallel=0"),
+    (lambda: P.check_formats(["html", "jpg"]), "formats='jpg' is not allowed"),
+    (lambda: P.check_formats([]), "formats=\\[\\] is an empty sweep"),
 ])
 def test_bad_parameters_are_refused_with_a_clear_message(make, match):
     with pytest.raises(ValueError, match=match):
@@ -285,3 +292,50 @@ def test_fidelity_statistics_of_a_run_and_their_summary_as_the_field_reports_the
     assert s.loc["latency_error_at_run_speed", "max_abs_pct"] == 6.0      # the point past saturation is left out
     assert s.loc["latency_error_at_run_speed", "points"] == 2
     assert s.loc["vidur: norm_p95 error at load 0.8", "max_abs_pct"] == 4.0
+# -- measure mode: the paper's Table 1, scaled to the GPUs present -----------------------------------
+@pytest.mark.parametrize("preset,n_gpus,expected", [
+    ("gpt3-13b", 1, (1, 1)), ("gpt3-101b", 8, (8, 1)), ("gpt3-175b", 16, (8, 2)), ("gpt3-341b", 32, (8, 4)),
+    ("gpt3-175b", 8, (8, 1)), ("gpt3-341b", 8, (8, 1)), ("gpt3-101b", 2, (2, 1)), ("gpt3-341b", 0, (1, 1)),
+    ("tiny", 8, (1, 1)),
+])
+def test_scaled_parallelism_follows_table_1_within_the_gpus(preset, n_gpus, expected):
+    assert P.scaled_parallelism(preset, n_gpus) == expected
+
+
+def test_measure_settings_resolve_auto():
+    assert P.check_mode("simulate", "tiny", "auto") == "a100-40gb"
+    device = P.check_mode("measure", "gpt3-175b", "auto")
+    assert device == ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":     # on a CPU: fp32, one process, unless asked for workers (gloo)
+        assert P.check_measure("gpt3-175b", "cpu", "auto", None, None) == dict(
+            preset="gpt3-175b", device="cpu", dtype="float32", tensor_parallel=1, pipeline_parallel=1)
+        assert P.check_measure("tiny", "cpu", "bfloat16", 2, 2)["tensor_parallel"] == 2
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            P.check_mode("measure", "tiny", "cuda")
+    else:
+        settings = P.check_measure("gpt3-13b", device, "auto", None, None)
+        assert settings["dtype"] == "bfloat16" and settings["tensor_parallel"] == 1
+        with pytest.raises(ValueError, match="GPUs, but this machine has"):
+            P.check_measure("tiny", device, "auto", torch.cuda.device_count() + 1, None)
+
+
+def test_real_backend_warms_up_each_shape_once_before_timing_it(monkeypatch):
+    """A first sight of (curve, lengths) runs a short untimed copy first (Triton's JIT inside a timed
+    span made a Figure 9 point 3.9 s instead of 0.52 s); a shape seen before is timed at once."""
+    from orca_lab.sim.run import RealBackend
+    from orca_lab.workload import homogeneous_trace
+    calls, real = [], LLM.serve
+
+    def serve(self, trace, system="orca", mbs=None, progress=False):
+        calls.append((system, [t.max_gen_tokens for t in trace]))
+        return real(self, trace, system, mbs, progress)
+
+    monkeypatch.setattr(LLM, "serve", serve)
+    backend = RealBackend("tiny", n_slots=4096)
+    trace = homogeneous_trace(3, 8, 5, None, 0, backend.cfg.vocab_size)
+    for curve in (Curve("orca", 2), Curve("orca", 2), Curve("ft", 2, 2)):
+        assert len(backend.serve(curve, trace).requests) == 3
+    warm, timed = ("orca", [2, 2]), ("orca", [5, 5, 5])
+    assert calls == [warm, timed, timed, ("ft", [2, 2]), ("ft", [5, 5, 5])]
+    assert backend.describe() == dict(preset="tiny", device="cpu", dtype="float32", n_slots=4096,
+                                      tensor_parallel=1, pipeline_parallel=1)

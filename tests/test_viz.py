@@ -152,3 +152,52 @@ def test_frames_of_the_in_process_engine(tiny_llm, tmp_path):
     assert frames[0].in_flight == ((0, 1),) and frames[1].in_flight == ((0, 1), (2,))
     out = export(timeline_figure(run, time_unit="ms"), tmp_path / "timeline.html")
     assert out[0].stat().st_size > 10_000
+
+
+# -- export without a Chromium: the HTML and one warning, never an error ---------------------------
+@pytest.fixture
+def export_module(monkeypatch):
+    import importlib
+    ex = importlib.import_module("orca_lab.viz.export")   # the package attribute is the function
+    monkeypatch.setattr(ex, "_warned", False)
+    return ex
+
+
+def small_figure():
+    import plotly.graph_objects as go
+    return go.Figure(go.Scatter(x=[1, 2, 3], y=[3, 1, 2]))
+
+
+def test_export_without_chromium_writes_the_html_and_warns_once(export_module, monkeypatch, tmp_path):
+    import warnings
+    monkeypatch.setattr(export_module, "browser", lambda: None)
+    with pytest.warns(export_module.ExportSkipped,
+                      match=r"PDF/PNG/SVG export skipped \(no Chromium found\): a.png, a.svg, a.pdf not written; "
+                            r"the HTML is, at .*a.html.*apt-get install chromium.*BROWSER_PATH"):
+        out = export(small_figure(), tmp_path / "a", formats=["html", "png", "svg", "pdf"])
+    assert out == [tmp_path / "a.html"] and out[0].stat().st_size > 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.html"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                    # once per process: no second warning
+        assert export(small_figure(), tmp_path / "b.png") == [tmp_path / "b.html"]   # HTML though not asked
+    assert (tmp_path / "b.html").is_file() and not (tmp_path / "b.png").exists()
+
+
+def test_export_degrades_when_chromium_fails_to_start(export_module, monkeypatch, tmp_path):
+    monkeypatch.setattr(export_module, "browser", lambda: "/usr/bin/chromium")
+    monkeypatch.setattr(export_module, "_server_started", True)
+    fig = small_figure()
+
+    def broken(*a, **kw):
+        raise RuntimeError("Chromium exited: no usable sandbox")
+
+    monkeypatch.setattr(fig, "write_image", broken)
+    with pytest.warns(export_module.ExportSkipped, match=r"PNG export skipped \(Chromium failed: RuntimeError: "
+                                                         r"Chromium exited: no usable sandbox\)"):
+        assert export(fig, tmp_path / "c", formats=["png"]) == [tmp_path / "c.html"]
+
+
+def test_export_refuses_an_unknown_format(tmp_path):
+    with pytest.raises(ValueError, match="format 'jpg'"):
+        export(small_figure(), tmp_path / "d", formats=["html", "jpg"])
+    assert not list(tmp_path.iterdir())

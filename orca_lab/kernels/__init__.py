@@ -4,6 +4,12 @@ One file per op, each holding the Triton kernel, a plain PyTorch reference and t
 that picks one. ``backend`` is ``"torch"``, ``"triton"`` or ``"auto"`` (Triton on GPU, PyTorch on CPU).
 No engine imports here. ``_backend`` is imported first: on a machine without a GPU it turns on
 Triton's interpreter before any kernel is decorated.
+
+A module with a launched ``@triton.jit`` kernel also defines ``aot_launches()``: every (argument
+types, constexprs) its wrapper can launch on a GPU, built with ``aot.launch`` from the same
+block-size helpers the wrapper calls. ``python -m orca_lab.kernels.aot`` (tests/test_kernels_aot.py)
+compiles them all for sm_80 and sm_90 without a GPU and checks their shared memory; a kernel
+without declared launches fails that check (orca_lab/kernels/aot.py says how to declare them).
 """
 from orca_lab.kernels._backend import BACKENDS
 from orca_lab.kernels.attention import ragged_attention

@@ -21,6 +21,7 @@ so no layer reads anything back from the device. Launch configurations are chose
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from itertools import product
 
 import numpy as np
 import torch
@@ -612,3 +613,31 @@ def ragged_attention(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, sc
                                        plan, tf32=tf32)
     plan = attention_plan(cu_q, cu_k, slot_ids, slot_ids.cpu().numpy())
     return ragged_attention_torch(q, k_pool, v_pool, plan, scale)
+
+
+# ------------------------------------------------------------------------ ahead-of-time compile
+def aot_launches():
+    """Every launch ``ragged_attention_triton`` can make on a GPU (``orca_lab.kernels.aot``): each
+    block configuration ``_block_sizes`` picks for head sizes 1 to 256, decode (one query per
+    request) and prefill; each float dtype; the engine's int64 slot ids and int32 offsets.
+
+    fp16 takes every head size, so every alignment class of the strides (multiples of 16, odd sizes,
+    size 1); fp32 and bf16 take the multiples of 16, the
+    class with the most vectorized, pipelined loads (the most shared memory): elsewhere the dtype
+    changes only the operand type of the same code."""
+    from orca_lab.kernels.aot import launch, meta, strides
+    i32 = meta(9, dtype=torch.int32)
+    for dtype in FLOAT_DTYPES:
+        every = dtype == torch.float16
+        for head_size in range(1, MAX_HEAD_SIZE + 1) if every else range(16, MAX_HEAD_SIZE + 1, 16):
+            for heads, max_q_len in product((1, 3), (1, 17)):
+                block_m, block_n, block_d = _block_sizes(max_q_len, head_size, on_gpu=True)
+                q, pool = meta(64, heads, head_size, dtype=dtype), meta(2, 256, heads, head_size, dtype=dtype)[0]
+                yield launch(
+                    _ragged_attention_kernel, f"{heads} heads of {head_size}, q_len <= {max_q_len}, {dtype}",
+                    q_ptr=q, k_ptr=pool, v_ptr=pool, out_ptr=q, slot_ptr=meta(9, dtype=torch.int64),
+                    cu_q_ptr=i32, cu_k_ptr=i32, work_req_ptr=i32, work_blk_ptr=i32,
+                    **strides("stride_q", "thd", q), **strides("stride_k", "nhd", pool),
+                    **strides("stride_v", "nhd", pool), **strides("stride_o", "thd", q),
+                    qk_scale=0.125, head_size=head_size, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, INTERPRETED=False)

@@ -58,6 +58,18 @@ def bias_gelu_triton(x, bias):
     return y
 
 
+def aot_launches():
+    """Every launch ``bias_gelu_triton`` can make on a GPU (``orca_lab.kernels.aot``): one block size,
+    widths divisible by 16 or not, each float dtype."""
+    from orca_lab.kernels.aot import launch, meta
+    for dtype in FLOAT_DTYPES:
+        for n_cols in (3072, 1037):
+            x = meta(5, n_cols, dtype=dtype)
+            yield launch(_bias_gelu_kernel, f"{n_cols} columns, {dtype}", x_ptr=x, bias_ptr=x, y_ptr=x,
+                         n_elements=x.numel(), n_cols=n_cols, c0=SQRT_2_OVER_PI, INTERPRETED=False,
+                         BLOCK=BLOCK)
+
+
 def bias_gelu(x, bias, backend="auto", *, check=True):
     """``gelu_tanh(x + bias)`` over ``x [T, F]``, ``bias [F]``. ``check=False`` skips the argument
     checks (the engine's hot path, which built the arguments itself)."""

@@ -3,6 +3,8 @@
 The Attention K/V manager hands each new token a slot; before attention runs, every layer writes
 that token's K and V there, so the attention kernel finds each request's whole context in the pool.
 """
+from itertools import product
+
 import torch
 
 from orca_lab.kernels._backend import (FLOAT_DTYPES, INDEX_DTYPES, cast_rne, check_indices,
@@ -75,12 +77,37 @@ def write_kv_triton(k, v, k_pool, v_pool, slot_mapping):
     T, H, D = k.shape
     if T == 0:
         return
-    block = min(next_pow2(H * D), MAX_BLOCK)
+    block = _block(H * D)
     _write_kv_kernel[(T, triton.cdiv(H * D, block))](
         k, v, k_pool, v_pool, slot_mapping,
         *k.stride(), *v.stride(), *k_pool.stride(), *v_pool.stride(),
         D, H * D, INTERPRETED=not k.is_cuda, BLOCK=block,
     )
+
+
+def _block(row_size: int) -> int:
+    """Elements of a token's row per program: the whole row up to MAX_BLOCK, at least one per thread
+    of the default 4 warps (a smaller block would leave threads idle; the tail is masked anyway)."""
+    return min(next_pow2(row_size, 128), MAX_BLOCK)
+
+
+def aot_launches():
+    """Every launch ``write_kv_triton`` can make on a GPU (``orca_lab.kernels.aot``): each block size
+    and alignment class (one head or 40, head sizes 1 to 256) in each float dtype, with the engine's
+    int64 slot ids, pools sliced out of ``[n_layers, n_slots, H, D]``. The other choices change one
+    instruction, not the blocks, so GPT-3's rows (40 heads of 128) stand for the rest: int32 slot
+    ids, and K/V cast into a pool of each other dtype."""
+    from orca_lab.kernels.aot import launch, meta, strides
+    cases = [(d, d, torch.int64, h, s) for d in FLOAT_DTYPES for h in (1, 40) for s in range(1, 257)]
+    cases += [(kv, pool, slot, 40, 128) for kv, pool, slot in product(FLOAT_DTYPES, FLOAT_DTYPES, INDEX_DTYPES)]
+    for kv_dtype, pool_dtype, slot_dtype, heads, head_size in cases:
+        k, pool = meta(7, heads, head_size, dtype=kv_dtype), meta(2, 64, heads, head_size, dtype=pool_dtype)[0]
+        yield launch(_write_kv_kernel, f"{heads} heads of {head_size}, {kv_dtype} into {pool_dtype}, {slot_dtype} slots",
+                     k_ptr=k, v_ptr=k, k_pool_ptr=pool, v_pool_ptr=pool, slot_ptr=meta(7, dtype=slot_dtype),
+                     **strides("stride_k", "thd", k), **strides("stride_v", "thd", k),
+                     **strides("stride_kp", "nhd", pool), **strides("stride_vp", "nhd", pool),
+                     head_size=head_size, row_size=heads * head_size, INTERPRETED=False,
+                     BLOCK=_block(heads * head_size))
 
 
 def write_kv(k, v, k_pool, v_pool, slot_mapping, backend="auto", *, check=True):

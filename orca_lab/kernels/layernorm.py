@@ -110,9 +110,31 @@ def layer_norm_triton(x, weight, bias, eps, residual=None):
     if x.numel():
         _layer_norm_kernel[(x.numel() // n_cols,)](
             x, res, weight, bias, y, total, n_cols, float(eps),
-            HAS_RESIDUAL=has_res, INTERPRETED=not x.is_cuda, BLOCK=min(next_pow2(n_cols), MAX_BLOCK),
+            HAS_RESIDUAL=has_res, INTERPRETED=not x.is_cuda, BLOCK=_block(n_cols),
         )
     return (y, total) if has_res else y
+
+
+def _block(n_cols: int) -> int:
+    """Columns per chunk: the whole row when it fits, else chunks of MAX_BLOCK; at least one per
+    thread of the default 4 warps (a smaller block would leave threads idle; the tail is masked)."""
+    return min(next_pow2(n_cols, 128), MAX_BLOCK)
+
+
+def aot_launches():
+    """Every launch ``layer_norm_triton`` can make on a GPU (``orca_lab.kernels.aot``): each chunk size
+    (rows of 1 to past MAX_BLOCK columns), with and without the residual, each float dtype. fp16
+    takes widths divisible by 16 and not; fp32 and bf16 the divisible ones (vectorized loads), which
+    stand for the rest: the dtype changes only the type loaded and stored."""
+    from orca_lab.kernels.aot import launch, meta
+    widths = sorted({w for b in range(15) for w in (1 << b, (1 << b) - 1, 3 << b)} - {0})
+    for dtype in FLOAT_DTYPES:
+        for n_cols in (w for w in widths if w <= 2 * MAX_BLOCK and (dtype == torch.float16 or w % 16 == 0)):
+            x = meta(4, n_cols, dtype=dtype)
+            for has_res in (False, True):
+                yield launch(_layer_norm_kernel, f"{n_cols} columns, residual={has_res}, {dtype}",
+                             x_ptr=x, res_ptr=x, w_ptr=x, b_ptr=x, y_ptr=x, sum_ptr=x, n_cols=n_cols,
+                             eps=1e-5, HAS_RESIDUAL=has_res, INTERPRETED=False, BLOCK=_block(n_cols))
 
 
 def layer_norm(x, weight, bias, eps=1e-5, residual=None, backend="auto", *, check=True):

@@ -4,18 +4,71 @@ from __future__ import annotations
 
 import math
 
-from orca_lab.config import PRESETS, check_choice, check_range
+from orca_lab.config import DTYPES, PRESETS, check_choice, check_range
 from orca_lab.sim.calibration import efficiency
-from orca_lab.sim.cost import DEVICES, Efficiency
+from orca_lab.sim.cost import DEVICES, PAPER_PARALLELISM, Efficiency
 from orca_lab.sim.run import Curve
 
 MODES = ("simulate", "measure")
+FIGURE_FORMATS = ("html", "png", "svg", "pdf")
 
 
-def check_mode(mode: str, preset: str, device: str):
+def check_mode(mode: str, preset: str, device: str) -> str:
+    """The device, resolved for the mode: simulate, a modelled GPU (``DEVICES``; "auto": the paper's
+    a100-40gb); measure, where the real engine runs ("cpu", "cuda", "cuda:N"; "auto": cuda if present)."""
     check_choice("mode", mode, MODES)
     check_choice("preset", preset, tuple(PRESETS))
-    check_choice("device", device, tuple(DEVICES))
+    if mode == "simulate":
+        return check_choice("device", "a100-40gb" if device == "auto" else device, tuple(DEVICES))
+    if device == "auto":
+        return "cuda" if _n_gpus() else "cpu"
+    if not isinstance(device, str) or device.split(":")[0] not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not allowed in measure mode: use 'auto', 'cpu', 'cuda' or "
+                         f"'cuda:N' (the simulated GPUs {', '.join(DEVICES)} are for mode='simulate')")
+    if device.startswith("cuda") and not _n_gpus():
+        raise ValueError(f"device={device!r} but this machine has no CUDA GPU: use 'cpu' or 'auto'")
+    return device
+
+
+def _n_gpus() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def scaled_parallelism(preset: str, n_gpus: int) -> tuple[int, int]:
+    """The paper's Table 1 (tensor parallel, pipeline stages) for ``preset``, halved (stages first)
+    until it fits ``n_gpus``; 1 x 1 on a CPU or for a model the table does not list."""
+    tp, pp = PAPER_PARALLELISM.get(preset, (1, 1)) if n_gpus else (1, 1)
+    while tp * pp > max(n_gpus, 1):
+        if pp > 1:
+            pp //= 2
+        else:
+            tp //= 2
+    return tp, pp
+
+
+def check_measure(preset: str, device: str, dtype: str, tensor_parallel, pipeline_parallel) -> dict:
+    """``RealBackend``'s settings from measure-mode parameters (``device`` from ``check_mode``):
+    dtype "auto" is bfloat16 on a GPU, float32 on a CPU; degrees left None follow the paper's Table 1
+    scaled to the GPUs present (``scaled_parallelism``)."""
+    on_gpu = device.startswith("cuda")
+    dtype = check_choice("dtype", ("bfloat16" if on_gpu else "float32") if dtype == "auto" else dtype,
+                         ("auto", *DTYPES))
+    tp, pp = scaled_parallelism(preset, _n_gpus() if on_gpu else 0)
+    tp = tp if tensor_parallel is None else check_range("tensor_parallel", tensor_parallel, 1, 1024)
+    pp = pp if pipeline_parallel is None else check_range("pipeline_parallel", pipeline_parallel, 1, 1024)
+    if on_gpu and tp * pp > _n_gpus():
+        raise ValueError(f"tensor_parallel x pipeline_parallel = {tp} x {pp} = {tp * pp} GPUs, but this "
+                         f"machine has {_n_gpus()}: lower them (or leave them None for the scaled Table 1)")
+    return dict(preset=preset, device=device, dtype=dtype, tensor_parallel=tp, pipeline_parallel=pp)
+
+
+def check_formats(formats) -> list[str]:
+    """Figure formats to export; PNG/SVG/PDF need a Chromium and are skipped, with a warning, without."""
+    formats = check_list("formats", formats, f"figure formats ({', '.join(FIGURE_FORMATS)})")
+    for f in formats:
+        check_choice("formats", f, FIGURE_FORMATS)
+    return formats
 
 
 def check_list(name: str, values, what: str) -> list:

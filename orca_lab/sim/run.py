@@ -28,7 +28,7 @@ from orca_lab.metrics import per_request
 from orca_lab.sim.calibration import efficiency
 from orca_lab.sim.cost import AnalyticalCost, Efficiency
 from orca_lab.sim.executor import SimExecutor
-from orca_lab.workload import homogeneous_trace, paper_trace, real_trace
+from orca_lab.workload import TraceItem, homogeneous_trace, paper_trace, real_trace
 
 # Fractions of a curve's capacity: points from light load to well past saturation, denser at the knee.
 DEFAULT_LOADS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 2.0, 3.0)
@@ -115,22 +115,55 @@ class SimBackend:
 
 
 class RealBackend:
-    """The real engine (``orca_lab.llm``) with ``preset``'s GPT, seeded random weights, on ``device``."""
+    """The real engine (``orca_lab.llm``) with ``preset``'s GPT, seeded random weights, on ``device``
+    over ``tensor_parallel x pipeline_parallel`` GPUs (worker processes when above 1).
+
+    Every shape is warmed up before it is timed: the first time a curve meets a trace of new lengths,
+    a short untimed copy of it runs first (its first ``max_bs`` requests, two tokens each: one prefill
+    and one decode iteration), so Triton's JIT and the first-call costs of the libraries stay out of
+    the timed run; the device is synchronized before the run's clock starts."""
 
     def __init__(self, preset: str = "tiny", seed: int = 0, n_slots: int = 16384, device: str = "cpu",
-                 dtype: str = "float32", block_size: int = 16, max_num_batched_tokens: int = 512):
-        self._engine = EngineConfig(n_slots=n_slots, device=device, dtype=dtype, block_size=block_size,
+                 dtype: str = "float32", tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                 block_size: int = 16, max_num_batched_tokens: int = 512):
+        self._engine = EngineConfig(n_slots=n_slots, device=device, dtype=dtype, tensor_parallel=tensor_parallel,
+                                    pipeline_parallel=pipeline_parallel, block_size=block_size,
                                     max_num_batched_tokens=max_num_batched_tokens)
         self.llm = LLM(preset, seed=seed, engine=self._engine)
         self.cfg, self.n_slots = self.llm.cfg, n_slots
+        self._warm: set = set()
 
     @property
     def name(self) -> str:
         return self.cfg.name
 
+    def describe(self) -> dict:
+        """What was measured, for a result's metadata."""
+        ec = self._engine
+        return {"preset": self.cfg.name, "device": ec.device, "dtype": ec.dtype, "n_slots": ec.n_slots,
+                "tensor_parallel": ec.tensor_parallel, "pipeline_parallel": ec.pipeline_parallel}
+
     def serve(self, curve: Curve, trace):
         llm = LLM(gpt=self.llm.model, engine=self._engine.replace(max_bs=curve.max_bs))
+        self.warm_up(llm, curve, trace)
+        _synchronize(self._engine.device)
         return llm.serve(trace, system=curve.system, mbs=curve.mbs)
+
+    def warm_up(self, llm, curve: Curve, trace):
+        """Run the first ``max_bs`` requests of ``trace`` for two tokens, once per curve and lengths."""
+        trace = list(trace)
+        key = (curve, tuple(len(t.prompt) for t in trace[:curve.max_bs]))
+        if key in self._warm or not trace:
+            return
+        self._warm.add(key)
+        short = [TraceItem(0.0, t.prompt, min(t.max_gen_tokens, 2)) for t in trace[:curve.max_bs]]
+        llm.serve(short, system=curve.system, mbs=curve.mbs)
+
+
+def _synchronize(device: str):
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.synchronize(device)
 
 
 # -- traces ---------------------------------------------------------------------------------------

@@ -1,4 +1,9 @@
-"""``export(fig, path)``: HTML always works; PNG/SVG/PDF go through kaleido and Debian's Chromium."""
+"""``export(fig, path)``: HTML always works; PNG/SVG/PDF go through kaleido and a Chromium.
+
+Most GPU cluster nodes have no Chromium and no root to install one. There a reproduction still ends
+with its tables and an HTML figure: the static formats are skipped with one warning per process that
+names them and says how to get them.
+"""
 from __future__ import annotations
 
 import os
@@ -7,14 +12,24 @@ import warnings
 from pathlib import Path
 
 FORMATS = ("html", "png", "svg", "pdf")
+BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+HOW_TO_GET = ("kaleido needs a Chromium: `apt-get install chromium` (Debian/Ubuntu, as root), or set "
+              "BROWSER_PATH to a Chrome or Chromium binary")
 _server_started = False
+_warned = False
+
+
+class ExportSkipped(UserWarning):
+    """Static formats were not written (no usable Chromium); the HTML was."""
 
 
 def export(fig, path, formats=None) -> list[Path]:
     """Write ``fig`` to ``path`` (its suffix picks the format), or to ``path`` + each of ``formats``.
+    Returns the files written.
 
     Static formats need a Chromium: kaleido finds ``/usr/bin/chromium`` (``apt-get install chromium``)
-    or ``$BROWSER_PATH``. Without one, the HTML is still written and a RuntimeError says what to install.
+    or ``$BROWSER_PATH``. Without one (or when it fails to start), the static formats are skipped with
+    an ``ExportSkipped`` warning, once per process, and the HTML is written even if not asked for.
     """
     path = Path(path)
     targets = [path.with_suffix("." + f) for f in formats] if formats else [path]
@@ -22,29 +37,49 @@ def export(fig, path, formats=None) -> list[Path]:
         fmt = t.suffix.lstrip(".").lower()
         if fmt not in FORMATS:
             raise ValueError(f"format {fmt!r} of {t} is not allowed: choose one of {FORMATS}")
-    t_html = [t for t in targets if t.suffix == ".html"]
-    t_static = [t for t in targets if t.suffix != ".html"]
+    static = [t for t in targets if t.suffix.lower() != ".html"]
+    html = [t for t in targets if t not in static]
     for t in targets:
         t.parent.mkdir(parents=True, exist_ok=True)
-    for t in t_html:
+    problem = _static_export(fig, static) if static else None
+    if problem:
+        html = html or [path.with_suffix(".html")]
+        _warn_once(static, html[0], problem)
+    for t in html:
         fig.write_html(t, include_plotlyjs=True)   # self-contained: reports open offline
-    if t_static:
-        _ensure_browser(path)
+    return html + ([] if problem else static)
+
+
+def browser() -> str | None:
+    """The Chromium kaleido will use, or None."""
+    found = os.environ.get("BROWSER_PATH") or next(filter(None, map(shutil.which, BROWSERS)), None)
+    return found if found and os.access(found, os.X_OK) else None
+
+
+def _static_export(fig, targets) -> str | None:
+    """Write ``targets`` through kaleido; None, or why they could not be written."""
+    global _server_started
+    if browser() is None:
+        return "no Chromium found"
+    try:
+        if not _server_started:   # one Chromium for all images: ~0.25 s an image instead of ~3 s
+            import kaleido
+            kaleido.start_sync_server(silence_warnings=True)
+            _server_started = True
         with warnings.catch_warnings():   # plotly passes options the shared server does not need
             warnings.filterwarnings("ignore", message="The kopts argument is ignored")
-            for t in t_static:
+            for t in targets:
                 fig.write_image(t)
-    return targets
+    except Exception as e:   # a Chromium that does not start (sandbox, libraries): degrade, say why
+        return f"Chromium failed: {type(e).__name__}: {str(e).strip()[:300]}"
+    return None
 
 
-def _ensure_browser(path: Path):
-    global _server_started
-    if not (os.environ.get("BROWSER_PATH") or shutil.which("chromium") or shutil.which("chromium-browser")
-            or shutil.which("google-chrome")):
-        html = path.with_suffix(".html")
-        raise RuntimeError(f"PNG/SVG/PDF export needs a Chromium for kaleido: run `apt-get install chromium` "
-                           f"(or set BROWSER_PATH). The HTML version can be written with export(fig, '{html}').")
-    if not _server_started:   # one Chromium for all images: ~0.25 s an image instead of ~3 s
-        import kaleido
-        kaleido.start_sync_server(silence_warnings=True)
-        _server_started = True
+def _warn_once(skipped, html: Path, problem: str):
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    kinds = sorted({t.suffix.lstrip(".").upper() for t in skipped})
+    warnings.warn(f"{'/'.join(kinds)} export skipped ({problem}): {', '.join(t.name for t in skipped)} not "
+                  f"written; the HTML is, at {html}. To get them: {HOW_TO_GET}.", ExportSkipped, stacklevel=3)

@@ -1,0 +1,221 @@
+"""Ahead-of-time compilation of every kernel for GPUs this machine need not have.
+
+    TRITON_INTERPRET=0 python -m orca_lab.kernels.aot [--targets 80 90] [--jobs 2] [--modules ...]
+
+Triton's interpreter runs the kernels on a CPU, but it accepts code the GPU compiler refuses (a
+``tl.dot`` with an inner dimension below 16) and says nothing of shared memory. Triton's compiler and
+``ptxas`` ship in the wheel, so each kernel can be compiled to a cubin for an A100 (sm_80) or an H100
+(sm_90) without either, and its shared memory compared with the device's limit per block.
+
+**How a kernel module declares its launches.** Every module of ``orca_lab.kernels`` that holds a
+launched ``@triton.jit`` kernel defines ``aot_launches()``, yielding one ``launch(kernel, what, **args)``
+per way its wrapper can launch it on a GPU: the constexprs from the same block-size helpers the
+wrapper calls, over every size class it accepts (head sizes 1 to 256, odd ones included, each float
+dtype, decode and prefill shapes...), and example arguments: meta tensors (shape, strides and dtype,
+no memory) and the ints and floats the wrapper passes. ``launch`` types them as Triton's launcher
+does (pointer dtypes, 16-divisibility, an int equal to 1 turned into a constant), so what is compiled
+is what a launch would compile; launches that compile the same are kept once. A ``@triton.jit`` that
+no other one calls is a launched kernel: ``check_coverage`` refuses one that no ``aot_launches``
+declares, so a kernel added later cannot slip past the check.
+
+Run this module in a process with ``TRITON_INTERPRET=0`` (interpreted kernels cannot be compiled).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import pkgutil
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+# Shared memory one block may use (the opt-in maximum, cudaDevAttrMaxSharedMemoryPerBlockOptin), from
+# the CUDA C++ Programming Guide's table of compute capabilities: A100 (sm_80) 163 KB, H100 (sm_90)
+# 227 KB; A10/RTX 30xx (sm_86) and L4/RTX 40xx (sm_89) 99 KB. The check defaults to the paper's
+# and today's datacenter GPUs; ``--targets 86 89`` asks about the others.
+SHARED_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+DEVICES = {80: "A100 (sm_80)", 86: "A10 / RTX 30xx (sm_86)", 89: "L4 / RTX 40xx (sm_89)", 90: "H100 (sm_90)"}
+DEFAULT_TARGETS = (80, 90)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One compile: a kernel with its argument types, constexprs and divisibility hints."""
+    kernel: object                      # a triton JITFunction
+    what: str                           # for people: which wrapper case this is
+    signature: dict = field(hash=False)
+    constexprs: dict = field(hash=False)
+    attrs: dict = field(hash=False)
+
+    @property
+    def name(self) -> str:
+        return f"{self.kernel.fn.__module__}.{self.kernel.fn.__name__}"
+
+    @property
+    def key(self) -> tuple:
+        """Two launches with equal keys compile to the same cubin."""
+        return (self.name, tuple(self.signature.items()), tuple((k, str(v)) for k, v in self.constexprs.items()),
+                tuple(sorted(self.attrs)))
+
+
+def meta(*shape, dtype=torch.float32) -> torch.Tensor:
+    """An example tensor argument: shape, strides and dtype, no memory."""
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def strides(prefix: str, letters: str, t: torch.Tensor) -> dict:
+    """``{prefix + letter: stride}`` for each dimension of ``t``: ``strides("stride_q", "thd", q)``."""
+    return {prefix + c: s for c, s in zip(letters, t.stride(), strict=True)}
+
+
+def launch(kernel, what: str, **args) -> Launch:
+    """``kernel`` launched with ``args`` (every parameter by name), typed as Triton's launcher types it."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    missing = [p.name for p in kernel.params if p.name not in args]
+    extra = sorted(set(args) - {p.name for p in kernel.params})
+    if missing or extra:
+        raise TypeError(f"launch of {kernel.fn.__name__}: missing arguments {missing}, unknown {extra}")
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(kernel.params):
+        value = args[p.name]
+        if p.is_constexpr:
+            signature[p.name], constexprs[p.name] = "constexpr", value
+            continue
+        ty, spec = native_specialize_impl(CUDABackend, value, p.is_const, not p.do_not_specialize,
+                                          not p.do_not_specialize_on_alignment)
+        signature[p.name] = ty
+        if ty == "constexpr":          # an int equal to 1 becomes a constant, as at a real launch
+            constexprs[p.name] = spec
+        elif isinstance(spec, str) and CUDABackend.parse_attr(spec):
+            attrs[(i,)] = CUDABackend.parse_attr(spec)
+    return Launch(kernel, what, signature, constexprs, attrs)
+
+
+# ------------------------------------------------------------------------------------ discovery
+def kernel_modules(names=None) -> list:
+    """The modules to check: ``names``, or every module of ``orca_lab.kernels``."""
+    if names:
+        return [importlib.import_module(n) for n in names]
+    import orca_lab.kernels as pkg
+    return [importlib.import_module(f"{pkg.__name__}.{m.name}") for m in pkgutil.iter_modules(pkg.__path__)]
+
+
+def jit_functions(module) -> dict:
+    """The ``@triton.jit`` functions defined in ``module`` (not imported into it), by name."""
+    from triton.runtime.jit import JITFunction
+    return {name: f for name, f in vars(module).items()
+            if isinstance(f, JITFunction) and f.fn.__module__ == module.__name__}
+
+
+def launched_kernels(modules) -> dict:
+    """Every ``@triton.jit`` that no other one calls, by qualified name: those a wrapper launches."""
+    fns = {f"{m.__name__}.{n}": f for m in modules for n, f in jit_functions(m).items()}
+    called = {n for n, f in fns.items() for g in fns.values()
+              if g is not f and re.search(rf"\b{re.escape(f.fn.__name__)}\s*\(", g.src)}
+    return {n: f for n, f in fns.items() if n not in called}
+
+
+def declared_launches(modules) -> list[Launch]:
+    """Every module's ``aot_launches()``, each distinct compile once (first description kept)."""
+    unique = {}
+    for m in modules:
+        for lc in getattr(m, "aot_launches", lambda: ())():
+            unique.setdefault(lc.key, lc)
+    return list(unique.values())
+
+
+def check_coverage(modules, launches) -> None:
+    """Refuse a launched kernel that no ``aot_launches`` declares."""
+    covered = {lc.name for lc in launches}
+    bare = sorted(set(launched_kernels(modules)) - covered)
+    if bare:
+        raise LookupError(f"kernels without declared launches: {', '.join(bare)}; their modules must "
+                          "define aot_launches() (see orca_lab/kernels/aot.py)")
+
+
+# -------------------------------------------------------------------------------------- compile
+def compile_launch(lc: Launch, arch: int) -> dict:
+    """Compile ``lc`` to a cubin for ``sm_<arch>``; its shared memory against the device's limit."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    row = {"kernel": lc.name, "what": lc.what, "arch": arch, "device": DEVICES.get(arch, f"sm_{arch}"),
+           "constexprs": {k: str(v) for k, v in lc.constexprs.items()}, "signature": lc.signature,
+           "divisible_by_16": [lc.kernel.arg_names[i] for (i,) in sorted(lc.attrs)]}
+    t0 = time.perf_counter()
+    try:
+        compiled = triton.compile(ASTSource(lc.kernel, lc.signature, lc.constexprs, lc.attrs),
+                                  target=GPUTarget("cuda", arch, 32))
+    except Exception as e:  # the compiler's own message says what is wrong with the kernel
+        return {**row, "error": f"{type(e).__name__}: {str(e).strip()[-1500:]}"}
+    md = compiled.metadata
+    limit = SHARED_LIMITS.get(arch)
+    row.update(shared=md.shared, shared_limit=limit, num_warps=md.num_warps, num_stages=md.num_stages,
+               cubin_bytes=len(compiled.asm["cubin"]), seconds=round(time.perf_counter() - t0, 3))
+    if limit is not None and md.shared > limit:
+        row["error"] = f"needs {md.shared} bytes of shared memory, {row['device']} allows {limit} per block"
+    return row
+
+
+_JOBS: list = []
+
+
+def _compile_job(i: int) -> dict:
+    return compile_launch(*_JOBS[i])
+
+
+def compile_all(launches, archs, jobs: int = 1) -> list[dict]:
+    """Every launch for every arch, in ``jobs`` forked processes (no GPU here, so forking is safe)."""
+    _JOBS[:] = [(lc, arch) for arch in archs for lc in launches]
+    if jobs <= 1 or len(_JOBS) < 2:
+        return [_compile_job(i) for i in range(len(_JOBS))]
+    import multiprocessing as mp
+    with mp.get_context("fork").Pool(jobs) as pool:
+        return pool.map(_compile_job, range(len(_JOBS)), chunksize=1)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--targets", type=int, nargs="+", default=list(DEFAULT_TARGETS),
+                   help="compute capabilities, e.g. 80 90")
+    p.add_argument("--modules", nargs="+", help="kernel modules (default: all of orca_lab.kernels)")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compiling processes")
+    p.add_argument("--json", help="write every compile's row here")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        p.error("TRITON_INTERPRET is on: interpreted kernels cannot be compiled; run with TRITON_INTERPRET=0")
+    t0 = time.perf_counter()
+    modules = kernel_modules(args.modules)
+    launches = declared_launches(modules)
+    try:
+        check_coverage(modules, launches)
+    except LookupError as e:
+        print(f"error: {e}")
+        return 2
+    rows = compile_all(launches, args.targets, args.jobs)
+    failed = [r for r in rows if "error" in r]
+    for arch in args.targets:
+        ok = [r for r in rows if r["arch"] == arch and "error" not in r]
+        worst = max(ok, key=lambda r: r["shared"], default=None)
+        peak = f"; most shared memory {worst['shared']} B ({worst['kernel']}, {worst['what']})" if worst else ""
+        print(f"{DEVICES.get(arch, arch)}: {len(ok)} of {len(launches)} launches compiled{peak}")
+    for r in failed:
+        print(f"FAILED {r['kernel']} [{r['what']}] for {r['device']}: {r['error']}")
+    print(f"{len(launches)} distinct launches of {len(launched_kernels(modules))} kernels, {len(rows)} compiles "
+          f"in {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""The steps of ``scripts/gpu_check.sh`` that are Python: the record of the machine, the workers
+check, and Figure 9 measured beside the simulator's prediction for the same GPU.
+
+    python scripts/gpu_check.py slug                      # the device's directory name, e.g. h100_80gb_hbm3
+    python scripts/gpu_check.py environment OUT "COMMAND"
+    python scripts/gpu_check.py workers OUT
+    python scripts/gpu_check.py fig9-compare MEASURED_CSV SIMULATED_CSV OUT
+    python scripts/gpu_check.py sim-device                # the simulator's model of this GPU, or "none"
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def slug(name: str) -> str:
+    """A directory name for a device: 'NVIDIA H100 80GB HBM3' -> 'h100_80gb_hbm3'."""
+    s = re.sub(r"[^a-z0-9]+", "_", name.lower().replace("nvidia", "")).strip("_")
+    return s or "unknown"
+
+
+def sim_device(name: str) -> str | None:
+    """The simulator's model (``orca_lab.sim.cost.DEVICES``) of a CUDA device name, if it has one."""
+    n = name.lower()
+    for key, pattern in (("h200", "h200"), ("h100", "h100"), ("a100-40gb", "a100")):
+        if pattern in n:
+            return key
+    return None
+
+
+def environment(out: Path, command: str) -> dict:
+    """Device, driver, library versions, the command and the commit: ``environment.json``."""
+    import torch
+    import triton
+    from orca_lab.environment import environment as env
+    record = {**env(), "command": command, "torch_cuda": torch.version.cuda, "triton": triton.__version__,
+              "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+              "commit": _run(["git", "rev-parse", "HEAD"]), "dirty": bool(_run(["git", "status", "--porcelain"])),
+              "nvidia_smi": _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                                  "--format=csv,noheader"])}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "environment.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
+def _run(cmd) -> str | None:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def workers(out: Path) -> dict:
+    """``executor="workers"`` on one GPU (a worker process, NCCL) gives the in-process engine's tokens;
+    so does tensor parallelism over two GPUs where there are two."""
+    import torch
+    from orca_lab import LLM, EngineConfig
+    from orca_lab.workload import paper_trace
+    base = EngineConfig(max_bs=8, n_slots=8192, device="cuda", dtype="float32")
+    local = LLM("gpt2", seed=0, engine=base)
+    trace = paper_trace(12, rate=None, seed=0, scale=0.2, vocab_size=local.cfg.vocab_size)
+    expected = [list(r.output) for r in local.serve(trace).requests]
+    runs = [dict(executor="workers", tensor_parallel=1, pipeline_parallel=1)]
+    if torch.cuda.device_count() >= 2:
+        runs.append(dict(executor="workers", tensor_parallel=2, pipeline_parallel=1))
+    rows = []
+    for r in runs:
+        t = time.perf_counter()
+        llm = LLM(gpt=local.model, engine=base.replace(**r))
+        got = [list(q.output) for q in llm.serve(trace).requests]
+        rows.append({**r, "requests": len(got), "equal_to_in_process": sum(a == b for a, b in zip(got, expected)),
+                     "seconds": round(time.perf_counter() - t, 2)})
+        print(rows[-1])
+    (out / "workers.json").write_text(json.dumps({"model": "gpt2", "dtype": "float32", "rows": rows}, indent=1))
+    return {"ok": all(r["equal_to_in_process"] == r["requests"] for r in rows), "rows": rows}
+
+
+def fig9_compare(measured_csv: Path, simulated_csv: Path, out: Path):
+    """Measured and simulated time per batch side by side: ``fig9_vs_sim.csv`` and a printed table."""
+    import pandas as pd
+    keys = ["system", "input_len", "batch_size"]
+    m = pd.read_csv(measured_csv)[keys + ["time_ms", "oom"]].rename(columns={"time_ms": "measured_ms", "oom": "measured_oom"})
+    s = pd.read_csv(simulated_csv)[keys + ["time_ms", "oom"]].rename(columns={"time_ms": "simulated_ms", "oom": "simulated_oom"})
+    df = m.merge(s, on=keys, how="outer").sort_values(keys)
+    df["simulated_over_measured"] = df["simulated_ms"] / df["measured_ms"]
+    df.to_csv(out, index=False)
+    print(df.round(3).to_string(index=False))
+    return df
+
+
+def main(argv) -> int:
+    cmd, *args = argv or ["help"]
+    if cmd == "slug":
+        import torch
+        print(slug(torch.cuda.get_device_name(0)))
+    elif cmd == "sim-device":
+        import torch
+        print(sim_device(torch.cuda.get_device_name(0)) or "none")
+    elif cmd == "environment":
+        environment(Path(args[0]), args[1])
+    elif cmd == "workers":
+        return 0 if workers(Path(args[0]))["ok"] else 1
+    elif cmd == "fig9-compare":
+        fig9_compare(Path(args[0]), Path(args[1]), Path(args[2]))
+    else:
+        print(__doc__)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

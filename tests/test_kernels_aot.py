@@ -1,0 +1,109 @@
+"""Every Triton kernel compiles for an A100 (sm_80) and an H100 (sm_90), on a machine with neither.
+
+The kernel tests run here in Triton's interpreter, which accepts code the GPU compiler refuses and
+knows nothing of shared memory. ``python -m orca_lab.kernels.aot`` compiles every launch the
+wrappers can make (each kernel module declares them in ``aot_launches()``) to a cubin and compares
+its shared memory with the device's limit per block. It runs in a subprocess with
+``TRITON_INTERPRET=0``: interpreted kernels cannot be compiled. Triton's on-disk cache makes a second
+run on the same machine fast.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+from orca_lab.kernels.aot import DEFAULT_TARGETS, SHARED_LIMITS  # noqa: E402
+from orca_lab.kernels.attention import MAX_HEAD_SIZE, _block_sizes  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).resolve().parent / "aot_fixtures"
+KERNELS = {"orca_lab.kernels.attention._ragged_attention_kernel", "orca_lab.kernels.kv_write._write_kv_kernel",
+           "orca_lab.kernels.layernorm._layer_norm_kernel", "orca_lab.kernels.gelu._bias_gelu_kernel"}
+
+
+def run(args, interpret="0", timeout=900):
+    env = {**os.environ, "TRITON_INTERPRET": interpret, "TRITON_DEFAULT_FP_FUSION": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(FIXTURES), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("aot") / "aot.json"
+    proc = run(["-m", "orca_lab.kernels.aot", "--json", str(out)])
+    return proc, (json.loads(out.read_text()) if out.exists() else [])
+
+
+def test_every_kernel_compiles_for_a100_and_h100_within_shared_memory(compiled):
+    proc, rows = compiled
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert {r["kernel"] for r in rows} >= KERNELS
+    assert {r["arch"] for r in rows} == set(DEFAULT_TARGETS) == {80, 90}
+    for r in rows:
+        assert "error" not in r and r["cubin_bytes"] > 0, r
+        assert 0 <= r["shared"] <= SHARED_LIMITS[r["arch"]], r
+    # the same launches for both GPUs
+    per_arch = [sorted((r["kernel"], r["what"]) for r in rows if r["arch"] == a) for a in (80, 90)]
+    assert per_arch[0] == per_arch[1]
+    attention = [r for r in rows if r["kernel"].endswith("_ragged_attention_kernel")]
+    assert max(r["shared"] for r in attention) > 0     # its dots stage tiles in shared memory
+
+
+def test_every_attention_block_configuration_is_compiled(compiled):
+    """What the wrapper can pick on a GPU (head sizes 1 to 256, decode and prefill), each dtype."""
+    _, rows = compiled
+    chosen = {_block_sizes(q_len, d, on_gpu=True) for d in range(1, MAX_HEAD_SIZE + 1) for q_len in (1, 16, 17, 4096)}
+    for dtype in ("fp32", "fp16", "bf16"):
+        seen = {(int(c["BLOCK_M"]), int(c["BLOCK_N"]), int(c["BLOCK_D"])) for r in rows
+                if r["kernel"].endswith("_ragged_attention_kernel") and r["what"].endswith(_torch_name(dtype))
+                for c in [r["constexprs"]]}
+        assert seen == chosen, dtype
+
+
+def _torch_name(dtype):
+    return {"fp32": "torch.float32", "fp16": "torch.float16", "bf16": "torch.bfloat16"}[dtype]
+
+
+def test_a_dot_with_inner_dimension_8_fails_the_check_but_runs_in_the_interpreter():
+    """The interpreter's tests would pass this kernel; the GPU compiler refuses it, and so does the check."""
+    proc = run(["-m", "orca_lab.kernels.aot", "--modules", "broken_kernels", "--jobs", "1"])
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.count("FAILED broken_kernels._dot_k8") == 2            # sm_80 and sm_90
+    assert "K >= 16" in proc.stdout
+    interp = run(["-c", "import broken_kernels as b; print(b.interpreted_error())"], interpret="1")
+    assert interp.returncode == 0, interp.stderr[-3000:]
+    assert float(interp.stdout.split()[-1]) < 1e-2                             # and gets a @ b right
+
+
+def test_a_kernel_without_declared_launches_is_refused():
+    """A kernel added later without ``aot_launches()`` cannot slip past the check; its helper (called
+    by another @triton.jit) is not a launched kernel and needs none."""
+    proc = run(["-m", "orca_lab.kernels.aot", "--modules", "undeclared_kernels", "--jobs", "1"])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "undeclared_kernels._undeclared_kernel" in proc.stdout and "_scaled" not in proc.stdout
+
+
+def test_the_check_refuses_to_run_interpreted():
+    proc = run(["-m", "orca_lab.kernels.aot", "--modules", "broken_kernels"], interpret="1")
+    assert proc.returncode == 2 and "TRITON_INTERPRET=0" in proc.stderr
+
+
+def test_launches_are_typed_as_the_launcher_types_them(compiled):
+    """Pointers by dtype, 16-divisible ints and pointers marked, an int equal to 1 made a constant:
+    what a launch on a GPU would compile, not a looser or stricter variant."""
+    _, rows = compiled
+    attention = [r for r in rows if r["arch"] == 80 and r["kernel"].endswith("_ragged_attention_kernel")]
+    aligned = next(r for r in attention if r["what"].endswith("bfloat16") and r["constexprs"]["BLOCK_D"] == "128"
+                   and r["signature"]["head_size"] == "i32")      # head size 112 or 128, say
+    odd = next(r for r in attention if r["what"].endswith("float16") and r["signature"]["head_size"] == "i32"
+               and "head_size" not in r["divisible_by_16"])
+    assert aligned["signature"]["q_ptr"] == "*bf16" and odd["signature"]["slot_ptr"] == "*i64"
+    assert aligned["signature"]["stride_qd"] == "constexpr" and aligned["constexprs"]["stride_qd"] == "1"
+    assert {"q_ptr", "head_size", "stride_qh"} <= set(aligned["divisible_by_16"])
+    assert "q_ptr" in odd["divisible_by_16"] and not {"head_size", "stride_qh"} & set(odd["divisible_by_16"])
