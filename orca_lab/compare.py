@@ -48,7 +48,7 @@ class Comparison:
 
 
 def trace_at(rate, n: int, seed: int, scale: float, vocab_size: int):
-    """The same requests (lengths, tokens) at every rate: only the arrival times scale with it."""
+    """The same requests at every rate (the same lengths offline): only the arrival times scale with it."""
     return paper_trace(n, rate, seed, scale=scale, vocab_size=vocab_size)
 
 
