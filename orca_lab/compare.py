@@ -14,7 +14,7 @@ from orca_lab.metrics import summarize
 from orca_lab.workload import paper_trace
 
 SYSTEMS = ("orca", "ft")
-BASELINE_LOADS = (0.4, 1.0, 2.0)   # fractions of the baseline's capacity: light, at it, past it
+BASELINE_LOADS = (0.4, 1.0, 2.5)   # fractions of the baseline's capacity: light, at it, well past it
 ORCA_LOAD = 0.8                    # one more point at this fraction of ORCA's capacity, when beyond them
 COLUMNS = ["load", "throughput_rps", "throughput_tok_s", "median_norm_latency_ms", "p90_norm_latency_ms",
            "median_ttft_ms", "tokens_per_iteration", "wasted_rows_per_iteration"]
