@@ -2,8 +2,9 @@
 
 ``fig.show()`` emits only plotly's own MIME type, which JupyterLab draws and a static render
 (nbconvert HTML, a repository's notebook viewer) leaves blank. ``show`` puts the interactive figure
-and a static picture in one MIME bundle: JupyterLab still draws the interactive one, a static
-renderer takes the PNG. The PNG comes from ``export`` (kaleido and a Chromium); where no Chromium is
+and a static picture in one MIME bundle. A static renderer takes the PNG; in JupyterLab, plotly's
+renderer shows the PNG too and swaps in the interactive figure as soon as the pointer enters it (as
+it does for a notebook saved from JupyterLab). The PNG comes from ``export`` (kaleido and a Chromium); where no Chromium is
 installed, a self-contained HTML version stands in for it.
 """
 from __future__ import annotations
