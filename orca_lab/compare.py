@@ -5,6 +5,7 @@ or faster machine moves the rates, not the picture.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -55,8 +56,11 @@ def trace_at(rate, n: int, seed: int, scale: float, vocab_size: int):
 def warm_up(llm, trace, systems=SYSTEMS):
     """Run each system once on the trace's first batch, two tokens each, before anything is timed: the
     first call of each shape pays for allocations and, on a GPU, for Triton's compilation."""
-    batch = [dataclasses.replace(it, arrival=0.0, max_gen_tokens=min(2, it.max_gen_tokens))
-             for it in trace[:llm.engine_config.max_bs]]
+    first = list(trace[:llm.engine_config.max_bs])
+    longest = max(trace, key=lambda it: len(it.prompt))
+    if longest not in first:           # the longest prompt too: the largest prefill shape
+        first[-1] = longest
+    batch = [dataclasses.replace(it, arrival=0.0, max_gen_tokens=min(2, it.max_gen_tokens)) for it in first]
     for system in systems:
         llm.serve(batch, system=system)
 
@@ -79,6 +83,13 @@ def compare(llm, n_requests: int = 32, seed: int = 0, scale: float = 0.25, rates
             probe_requests: int = 16, progress: bool = True) -> Comparison:
     """Warm up, probe each system's capacity (unless ``rates`` are given), then serve the trace at each
     rate with each system. ``load`` in the table is the rate over the baseline's probed capacity."""
+    from orca_lab.engine.parallel import WorkerPool, uses_workers
+    with WorkerPool(llm) if uses_workers(llm.engine_config) else contextlib.nullcontext():
+        return _compare(llm, n_requests, seed, scale, rates, probe_requests, progress)
+
+
+def _compare(llm, n_requests, seed, scale, rates, probe_requests, progress) -> Comparison:
+    """``compare`` once the worker processes, if any, are up: every run shares them."""
     from tqdm.auto import tqdm
     vocab = llm.cfg.vocab_size
     offline = trace_at(None, n_requests, seed, scale, vocab)
