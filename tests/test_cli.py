@@ -16,8 +16,10 @@ def test_compare_prints_a_table_and_writes_json_and_html(tmp_path, capsys):
     report = json.loads((tmp_path / "compare.json").read_text())
     rows = {r["system"]: r for r in report["summary"]}
     assert set(rows) == {"orca", "ft"} and all(r["rate"] == 50 for r in rows.values())
-    assert rows["orca"]["wasted_rows_per_iteration"] == 0 < rows["ft"]["wasted_rows_per_iteration"]
+    assert rows["orca"]["wasted_rows_per_iteration"] == 0
     ft = next(run for run in report["runs"] if run["system"] == "ft")
+    held = [sum(q for q, ph in zip(it["q_lens"], it["phases"]) if ph == "held") for it in ft["iterations"]]
+    assert rows["ft"]["wasted_rows_per_iteration"] == pytest.approx(sum(held) / len(held))   # held rows, apart
     assert all(r["t_first_token"] == r["t_finish"] for r in ft["requests"])
     assert report["environment"]["torch"] and (tmp_path / "compare.html").stat().st_size > 10_000
 
@@ -45,3 +47,23 @@ def test_compare_refuses_bad_input_with_a_message(capsys):
     with pytest.raises(SystemExit) as e:
         main(["compare", "--tp", "0"])
     assert e.value.code == 2 and "tp=0 is out of range" in capsys.readouterr().err
+
+
+def test_the_baseline_delivers_at_batch_end_and_its_held_rows_are_not_useful_tokens():
+    """ft: request A (1 token) is held while B (5 tokens) runs; both reach the client when the batch
+    ends. Useful tokens per iteration are the same for both systems; only ft computes held rows."""
+    from orca_lab import LLM, EngineConfig
+    from orca_lab.metrics import summarize
+    from orca_lab.workload import TraceItem
+
+    llm = LLM("tiny", engine=EngineConfig(max_bs=4, n_slots=4096))
+    trace = [TraceItem(0.0, (1, 2, 3), 1), TraceItem(0.0, (4, 5, 6), 5)]
+    runs = {s: llm.serve(trace, system=s) for s in ("orca", "ft")}
+    rows = {s: summarize(r) for s, r in runs.items()}
+    assert rows["orca"]["tokens_per_iteration"] == rows["ft"]["tokens_per_iteration"] == (6 + 4) / 5
+    assert rows["orca"]["wasted_rows_per_iteration"] == 0 and rows["ft"]["wasted_rows_per_iteration"] == 4 / 5
+    ft_a, ft_b = runs["ft"].requests
+    assert ft_a.t_first_token == ft_a.t_finish == ft_b.t_first_token == ft_b.t_finish
+    orca_a, orca_b = runs["orca"].requests
+    assert orca_a.t_first_token == orca_a.t_finish < orca_b.t_finish and orca_b.t_first_token < orca_b.t_finish
+    assert [r.output for r in runs["ft"].requests] == [r.output for r in runs["orca"].requests]
