@@ -1,4 +1,4 @@
-"""Plotly figures that read a RunResult or a sweep table, widgets, and export (docs/design.md, layer 8)."""
+"""Plotly figures that read a RunResult or a sweep table, widgets, and export (docs/design.md, layer 7)."""
 from orca_lab.viz.animation import Frame, ScheduleAnimation, ScheduleFrames, animate
 from orca_lab.viz.export import export
 from orca_lab.viz.figures import compare_figure
