@@ -6,39 +6,44 @@ import json
 import sys
 from pathlib import Path
 
-from orca_lab.config import PRESETS, EngineConfig
+from orca_lab.config import PRESETS, EngineConfig, check_range
 from orca_lab.environment import environment
 
 
 def compare(args) -> dict:
-    """Serve one paper-shaped trace with ORCA and with the request-level baseline; same model."""
+    """Serve one paper-shaped trace with ORCA and with the request-level baseline, same model, at loads
+    from light to past the baseline's capacity (or at ``--rate`` only)."""
+    from orca_lab.compare import COLUMNS, compare as run_comparison
     from orca_lab.llm import LLM
-    from orca_lab.metrics import compare_table
     from orca_lab.viz import compare_figure, export
-    from orca_lab.workload import paper_trace
 
     import torch
     torch.set_num_threads(args.threads)   # this process is ours; small ops stall with 2+ threads on a busy CPU
-    engine = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots)
-    llm = LLM(args.model, seed=args.seed, engine=engine)
-    trace = paper_trace(args.n_requests, rate=args.rate, seed=args.seed, scale=args.scale,
-                        vocab_size=llm.cfg.vocab_size)
-    print(f"model {args.model}, {args.n_requests} requests at {args.rate} req/s (lengths x{args.scale}), "
-          f"max_bs {args.max_bs}, n_slots {args.n_slots}", file=sys.stderr)
-    results = [llm.serve(trace, system=s, progress=True) for s in ("orca", "ft")]
-    table = compare_table(results)
-    cols = ["throughput_rps", "throughput_tok_s", "median_norm_latency_ms", "median_ttft_ms",
-            "p90_norm_latency_ms", "tokens_per_iteration", "n_iterations"]
-    print(table[cols].to_string(float_format=lambda v: f"{v:,.2f}"))
-    ratio = table.loc["orca", "throughput_rps"] / table.loc["ft", "throughput_rps"]
-    print(f"\nORCA / baseline throughput: {ratio:.2f}x; median normalized latency "
-          f"{table.loc['orca', 'median_norm_latency_ms']:.1f} vs {table.loc['ft', 'median_norm_latency_ms']:.1f} ms/token")
+    engine = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots, device=args.device, dtype=args.dtype,
+                          tensor_parallel=args.tp, pipeline_parallel=args.pp)
+    llm = LLM.from_pretrained(args.checkpoint, engine=engine) if args.checkpoint else \
+        LLM(args.model, seed=args.seed, engine=engine)
+    print(f"model {llm.cfg.name} on {args.device} ({args.dtype}, tp {args.tp} x pp {args.pp}), "
+          f"{args.n_requests} requests (lengths x{args.scale}), max_bs {args.max_bs}, n_slots {args.n_slots}, "
+          + (f"at {args.rate} req/s" if args.rate else "loads from a capacity probe"), file=sys.stderr)
+    cmp = run_comparison(llm, args.n_requests, args.seed, args.scale, [args.rate] if args.rate else None,
+                         args.probe_requests)
+    table = cmp.table.assign(rate=cmp.table["rate"].round(2)).set_index(["system", "rate"])
+    if cmp.capacity_rps:
+        print("capacity (offline probe): " + ", ".join(f"{s} {c:.2f} req/s" for s, c in cmp.capacity_rps.items())
+              + "; load = rate / the baseline's capacity")
+    print(table[COLUMNS].to_string(float_format=lambda v: f"{v:,.2f}"))
+    print("\n" + cmp.verdict())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"args": vars(args), "environment": environment(), "summary": table.reset_index().to_dict("records"),
-              "runs": [r.to_json() for r in results]}
+    at = cmp.past_capacity_rate()
+    report = {"args": vars(args), "environment": environment(), "capacity_rps": cmp.capacity_rps,
+              "summary": cmp.table.to_dict("records"),
+              "runs": [{"rate": rate, **r.to_json()} for (_, rate), r in cmp.runs.items()]}
     (out / "compare.json").write_text(json.dumps(report, indent=1, default=str))
-    export(compare_figure(results), out / "compare.html")
+    fig = compare_figure([cmp.runs[(s, at)] for s in ("orca", "ft")], curve=cmp.table,
+                         title=f"ORCA vs request-level batching (three right panels: {at:.2f} req/s offered)")
+    export(fig, out / "compare.html")
     print(f"wrote {out / 'compare.json'} and {out / 'compare.html'}")
     return report
 
@@ -46,11 +51,20 @@ def compare(args) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="orca-lab", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("compare", help="ORCA vs the request-level baseline on one trace")
+    c = sub.add_parser("compare", help="ORCA vs the request-level baseline on one trace, light load to past "
+                                       "the baseline's capacity")
     c.add_argument("--model", default="tiny", choices=list(PRESETS))
-    c.add_argument("--n-requests", type=int, default=64)
-    c.add_argument("--rate", type=float, default=12.0, help="Poisson arrival rate, req/s")
-    c.add_argument("--scale", type=float, default=0.5, help="multiplies the paper's lengths")
+    c.add_argument("--checkpoint", default=None, help="a local GPT-2 directory (Hugging Face layout) "
+                                                      "instead of --model's random weights")
+    c.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    c.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    c.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (worker processes)")
+    c.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (the paper's n_workers)")
+    c.add_argument("--n-requests", type=int, default=32, help="requests served at each load")
+    c.add_argument("--rate", type=float, default=None,
+                   help="one Poisson arrival rate, req/s (default: loads set from a capacity probe)")
+    c.add_argument("--probe-requests", type=int, default=16, help="requests of the offline capacity probe")
+    c.add_argument("--scale", type=float, default=0.25, help="multiplies the paper's lengths")
     c.add_argument("--max-bs", type=int, default=16)
     c.add_argument("--n-slots", type=int, default=16384)
     c.add_argument("--seed", type=int, default=0)
@@ -58,9 +72,22 @@ def main(argv=None):
     c.add_argument("--out", default="results")
     args = p.parse_args(argv)
     try:
+        _check_compare(args)
         {"compare": compare}[args.cmd](args)
     except ValueError as e:       # bad input: a clear message, no traceback
         p.exit(2, f"orca-lab: error: {e}\n")
+
+
+def _check_compare(args):
+    """Bad numbers stop here, each named with its range, before a model is built."""
+    if args.cmd != "compare":
+        return
+    check_range("n_requests", args.n_requests, 2, 100_000)
+    check_range("probe_requests", args.probe_requests, 2, 100_000)
+    check_range("tp", args.tp, 1, 1024)
+    check_range("pp", args.pp, 1, 1024)
+    if args.rate is not None:
+        check_range("rate", args.rate, 1e-6, 1e9, kind=float)
 
 
 if __name__ == "__main__":

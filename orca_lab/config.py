@@ -1,4 +1,4 @@
-"""Model shapes and engine settings; every field is validated here, where it enters (DESIGN.md layer 1)."""
+"""Model shapes and engine settings; every field is validated here, where it enters (docs/design.md, layer 1)."""
 from __future__ import annotations
 
 import dataclasses
@@ -80,7 +80,7 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig("tiny", n_layers=4, d_model=256, n_heads=4, vocab_size=257, max_seq_len=1024),
     "gpt2": ModelConfig("gpt2", n_layers=12, d_model=768, n_heads=12, vocab_size=50257, max_seq_len=1024),
-    # ORCA.md's table (GPT-3 architecture, head size 128, max sequence length 2048).
+    # docs/paper.md's Table 1 (GPT-3 architecture, head size 128, max sequence length 2048).
     "gpt3-13b": ModelConfig("gpt3-13b", n_layers=40, d_model=5120, n_heads=40, max_seq_len=2048),
     "gpt3-101b": ModelConfig("gpt3-101b", n_layers=80, d_model=10240, n_heads=80, max_seq_len=2048),
     "gpt3-175b": ModelConfig("gpt3-175b", n_layers=96, d_model=12288, n_heads=96, max_seq_len=2048),

@@ -43,11 +43,22 @@ def summarize(result, slo_norm_latency: float | None = None) -> dict:
         "median_ttft_ms": ms(df["ttft"]),
         "median_tpot_ms": ms(df["tpot"]),
         "n_iterations": int(len(last_stage)),
-        "tokens_per_iteration": float(last_stage["n_tokens"].mean()) if len(last_stage) else 0.0,
+        **_rows_per_iteration(last_stage),
     }
     if slo_norm_latency is not None:   # goodput: requests/s that met the normalized-latency SLO
         row["goodput_rps"] = float((df["norm_latency"] <= slo_norm_latency).sum()) / duration
     return row
+
+
+def _rows_per_iteration(it: pd.DataFrame) -> dict:
+    """Mean rows of the ``[sum L, H]`` tensor per iteration: useful tokens (a prompt or generated
+    token of an unfinished request) apart from the padded and held rows the baseline computes for
+    requests already done."""
+    if not len(it):
+        return {"tokens_per_iteration": 0.0, "wasted_rows_per_iteration": 0.0}
+    useful = [sum(q for q, ph in zip(qs, phs) if ph != "held") for qs, phs in zip(it["q_lens"], it["phases"])]
+    return {"tokens_per_iteration": float(np.mean(useful)),
+            "wasted_rows_per_iteration": float((it["n_tokens"] - useful).mean())}
 
 
 def compare_table(results) -> pd.DataFrame:

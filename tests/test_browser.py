@@ -133,6 +133,9 @@ def test_notebook_08_runs_and_plays_in_jupyterlab(jupyterlab, tmp_path):
             # all cells done, so the kernel is free to answer the slider
             page.wait_for_function("""() => [...document.querySelectorAll('.jp-InputPrompt')]
                 .every(e => !e.textContent.includes('*'))""", timeout=120_000)
+            # orca_lab.viz.show sends a PNG with the figure: plotly's JupyterLab renderer shows the PNG
+            # and swaps in the interactive plot when the pointer enters it
+            page.locator(".jp-RenderedPlotly img.plot-img").first.dispatch_event("mouseenter")
             page.locator(".js-plotly-plot").first.wait_for(timeout=30_000)
 
             play = page.locator(".orca-animation .widget-play button").first   # Play; Pause once playing

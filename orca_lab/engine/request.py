@@ -74,8 +74,10 @@ class Request:
             return self.prompt[self.n_cached:] + self.output
         return self.output[self.n_cached - n_prompt:]
 
-    def append(self, token: int, now: float):
-        if self.t_first_token is None:
+    def append(self, token: int, now: float | None):
+        """A generated token. ``now``: when the client receives it; None when it is held back (the
+        request-level baseline delivers a request's tokens when its whole batch ends)."""
+        if self.t_first_token is None and now is not None:
             self.t_first_token = now
         self.output.append(token)
         p = self.params

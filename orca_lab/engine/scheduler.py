@@ -112,7 +112,8 @@ class RequestLevelScheduler(Scheduler):
     Up to ``max_bs`` queued requests form one batch that runs until every request in it is done.
     Its first iteration treats every prompt as the batch's shortest; the rest of the longer prompts is
     fed one token per iteration. Finished requests keep computing and are returned only when the
-    batch ends. K/V is reserved for ``max_seq_len`` tokens per request. The batch is split into
+    batch ends; so are all the tokens of every request, its first token included, as
+    FasterTransformer hands a batch's output back whole (TTFT and streaming follow from that). K/V is reserved for ``max_seq_len`` tokens per request. The batch is split into
     micro-batches of ``mbs`` requests, which a pipeline of workers runs one after another.
     """
     name = "ft"
@@ -171,19 +172,21 @@ class RequestLevelScheduler(Scheduler):
     def on_return(self, batch: Batch, tokens: list[int], now: float) -> list[tuple[Request, int]]:
         mb = next(m for m in self.micro if m.batches and m.batches[-1] is batch)
         last_pos = mb.start + mb.q_len - 1
-        events = []
         for req, tok in zip(batch.requests, tokens):
             if req.finished:
                 continue                       # held: its token is thrown away
             req.n_iterations += 1
             req.n_cached = last_pos + 1
             req.state = RequestState.INCREMENT
-            if last_pos + 1 >= len(req.prompt):  # past its prompt: a real generated token
-                req.append(tok, now)
-                events.append((req, tok))
+            if last_pos + 1 >= len(req.prompt):  # past its prompt: a real token, kept until the batch ends
+                req.append(tok, None)
         mb.start, mb.q_len, mb.in_flight = last_pos + 1, 1, False
-        if self._batch_done() and not any(m.in_flight for m in self.micro):
-            for req in self.active:             # the whole batch returns at once
-                self._finish(req, now)
-            self.active, self.micro = [], []
+        if not (self._batch_done() and not any(m.in_flight for m in self.micro)):
+            return []
+        events = []
+        for req in self.active:                 # the whole batch returns at once, every token with it
+            req.t_first_token = now
+            events += [(req, tok) for tok in req.output]
+            self._finish(req, now)
+        self.active, self.micro = [], []
         return events

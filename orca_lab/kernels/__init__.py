@@ -1,4 +1,4 @@
-"""Pure tensor functions for selective batching (DESIGN.md layer 2).
+"""Pure tensor functions for selective batching (docs/design.md, layer 2).
 
 One file per op, each holding the Triton kernel, a plain PyTorch reference and the public wrapper
 that picks one. ``backend`` is ``"torch"``, ``"triton"`` or ``"auto"`` (Triton on GPU, PyTorch on CPU).

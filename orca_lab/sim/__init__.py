@@ -1,4 +1,4 @@
-"""The simulator (DESIGN.md layer 4): the engine's loop, schedulers and K/V slot manager, unchanged,
+"""The simulator (docs/design.md, layer 6): the engine's loop, schedulers and K/V slot manager, unchanged,
 driving a cost model on a virtual clock instead of a GPT.
 
 - ``executor``: ``SimExecutor``, pipeline stages as resources, ``VirtualClock`` time;
