@@ -61,7 +61,8 @@ class LLM:
             scheduler = RequestLevelScheduler(kv, ec.max_bs, cfg.max_seq_len, mbs)
         executor = WorkerExecutor.for_llm(self) if workers else LocalExecutor(self.model, kv, ec.n_workers, ec.device)
         config = {"model": cfg.name, "system": system, "mbs": mbs, **vars(ec)}
-        return Engine(scheduler, executor, cfg.vocab_size, cfg.max_seq_len, config)
+        return Engine(scheduler, executor, cfg.vocab_size, cfg.max_seq_len, config, self.tokenizer,
+                      getattr(self.tokenizer, "eos_token_id", None))
 
     def serve(self, trace, system: str = "orca", mbs: int | None = None, progress: bool = False) -> RunResult:
         """Serve a trace (``orca_lab.workload``) with arrivals on the real clock."""
