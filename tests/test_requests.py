@@ -145,3 +145,19 @@ def test_finish_reason_is_recorded(tiny_llm):
     drain(engine)
     df = engine.result().requests_df().set_index("rid")
     assert df.loc[done.rid, "finish_reason"] == "length" and df.loc[gone.rid, "finish_reason"] == "abort"
+
+
+@pytest.mark.parametrize("prompt,kw,match", [
+    ([], {}, "prompt is empty"), ([1, 300], {}, "prompt token id 300"),
+    ([1] * 1020, dict(max_gen_tokens=8), "exceeds the model's max length"),
+    ([1] * 600, dict(max_gen_tokens=8), "exceeds n_slots=512"),
+    ([1], dict(stop_token_ids=[257]), "stop_token_ids=257 is out of the vocabulary"),
+    ([1], dict(eos_token_id=999, ignore_eos=False), "eos_token_id=999 is out of the vocabulary"),
+])
+def test_check_request_refuses_what_add_request_refuses_and_adds_nothing(tiny_llm, prompt, kw, match):
+    engine = engine_of(tiny_llm, n_slots=512)
+    for call in (engine.check_request, engine.add_request):
+        with pytest.raises(ValueError, match=match):
+            call(prompt, SamplingParams(**kw))
+    assert engine.requests == [] and not engine.has_work()
+    assert engine.check_request((5, 6), SamplingParams()) == [5, 6] and engine.requests == []

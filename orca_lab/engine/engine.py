@@ -126,12 +126,7 @@ class Engine:
 
     # -- submission: bad input is refused here, and the engine keeps serving the others ----------
     def add_request(self, prompt, params: SamplingParams, arrival: float | None = None) -> Request:
-        prompt = self._check_prompt(prompt)
-        if len(prompt) + params.max_gen_tokens > self.max_seq_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_gen_tokens ({params.max_gen_tokens}) "
-                             f"= {len(prompt) + params.max_gen_tokens} exceeds the model's max length: "
-                             f"allowed <= {self.max_seq_len}")
-        params = self._check_params(params)
+        prompt, params = self._checked(prompt, params)
         req = Request(self._next_rid, prompt, params, self.clock.now() if arrival is None else arrival,
                       detokenize=None if self.tokenizer is None else self.tokenizer.decode)
         self.scheduler.add(req)
@@ -140,8 +135,27 @@ class Engine:
         self.live[req.rid] = req
         return req
 
+    def check_request(self, prompt, params: SamplingParams) -> list[int]:
+        """Every check ``add_request`` makes, adding nothing: the prompt as token ids, or a ValueError
+        (TypeError for a prompt that is not token ids) naming the field, the value and the range.
+        It reads only settings fixed at construction, so another thread (a server's event loop) may
+        call it while the engine thread runs."""
+        return self._checked(prompt, params)[0]
+
+    def _checked(self, prompt, params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        prompt = self._check_prompt(prompt)
+        if len(prompt) + params.max_gen_tokens > self.max_seq_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_gen_tokens ({params.max_gen_tokens}) "
+                             f"= {len(prompt) + params.max_gen_tokens} exceeds the model's max length: "
+                             f"allowed <= {self.max_seq_len}")
+        params = self._check_params(params)
+        self.scheduler.check_admissible(Request(-1, prompt, params))
+        return prompt, params
+
     def _check_params(self, params: SamplingParams) -> SamplingParams:
         """Token ids in the vocabulary, stop strings only with a tokenizer; the engine's EOS filled in."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if not params.ignore_eos and params.eos_token_id is None and self.eos_token_id is not None:
             params = dataclasses.replace(params, eos_token_id=self.eos_token_id)
         ids = [("eos_token_id", params.eos_token_id)] if params.eos_token_id is not None else []
