@@ -64,7 +64,6 @@ def gpt2_ranks_path() -> Path | None:
     return None
 
 
-@functools.lru_cache(maxsize=4)
 def gpt2_tokenizer(path: str | os.PathLike | None = None) -> TiktokenTokenizer:
     """GPT-2's tokenizer (50257 ids, EOS ``<|endoftext|>`` = 50256) from a local ranks file."""
     if importlib.util.find_spec("tiktoken") is None:
@@ -75,6 +74,11 @@ def gpt2_tokenizer(path: str | os.PathLike | None = None) -> TiktokenTokenizer:
             f"GPT-2's BPE ranks not found{f' at {path}' if path else ''}: `pip install --no-deps "
             f"openai-whisper` ships them (whisper/assets/gpt2.tiktoken), or set {GPT2_RANKS_ENV} to a "
             "ranks file (one 'base64-token rank' per line)")
+    return _gpt2_from(path.resolve())
+
+
+@functools.lru_cache(maxsize=4)
+def _gpt2_from(path: Path) -> TiktokenTokenizer:
     import tiktoken
     ranks = {}
     for line in path.read_bytes().splitlines():
