@@ -217,16 +217,26 @@ def add_arguments(p):
     p.add_argument("--out", default="results")
 
 
+def fetch_run(base_url: str, data: dict | None = None):
+    """The server's engine ``RunResult`` so far (``GET /debug/run``), iterations included: what
+    ``orca_lab.viz.timeline_figure`` draws."""
+    from orca_lab.engine.engine import IterationRecord, RequestRecord, RunResult
+    data = data or httpx.get(base_url.rstrip("/") + "/debug/run", timeout=60).json()
+    lists = lambda d: {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+    return RunResult(data["system"], [RequestRecord(**lists(r)) for r in data["requests"]],
+                     [IterationRecord(**lists(it)) for it in data["iterations"]], data["config"], data["duration"])
+
+
 def server_records(base_url: str, completion_ids=None, level: str = "http"):
     """This server's own records (``GET /debug/run``) as a ``RunResult``, only the requests that
     served ``completion_ids`` if given. ``level="engine"``: the engine's per-request records (arrival
     at the endpoint to each token leaving the engine); ``"http"``: one record per completion, from
     its arrival at the app to its first token chunk and its last byte handed to the connection."""
-    from orca_lab.engine.engine import RequestRecord, RunResult
+    from orca_lab.engine.engine import RunResult
     check_choice("level", level, ("http", "engine"))
     data = httpx.get(base_url.rstrip("/") + "/debug/run", timeout=60).json()
     cids = list(data["completions"]) if completion_ids is None else list(completion_ids)
-    engine = {r["rid"]: RequestRecord(**r) for r in data["requests"]}
+    engine = {r.rid: r for r in fetch_run(base_url, data).requests}
     if level == "engine":
         reqs = [engine[rid] for c in cids for rid in data["completions"][c]["rids"]]
     else:

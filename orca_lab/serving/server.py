@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import queue
 import threading
@@ -74,6 +75,7 @@ class EngineThread:
         self._in_inbox = 0                            # accepted, not handed to the engine yet
         self._waiting = 0                             # never scheduled (engine), as last published
         self._n_records = 0
+        self.text = engine.tokenizer is not None      # without one, answers carry token ids only
         self._thread = threading.Thread(target=self._run, name="orca-engine", daemon=True)
 
     @property
@@ -187,7 +189,7 @@ class EngineThread:
                 continue
             (m.ttft if len(req.output) == 1 else m.itl).observe(now - s.last)
             s.last = now
-            out.append((s, Event(token, req.text, req.finish_reason)))
+            out.append((s, Event(token, req.text if self.text else "", req.finish_reason)))
             if req.finished:
                 del self.streams[req.rid]
                 m.requests.labels(req.finish_reason).inc()
@@ -462,6 +464,8 @@ async def _sse(state: ServerState, body: CompletionRequest, cid: str, streams: l
     the usage chunk if asked, then ``[DONE]``. A client that disconnects (the stream is cancelled)
     cancels its unfinished requests: their slots are free within one iteration."""
     sent, outputs, done = [0] * len(streams), [[] for _ in streams], [False] * len(streams)
+    head = CompletionResponse(id=cid, model=state.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
+    head = json.dumps(head)[:-1] + ', "choices": ['       # every token chunk starts the same way
     try:
         async for i, ev in _events(state, streams):
             text = ev.text[sent[i]:] if ev.token is not None else ""
@@ -469,10 +473,12 @@ async def _sse(state: ServerState, body: CompletionRequest, cid: str, streams: l
             if ev.token is not None:
                 outputs[i].append(ev.token)
             done[i] = ev.finish_reason is not None
-            choice = CompletionChoice(index=i, text=text, finish_reason=ev.finish_reason,
-                                      token_ids=([ev.token] if ev.token is not None else [])
-                                      if body.return_token_ids else None)
-            data = _chunk(CompletionResponse(id=cid, model=state.model_name, choices=[choice]))
+            choice = {"index": i, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}
+            if body.return_token_ids:
+                choice["token_ids"] = [] if ev.token is None else [ev.token]
+            # a CompletionResponse with this one choice, written by hand: a token's chunk is the
+            # server's hottest path (pydantic took ~15x longer)
+            data = f"data: {head}{json.dumps(choice)}], \"usage\": null}}\n\n"
             if rec.first_token is None and ev.token is not None:
                 rec.first_token = state.pool.clock.now()
             yield data
