@@ -9,7 +9,7 @@ from typing import Iterator
 
 import torch
 
-from orca_lab.config import EngineConfig, ModelConfig, model_config
+from orca_lab.config import EngineConfig, ModelConfig, check_range, model_config
 from orca_lab.engine.engine import Engine, RunResult
 from orca_lab.engine.executor import LocalExecutor
 from orca_lab.engine.kv_manager import KVSlotManager
@@ -54,6 +54,8 @@ class LLM:
             raise TypeError(f"tokenizer={tokenizer!r} needs encode(text) -> ids and decode(ids) -> text")
         self.tokenizer = tokenizer if tokenizer is not None else default_tokenizer(self.cfg.vocab_size)
         self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None) if eos_token_id is None else eos_token_id
+        if self.eos_token_id is not None:
+            check_range("eos_token_id", self.eos_token_id, 0, self.cfg.vocab_size - 1)
 
     @classmethod
     def from_pretrained(cls, path, engine: EngineConfig | None = None, tokenizer=None) -> "LLM":

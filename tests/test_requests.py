@@ -356,3 +356,5 @@ def test_any_tokenizer_with_encode_and_decode_works(tiny_llm):
     assert c.token_ids == alone(tiny_llm, c.prompt_token_ids, 6) and c.text == CharTokenizer().decode(c.token_ids)
     with pytest.raises(TypeError, match="needs encode"):
         LLM(gpt=tiny_llm.model, tokenizer=object())
+    with pytest.raises(ValueError, match=r"eos_token_id=257 is out of range: allowed \[0, 256\]"):
+        LLM(gpt=tiny_llm.model, eos_token_id=257)
