@@ -134,7 +134,8 @@ class EngineThread:
                     {"add": self._add, "abort": self._abort, "call": self._call}[kind](arg, fut)
                 if engine.has_work():
                     self._deliver_step(engine.step(timeout=0.01))
-                self._publish()
+                else:
+                    self._publish()
         except BaseException as e:                    # a bug: fail every client, report unhealthy
             log.exception("engine thread failed")
             self.error = f"engine thread failed: {e!r}"
@@ -214,6 +215,9 @@ class EngineThread:
         self.metrics.set_state(stats, self._in_inbox)
 
     def _send(self, out):
+        """Hand ``out`` to the event loop, the gauges first: a client that reads /metrics as soon
+        as it got a token sees the state that token came from."""
+        self._publish()
         if out:
             self.loop.call_soon_threadsafe(_put_events, out)
 
