@@ -95,6 +95,8 @@ class EngineThread:
     def submit(self, streams: list[Stream]) -> asyncio.Future:
         """Queue ``streams`` for the engine; the future settles once the engine took them (or
         refused them: ValueError/TypeError). Past ``max_queue`` waiting requests: 503."""
+        if not self._thread.is_alive():
+            raise HTTPError(503, self.error or "the engine is not running")
         with self._lock:
             waiting = self._in_inbox + self._waiting
             if waiting + len(streams) > self.max_queue:
@@ -415,7 +417,7 @@ def _param_of(message: str) -> str | None:
     return "prompt" if "prompt" in message else None
 
 
-async def _events(state: ServerState, streams: list[Stream]):
+async def _events(streams: list[Stream]):
     """``(index, Event)`` until every stream has finished."""
     left = len(streams)
     q = streams[0].out
@@ -433,7 +435,7 @@ def _usage(streams, outputs) -> Usage:
 
 async def _collect(state: ServerState, body: CompletionRequest, cid: str, streams: list[Stream]):
     outputs, texts, reasons = [[] for _ in streams], [""] * len(streams), [None] * len(streams)
-    async for i, ev in _events(state, streams):
+    async for i, ev in _events(streams):
         if ev.token is not None:
             outputs[i].append(ev.token)
         texts[i], reasons[i] = (ev.text if ev.token is not None else texts[i]), ev.finish_reason
@@ -471,7 +473,7 @@ async def _sse(state: ServerState, body: CompletionRequest, cid: str, streams: l
     head = CompletionResponse(id=cid, model=state.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
     head = json.dumps(head)[:-1] + ', "choices": ['       # every token chunk starts the same way
     try:
-        async for i, ev in _events(state, streams):
+        async for i, ev in _events(streams):
             text = ev.text[sent[i]:] if ev.token is not None else ""
             sent[i] += len(text)
             if ev.token is not None:
