@@ -33,6 +33,13 @@ def test_gpt2_vocabulary_takes_and_returns_text():
     c = llm.complete(["Hello world"], 4)[0]
     assert c.prompt_token_ids == [15496, 995] and c.text == gpt2_tokenizer().decode(c.token_ids)
     assert llm.eos_token_id == 50256
+    # a stop string that ends inside a BPE token: the text stops before it, the token stays in token_ids
+    full = llm.complete(["Hello world"], 12)[0]
+    first = len(gpt2_tokenizer().decode(full.token_ids[:1]))
+    stop = full.text[first + 1:first + 4]
+    cut = llm.complete(["Hello world"], 12, stop=stop)[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.find(stop)]
+    assert cut.token_ids == full.token_ids[:len(cut.token_ids)] and len(cut.token_ids) < 12
 
 
 def test_missing_gpt2_ranks_are_named(tmp_path, monkeypatch):
