@@ -235,3 +235,13 @@ def _drain_on_sigterm(s):
     assert got1[-1] == "data: [DONE]" and len(got1) == 20      # the 19 tokens left, then [DONE]
     s.proc.wait(10)
     assert time.perf_counter() - t0 < 10 and s.proc.poll() is not None
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-queue", "0", "max_queue=0"), ("--drain-s", "-1", "drain_s=-1.0"), ("--max-bs", "0", "max_bs=0"),
+    ("--model", "gpt-9", "model='gpt-9'")])
+def test_serve_refuses_bad_options_before_it_starts(flag, value, message, capsys):
+    from orca_lab.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["serve", flag, value])
+    assert e.value.code == 2 and message in capsys.readouterr().err

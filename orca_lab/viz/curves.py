@@ -46,7 +46,8 @@ def latency_throughput_figure(df: pd.DataFrame, latency_col: str = "median_norm_
             pts = pts.sort_values("rate")
             fig.add_trace(go.Scatter(x=pts["throughput_rps"], y=pts[latency_col], name=label, legendgroup=label,
                                      showlegend=label not in shown, mode="lines+markers",
-                                     line=dict(color=colors.get(label, "#636363"), dash="dot" if system == "ft" else "solid"),
+                                     line=dict(color=colors.get(label, "#636363"),
+                                               dash="dot" if system == "ft" else "solid"),
                                      hovertemplate=f"{label}<br>rate %{{customdata:.3g}} req/s<br>"
                                                    "%{x:.3g} req/s, %{y:.4g} ms<extra></extra>",
                                      customdata=pts["rate"]), 1, col)
