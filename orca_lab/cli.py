@@ -48,6 +48,29 @@ def compare(args) -> dict:
     return report
 
 
+def serve(args):
+    """``orca-lab serve``: the OpenAI-compatible endpoint (orca_lab.serving.server)."""
+    import torch
+    from orca_lab.llm import LLM
+    from orca_lab.serving.server import serve as run
+    check_range("max_queue", args.max_queue, 1, 1 << 20)
+    check_range("drain_s", args.drain_s, 0.0, 3600.0, kind=float)
+    torch.set_num_threads(args.threads)
+    engine = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots, tensor_parallel=args.tp,
+                          pipeline_parallel=args.pp, device=args.device, dtype=args.dtype)
+    if Path(args.model).is_dir():
+        llm = LLM.from_pretrained(args.model, engine=engine)
+    else:
+        llm = LLM(args.model, seed=args.seed, engine=engine)
+    run(llm, args.system, args.host, args.port, args.max_queue, args.drain_s, model_name=args.model)
+
+
+def bench(args) -> dict:
+    """``orca-lab bench``: the load generator (orca_lab.serving.bench)."""
+    from orca_lab.serving.bench import run
+    return run(args)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="orca-lab", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -70,10 +93,13 @@ def main(argv=None):
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--threads", type=int, default=1, help="torch intra-op threads (recorded)")
     c.add_argument("--out", default="results")
+    _serve_args(sub.add_parser("serve", help="an OpenAI-compatible completions server over the engine"))
+    from orca_lab.serving.bench import add_arguments
+    add_arguments(sub.add_parser("bench", help="load generator for any OpenAI-compatible completions endpoint"))
     args = p.parse_args(argv)
     try:
         _check_compare(args)
-        {"compare": compare}[args.cmd](args)
+        {"compare": compare, "serve": serve, "bench": bench}[args.cmd](args)
     except ValueError as e:       # bad input: a clear message, no traceback
         p.exit(2, f"orca-lab: error: {e}\n")
 
@@ -88,6 +114,23 @@ def _check_compare(args):
     check_range("pp", args.pp, 1, 1024)
     if args.rate is not None:
         check_range("rate", args.rate, 1e-6, 1e9, kind=float)
+
+
+def _serve_args(s):
+    s.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESETS)}) or a checkpoint directory")
+    s.add_argument("--seed", type=int, default=0, help="random weights of a preset: those of LLM(model, seed)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="0: the OS chooses (printed at start)")
+    s.add_argument("--system", default="orca", choices=["orca", "ft", "paged", "chunked"])
+    s.add_argument("--max-bs", type=int, default=32)
+    s.add_argument("--n-slots", type=int, default=16384)
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel workers")
+    s.add_argument("--pp", type=int, default=1, help="pipeline-parallel workers (the paper's n_workers)")
+    s.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 503")
+    s.add_argument("--drain-s", type=float, default=5.0, help="on SIGINT/SIGTERM, time left to requests in flight")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--dtype", default="float32")
+    s.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
 
 
 if __name__ == "__main__":

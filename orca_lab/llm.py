@@ -1,11 +1,15 @@
 """The user-facing API: ``LLM(model=..., engine=EngineConfig(...)).generate(prompts)``."""
 from __future__ import annotations
 
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from orca_lab.config import EngineConfig, ModelConfig, check_degrees, model_config, uses_workers
+from orca_lab.config import EngineConfig, ModelConfig, check_degrees, check_range, model_config, uses_workers
 from orca_lab.engine.cuda_graphs import decode_graphs_for
 from orca_lab.engine.engine import Engine, RunResult
 from orca_lab.engine.executor import LocalExecutor, split_layers
@@ -14,7 +18,7 @@ from orca_lab.engine.model import GPT, checkpoint_config
 from orca_lab.engine.parallel import WorkerExecutor
 from orca_lab.engine.request import SamplingParams
 from orca_lab.engine.policies import SYSTEMS, new_kv, new_scheduler
-from orca_lab.tokenizer import ByteTokenizer
+from orca_lab.tokenizer import default_tokenizer, load_tokenizer
 
 
 def kv_slots_on_gpu(cfg: ModelConfig, ec: EngineConfig) -> int:
@@ -28,12 +32,27 @@ def kv_slots_on_gpu(cfg: ModelConfig, ec: EngineConfig) -> int:
     return n if ec.n_slots is not None else n - n % ec.block_size    # whole blocks for paged / chunked
 
 
+@dataclass(frozen=True)
+class Completion:
+    """One prompt's result, as an OpenAI completion choice carries it."""
+    prompt_token_ids: list[int]
+    token_ids: list[int]          # EOS or a stop token that ended it included, as vLLM keeps them
+    text: str | None              # the output as text, stop string excluded; None without a tokenizer
+    finish_reason: str            # "length" or "stop"
+
+
 class LLM:
     """A GPT served by ORCA's engine (``system="orca"``), the request-level baseline (``"ft"``), or
-    the policies after ORCA (``"paged"``, ``"chunked"``: ``engine/policies.py``)."""
+    the policies after ORCA (``"paged"``, ``"chunked"``: ``engine/policies.py``).
+
+    ``tokenizer``: any object with ``encode(text) -> ids`` and ``decode(ids) -> text`` (and, if it has
+    one, ``eos_token_id``); by default bytes for ``tiny`` and GPT-2's BPE for ``gpt2`` when its ranks
+    are installed (``orca_lab.tokenizer``). ``gpt=``: a model of your own; it is left as it is (copied
+    when the engine's device, dtype or kernels differ from its own, shared otherwise).
+    """
 
     def __init__(self, model: str | ModelConfig = "tiny", seed: int = 0, engine: EngineConfig | None = None,
-                 tokenizer=None, *, gpt: GPT | None = None, checkpoint=None):
+                 tokenizer=None, *, gpt: GPT | None = None, checkpoint=None, eos_token_id: int | None = None):
         self.engine_config = engine or EngineConfig()
         ec = self.engine_config
         cfg = gpt.cfg if gpt is not None else model_config(model)
@@ -43,35 +62,47 @@ class LLM:
         if ec.device.startswith("cuda"):        # before any allocation: refuse what cannot fit
             ec = self.engine_config = ec.replace(n_slots=kv_slots_on_gpu(cfg, ec))
         dtype = getattr(torch, ec.dtype)
-        backends = dict(attention_backend=ec.attention_backend, fused_ops_backend=ec.fused_ops_backend)
         # Where the workers' weights come from: (checkpoint or None for random, seed). With workers, the
         # master keeps shapes only (a meta model) and each worker reads its own shard; a model passed
         # in stays where it is (the pool hands its weights to the workers).
         self.weights = (None if checkpoint is None else str(checkpoint), seed)
         if gpt is not None:
-            self.model = gpt if uses_workers(ec) else gpt.to(ec.device, dtype)
+            self.model = gpt if uses_workers(ec) else _placed(gpt, ec)
         elif uses_workers(ec):
-            self.model = GPT.random(cfg, device="meta", **backends)
+            self.model = GPT.random(cfg, device="meta", **_backends(ec))
         elif checkpoint is not None:
-            self.model = GPT.from_pretrained(checkpoint, ec.device, dtype, **backends)
+            self.model = GPT.from_pretrained(checkpoint, ec.device, dtype, **_backends(ec))
         else:
-            self.model = GPT.random(cfg, seed, ec.device, dtype, **backends)
-        self.model.attention_backend, self.model.fused_ops_backend = ec.attention_backend, ec.fused_ops_backend
-        self.model.tf32 = ec.tf32
+            self.model = GPT.random(cfg, seed, ec.device, dtype, **_backends(ec))
         self.cfg = self.model.cfg
-        self.tokenizer = tokenizer or (ByteTokenizer() if self.cfg.vocab_size == ByteTokenizer.vocab_size else None)
+        if tokenizer is not None and not all(callable(getattr(tokenizer, f, None)) for f in ("encode", "decode")):
+            raise TypeError(f"tokenizer={tokenizer!r} needs encode(text) -> ids and decode(ids) -> text")
+        self.tokenizer = tokenizer if tokenizer is not None else default_tokenizer(self.cfg.vocab_size)
+        self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None) if eos_token_id is None else eos_token_id
+        if self.eos_token_id is not None:
+            check_range("eos_token_id", self.eos_token_id, 0, self.cfg.vocab_size - 1)
 
     @classmethod
     def from_pretrained(cls, path, engine: EngineConfig | None = None, tokenizer=None) -> "LLM":
-        """A GPT-2 checkpoint in the Hugging Face layout from a local directory (never the network).
-        With workers, each reads only its own slices of the file."""
-        return cls(checkpoint_config(path), engine=engine, tokenizer=tokenizer, checkpoint=path)
+        """A GPT-2 checkpoint in the Hugging Face layout from a local directory (never the network),
+        with the tokenizer saved beside it when there is one (``tokenizer.json``, or ``vocab.json`` +
+        ``merges.txt``; read by ``tokenizers``). EOS: the tokenizer's, else config.json's. With
+        workers, each reads only its own slices of the file."""
+        path = Path(path)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
+        return cls(checkpoint_config(path), engine=engine, tokenizer=tokenizer, checkpoint=path, eos_token_id=eos)
 
     def save_pretrained(self, path):
+        """The weights, and a Hugging Face tokenizer's ``tokenizer.json`` when the LLM has one."""
         if self.model.wte.weight.is_meta:
             raise RuntimeError("this LLM's weights live on its workers (the master holds shapes only): save "
                                "a model built with executor='local', or pass gpt= to keep one here")
         self.model.save_pretrained(path)
+        if hasattr(getattr(self.tokenizer, "tokenizer", None), "to_str"):
+            (Path(path) / "tokenizer.json").write_text(self.tokenizer.tokenizer.to_str())
 
     # -- engines --------------------------------------------------------------------------------
     def new_engine(self, system: str = "orca", mbs: int | None = None) -> Engine:
@@ -88,7 +119,8 @@ class LLM:
         executor = WorkerExecutor.for_llm(self) if workers else \
             LocalExecutor(self.model, kv, ec.n_workers, ec.device, decode_graphs_for(self.model, kv, ec))
         config = {"model": cfg.name, "system": system, "mbs": mbs, **vars(ec)}
-        return Engine(scheduler, executor, cfg.vocab_size, cfg.max_seq_len, config)
+        return Engine(scheduler, executor, cfg.vocab_size, cfg.max_seq_len, config, self.tokenizer,
+                      self.eos_token_id)
 
     def serve(self, trace, system: str = "orca", mbs: int | None = None, progress: bool = False) -> RunResult:
         """Serve a trace (``orca_lab.workload``) with arrivals on the real clock."""
@@ -99,28 +131,101 @@ class LLM:
             engine.close()
 
     # -- generation -----------------------------------------------------------------------------
-    def generate(self, prompts, max_gen_tokens: int = 16, system: str = "orca", **sampling) -> list[list[int]]:
+    # Per prompt: ``max_gen_tokens`` an int or a list; ``sampling`` keywords (temperature, top_k, top_p,
+    # seed, ignore_eos, eos_token_id, stop_token_ids, stop) for all; or ``sampling_params``, one
+    # SamplingParams or a list of them. A sampled request without a seed draws from its rid.
+    def generate(self, prompts, max_gen_tokens: int | list[int] | None = None, system: str = "orca", *,
+                 sampling_params=None, **sampling) -> list[list[int]]:
         """Generated token ids of each prompt (token-id lists, or strings through the tokenizer)."""
-        outputs = [[] for _ in prompts]
-        for i, tok in self.stream(prompts, max_gen_tokens, system, **sampling):
+        outputs = [[] for _ in _as_list(prompts)]
+        for i, tok in self.stream(prompts, max_gen_tokens, system, sampling_params=sampling_params, **sampling):
             outputs[i].append(tok)
         return outputs
 
-    def stream(self, prompts, max_gen_tokens: int = 16, system: str = "orca", **sampling) -> Iterator[tuple[int, int]]:
+    def stream(self, prompts, max_gen_tokens: int | list[int] | None = None, system: str = "orca", *,
+               sampling_params=None, **sampling) -> Iterator[tuple[int, int]]:
         """Yield ``(prompt index, token)`` as each iteration completes."""
-        params = SamplingParams(max_gen_tokens=max_gen_tokens, **sampling)
+        for i, _, tok in self._run(prompts, max_gen_tokens, system, sampling_params, sampling):
+            yield i, tok
+
+    def complete(self, prompts, max_gen_tokens: int | list[int] | None = None, system: str = "orca", *,
+                 sampling_params=None, **sampling) -> list[Completion]:
+        """Each prompt's tokens, text (stop string excluded) and finish reason, as /v1/completions."""
+        reqs = {}
+        for i, req, _ in self._run(prompts, max_gen_tokens, system, sampling_params, sampling):
+            reqs[i] = req
+        return [Completion(list(r.prompt), list(r.output), None if r.detokenize is None else r.text,
+                           r.finish_reason) for _, r in sorted(reqs.items())]
+
+    def _run(self, prompts, max_gen_tokens, system, sampling_params, sampling):
+        """``(prompt index, request, token)`` for every token of every prompt, on a fresh engine."""
+        prompts = _as_list(prompts)
+        params = _per_prompt_params(len(prompts), max_gen_tokens, sampling_params, sampling)
+        ids = [self._encode(p) for p in prompts]
         engine = self.new_engine(system)
         try:
-            index = {engine.add_request(self._encode(p), params).rid: i for i, p in enumerate(prompts)}
+            index = {engine.add_request(p, sp).rid: i for i, (p, sp) in enumerate(zip(ids, params))}
             while engine.has_work():
                 for req, tok in engine.step():
-                    yield index[req.rid], tok
+                    yield index[req.rid], req, tok
         finally:
             engine.close()
 
     def _encode(self, prompt):
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise TypeError("a string prompt needs a tokenizer: pass LLM(tokenizer=...) or token ids")
+                raise TypeError("a string prompt needs a tokenizer: pass LLM(tokenizer=...) or token ids "
+                                "(the gpt2 preset finds GPT-2's BPE once tiktoken and openai-whisper are installed)")
             return self.tokenizer.encode(prompt)
         return prompt
+
+
+def _as_list(prompts) -> list:
+    return [prompts] if isinstance(prompts, str) else list(prompts)
+
+
+def _per_prompt_params(n: int, max_gen_tokens, sampling_params, sampling: dict) -> list[SamplingParams]:
+    """One SamplingParams per prompt; lists must have one entry per prompt."""
+    if sampling_params is not None:
+        if max_gen_tokens is not None or sampling:
+            raise ValueError("pass either sampling_params or max_gen_tokens / sampling keywords "
+                             f"({', '.join(sorted(sampling)) or 'max_gen_tokens'}), not both")
+        params = _one_per_prompt("sampling_params", sampling_params, n)
+        bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+        if bad is not None:
+            raise TypeError(f"sampling_params holds {bad!r}: each must be a SamplingParams")
+        return params
+    gens = _one_per_prompt("max_gen_tokens", 16 if max_gen_tokens is None else max_gen_tokens, n)
+    return [SamplingParams(max_gen_tokens=g, **sampling) for g in gens]
+
+
+def _one_per_prompt(name: str, value, n: int) -> list:
+    if not isinstance(value, (list, tuple)):
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(f"{name} has {len(value)} entries for {n} prompts: give one per prompt, "
+                         "or a single value for all")
+    return list(value)
+
+
+def _backends(ec: EngineConfig) -> dict:
+    return dict(attention_backend=ec.attention_backend, fused_ops_backend=ec.fused_ops_backend, tf32=ec.tf32)
+
+
+def _placed(gpt: GPT, ec: EngineConfig) -> GPT:
+    """``gpt`` on the engine's device, dtype and kernels, the caller's model untouched: shared when
+    nothing differs, a shallow copy sharing the weights when only the kernels do, else new tensors."""
+    device, dtype = torch.empty(0, device=ec.device).device, getattr(torch, ec.dtype)
+    state = gpt.state_dict()
+    if any(t.device != device or t.dtype != dtype for t in state.values()):
+        with torch.device("meta"):
+            placed = GPT(gpt.cfg, **_backends(ec))
+        placed.load_state_dict({k: t.to(device, dtype) for k, t in state.items()}, assign=True)
+        return placed.eval()
+    kernels = _backends(ec)
+    if all(getattr(gpt, k) == v for k, v in kernels.items()):
+        return gpt
+    placed = copy.copy(gpt)               # its own attributes, the same modules and weights
+    for k, v in kernels.items():
+        setattr(placed, k, v)
+    return placed

@@ -63,3 +63,44 @@ def _rows_per_iteration(it: pd.DataFrame) -> dict:
 
 def compare_table(results) -> pd.DataFrame:
     return pd.DataFrame([summarize(r) for r in results]).set_index("system")
+
+
+# -- serving: the numbers of a load generator (vLLM's `bench serve`) plus the paper's --------------
+PERCENTILES = (50, 90, 99)
+
+
+def distribution(values, name: str, scale: float = 1e3, unit: str = "ms") -> dict:
+    """``{name}_mean_{unit}``, ``_median_``, ``_p90_``, ``_p99_`` of ``values`` (seconds times
+    ``scale``); NaN when there is no value."""
+    v = np.asarray(pd.Series(values, dtype=float).dropna()) * scale
+    stats = {"mean": float(v.mean()) if len(v) else float("nan")}
+    for q in PERCENTILES:
+        stats["median" if q == 50 else f"p{q}"] = float(np.percentile(v, q)) if len(v) else float("nan")
+    return {f"{name}_{k}_{unit}": x for k, x in stats.items()}
+
+
+def goodput(df: pd.DataFrame, duration: float, slo_ttft_ms: float | None = None,
+            slo_tpot_ms: float | None = None) -> float:
+    """Requests/s that met every SLO given (as vLLM counts it: a one-token request has TPOT 0)."""
+    ok = pd.Series(True, index=df.index)
+    if slo_ttft_ms is not None:
+        ok &= df["ttft"] * 1e3 <= slo_ttft_ms
+    if slo_tpot_ms is not None:
+        ok &= df["tpot"].fillna(0.0) * 1e3 <= slo_tpot_ms
+    return float(ok.sum()) / max(duration, 1e-12)
+
+
+def serving_summary(result, itl=None, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> dict:
+    """One row for a served run, from the engine's own ``RunResult`` or from a client's records
+    (anything with ``requests_df()`` and ``duration``): TTFT, TPOT, ITL (``itl``: the gaps between
+    tokens, where known), end-to-end and normalized latency (mean, median, p90, p99), throughput
+    and goodput."""
+    df = per_request(result)
+    duration = max(result.duration, 1e-12)
+    row = {"n_requests": int(len(df)), "duration_s": float(result.duration),
+           "throughput_rps": len(df) / duration, "throughput_tok_s": float(df["n_generated"].sum()) / duration}
+    for name, col in (("ttft", df["ttft"]), ("tpot", df["tpot"]), ("itl", [] if itl is None else itl),
+                      ("e2e", df["latency"]), ("norm_latency", df["norm_latency"])):
+        row.update(distribution(col, name))
+    row["goodput_rps"] = goodput(df, duration, slo_ttft_ms, slo_tpot_ms)
+    return row

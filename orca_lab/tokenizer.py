@@ -1,4 +1,28 @@
-"""A byte-level tokenizer for the ``tiny`` preset: ids 0-255 are bytes, 256 is EOS. Nothing to download."""
+"""Tokenizers. Any object with ``encode(text) -> list[int]`` and ``decode(ids) -> str`` works; an
+``eos_token_id`` attribute, when it has one, is the EOS a request stops at. Nothing is downloaded:
+
+- ``ByteTokenizer``: the ``tiny`` preset's vocabulary, ids 0-255 are bytes and 256 is EOS.
+- ``gpt2_tokenizer()``: GPT-2's byte-level BPE through ``tiktoken``, from a local ranks file. The
+  ``openai-whisper`` package ships GPT-2's ranks as ``whisper/assets/gpt2.tiktoken``
+  (``pip install tiktoken`` and ``pip install --no-deps openai-whisper``; whisper itself is never imported).
+- ``load_tokenizer(path)``: a Hugging Face tokenizer saved next to a checkpoint (``tokenizer.json``,
+  or GPT-2's ``vocab.json`` + ``merges.txt``), read with ``tokenizers`` (which ``transformers`` installs).
+"""
+from __future__ import annotations
+
+import base64
+import functools
+import importlib.util
+import json
+import os
+import warnings
+from pathlib import Path
+
+GPT2_VOCAB_SIZE, GPT2_EOS = 50257, 50256
+# GPT-2's pre-tokenizer split, as tiktoken writes it (r50k_base): contractions, letters, digits,
+# punctuation, each with an optional leading space, then whitespace runs.
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+GPT2_RANKS_ENV = "ORCA_LAB_GPT2_RANKS"
 
 
 class ByteTokenizer:
@@ -10,3 +34,118 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class TiktokenTokenizer:
+    """A ``tiktoken.Encoding`` behind the encode/decode interface. Special tokens written in the text
+    (``<|endoftext|>``) encode as themselves, as Hugging Face's GPT-2 tokenizer does."""
+
+    def __init__(self, encoding, eos_token_id: int):
+        self.encoding, self.eos_token_id = encoding, eos_token_id
+        self.vocab_size = encoding.n_vocab
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode(text, allowed_special="all")
+
+    def decode(self, ids) -> str:
+        return self.encoding.decode(list(ids))       # an incomplete character decodes to U+FFFD
+
+
+def gpt2_ranks_path() -> Path | None:
+    """GPT-2's BPE ranks on this machine: ``$ORCA_LAB_GPT2_RANKS``, else the openai-whisper package's
+    asset (found without importing whisper, which would import numba)."""
+    if os.environ.get(GPT2_RANKS_ENV):
+        return Path(os.environ[GPT2_RANKS_ENV])
+    spec = importlib.util.find_spec("whisper")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(root) / "assets" / "gpt2.tiktoken"
+        if path.is_file():
+            return path
+    return None
+
+
+def gpt2_tokenizer(path: str | os.PathLike | None = None) -> TiktokenTokenizer:
+    """GPT-2's tokenizer (50257 ids, EOS ``<|endoftext|>`` = 50256) from a local ranks file."""
+    if importlib.util.find_spec("tiktoken") is None:
+        raise RuntimeError("GPT-2's tokenizer needs tiktoken: pip install tiktoken")
+    path = Path(path) if path is not None else gpt2_ranks_path()
+    if path is None or not path.is_file():
+        raise FileNotFoundError(
+            f"GPT-2's BPE ranks not found{f' at {path}' if path else ''}: `pip install --no-deps "
+            f"openai-whisper` ships them (whisper/assets/gpt2.tiktoken), or set {GPT2_RANKS_ENV} to a "
+            "ranks file (one 'base64-token rank' per line)")
+    return _gpt2_from(path.resolve())
+
+
+@functools.lru_cache(maxsize=4)
+def _gpt2_from(path: Path) -> TiktokenTokenizer:
+    import tiktoken
+    ranks = {}
+    for line in path.read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    if len(ranks) != GPT2_EOS:
+        raise ValueError(f"{path} holds {len(ranks)} BPE ranks: GPT-2 has {GPT2_EOS} (plus EOS)")
+    encoding = tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                                 special_tokens={"<|endoftext|>": GPT2_EOS})
+    return TiktokenTokenizer(encoding, GPT2_EOS)
+
+
+class HFTokenizer:
+    """A ``tokenizers.Tokenizer`` behind the encode/decode interface."""
+
+    def __init__(self, tokenizer, eos_token_id: int | None):
+        self.tokenizer, self.eos_token_id = tokenizer, eos_token_id
+        self.vocab_size = tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids))
+
+
+def load_tokenizer(path) -> HFTokenizer | None:
+    """The Hugging Face tokenizer saved in directory ``path``, or None if there is none."""
+    path = Path(path)
+    files = {f for f in ("tokenizer.json", "vocab.json", "merges.txt") if (path / f).is_file()}
+    if "tokenizer.json" not in files and not {"vocab.json", "merges.txt"} <= files:
+        return None
+    if importlib.util.find_spec("tokenizers") is None:
+        warnings.warn(f"{path} holds a tokenizer, but reading it needs `tokenizers` (pip install tokenizers): "
+                      "the model takes token ids only", stacklevel=3)
+        return None
+    import tokenizers
+    if "tokenizer.json" in files:
+        tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    else:
+        tok = tokenizers.ByteLevelBPETokenizer(str(path / "vocab.json"), str(path / "merges.txt"))
+    return HFTokenizer(tok, _eos_of(path, tok))
+
+
+def _eos_of(path: Path, tok) -> int | None:
+    """``eos_token`` of tokenizer_config.json, else ``eos_token_id`` of the model's config.json."""
+    for name, key in (("tokenizer_config.json", "eos_token"), ("config.json", "eos_token_id")):
+        f = path / name
+        value = json.loads(f.read_text()).get(key) if f.is_file() else None
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            value = tok.token_to_id(value)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def default_tokenizer(vocab_size: int):
+    """The tokenizer a model of this vocabulary gets when none is given: bytes for ``tiny``, GPT-2's
+    BPE for a 50257-id vocabulary when its ranks are on this machine; else None (token ids only)."""
+    if vocab_size == ByteTokenizer.vocab_size:
+        return ByteTokenizer()
+    if vocab_size == GPT2_VOCAB_SIZE:
+        try:
+            return gpt2_tokenizer()
+        except (RuntimeError, FileNotFoundError):
+            return None
+    return None

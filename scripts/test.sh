@@ -3,6 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q torch==2.13.0 -e ".[dev]"
+# GPT-2's BPE ranks (whisper/assets/gpt2.tiktoken) for the gpt2 tokenizer; whisper itself is never
+# imported, so none of its dependencies (numba, ...) is needed.
+python3 -m pip install -q --no-deps openai-whisper==20250625
 # Chromium lets kaleido export PNG/SVG/PDF and lets the browser test drive JupyterLab.
 if ! command -v chromium >/dev/null; then
     if [ "$(id -u)" = 0 ]; then

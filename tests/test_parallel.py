@@ -187,3 +187,26 @@ def test_more_workers_than_gpus_is_refused(tiny_llm, monkeypatch):
     check_degrees(tiny_llm.cfg, EngineConfig(tensor_parallel=2, device="cuda"))     # 2 fit
     with pytest.raises(ValueError, match="executor='threads'"):
         EngineConfig(executor="threads")
+
+
+def test_abort_and_per_request_sampling_on_workers(parallel_llm, tiny_llm):
+    """The workers sample with each request's own params and seed (top-p included), an aborted
+    request's slots are released to them and reused, and the others' tokens do not change."""
+    from orca_lab import SamplingParams
+    prompts = random_prompts(5, tiny_llm.cfg.vocab_size, 3, 20, seed=21)
+    params = [SamplingParams(max_gen_tokens=6, temperature=1.0, top_p=0.8, seed=1), SamplingParams(max_gen_tokens=5),
+              SamplingParams(max_gen_tokens=6, temperature=0.7, top_k=40, seed=2),
+              SamplingParams(max_gen_tokens=4, stop_token_ids=[7, 9]), SamplingParams(max_gen_tokens=9)]
+    engine = parallel_llm.new_engine()
+    try:
+        reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        engine.step()
+        assert engine.abort(reqs[1])              # in flight with pp > 1, between iterations otherwise
+        while engine.has_work():
+            engine.step()
+    finally:
+        engine.close()
+    assert reqs[1].finish_reason == "abort" and engine.scheduler.kv.n_reserved == 0
+    for i in (0, 2, 3, 4):
+        assert reqs[i].output == tiny_llm.generate([prompts[i]], sampling_params=params[i])[0]
+    assert parallel_llm.generate(prompts, sampling_params=params) == tiny_llm.generate(prompts, sampling_params=params)

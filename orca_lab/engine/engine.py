@@ -2,6 +2,24 @@
 
 Requests arrive from a trace (on the executor's clock) or are added by hand; each iteration leaves a
 record per pipeline stage, and each request a record of its timestamps: together a ``RunResult``.
+
+How a server drives it (ORCA §3, Figure 4: the endpoint puts requests in the pool, the engine loop
+runs iterations over it). The engine is not thread-safe: one engine thread owns it and loops::
+
+    while serving:
+        for msg in drain(inbox, block=not engine.has_work()):   # block only when idle
+            add: req = engine.add_request(prompt_ids, params)   # ValueError/TypeError: refuse it
+            cancel: engine.abort(rid)                            # waiting, between or in flight
+        for req, token in engine.step(timeout=0.01):
+            send (req.rid, token, req.finish_reason) to its client   # finish_reason None: more to come
+
+``add_request`` and ``abort`` may be called between any two steps, with batches in flight. ``step``
+returns at once when there is nothing to do; ``timeout`` bounds how long it waits for a returning
+batch when it could still submit another (worker processes with ``n_workers`` > 1), so new arrivals
+are scheduled without waiting for the oldest batch. A request that ends (length, EOS, stop token, stop
+string) shows ``req.finished`` and ``req.finish_reason`` in the step that returns its last token; an
+aborted one at once, and its ``abort`` event is the caller's own. ``req.text`` is its output as text,
+safe to stream by differences. ``stats()`` gives the gauges a /metrics endpoint reports.
 """
 from __future__ import annotations
 
@@ -41,6 +59,7 @@ class RequestRecord:
     n_iterations: int
     output: tuple[int, ...]
     n_preemptions: int = 0        # paged policies: times its K/V was freed and recomputed
+    finish_reason: str | None = None     # "length", "stop", "abort"; None if it never finished
 
 
 @dataclass
@@ -69,15 +88,33 @@ class RunResult:
             json.dump(self.to_json(), f)
 
 
-class Engine:
-    """Algorithm 1's loop around one scheduler and one executor."""
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine holds right now: the gauges a serving endpoint reports."""
+    waiting: int           # requests never scheduled yet
+    running: int           # scheduled, not finished (in flight or between iterations)
+    kv_reserved: int       # Algorithm 1's n_rsrv
+    kv_used: int           # slots holding real K/V
+    kv_total: int          # n_slots
+    n_finished: int
 
-    def __init__(self, scheduler, executor, vocab_size: int, max_seq_len: int, config: dict | None = None):
+
+class Engine:
+    """Algorithm 1's loop around one scheduler and one executor.
+
+    ``tokenizer`` (anything with ``decode``) lets requests stop at strings and gives ``req.text``;
+    ``eos_token_id`` is the EOS a request that does not ignore it stops at unless its params name one.
+    """
+
+    def __init__(self, scheduler, executor, vocab_size: int, max_seq_len: int, config: dict | None = None,
+                 tokenizer=None, eos_token_id: int | None = None):
         self.scheduler, self.executor = scheduler, executor
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
         self.config = config or {}
+        self.tokenizer, self.eos_token_id = tokenizer, eos_token_id
         self.n_workers = executor.n_workers
         self.requests: list[Request] = []
+        self.live: dict[int, Request] = {}        # rid -> request not finished yet
         self.records: list[IterationRecord] = []
         self.n_scheduled = 0                      # batches in flight (Algorithm 1)
         self._next_rid = 0
@@ -90,19 +127,65 @@ class Engine:
 
     # -- submission: bad input is refused here, and the engine keeps serving the others ----------
     def add_request(self, prompt, params: SamplingParams, arrival: float | None = None) -> Request:
+        prompt, params = self._checked(prompt, params)
+        req = Request(self._next_rid, prompt, params, self.clock.now() if arrival is None else arrival,
+                      detokenize=None if self.tokenizer is None else self.tokenizer.decode)
+        self.scheduler.add(req)
+        self._next_rid += 1
+        self.requests.append(req)
+        self.live[req.rid] = req
+        return req
+
+    def check_request(self, prompt, params: SamplingParams) -> list[int]:
+        """Every check ``add_request`` makes, adding nothing: the prompt as token ids, or a ValueError
+        (TypeError for a prompt that is not token ids) naming the field, the value and the range.
+        It reads only settings fixed at construction, so another thread (a server's event loop) may
+        call it while the engine thread runs."""
+        return self._checked(prompt, params)[0]
+
+    def _checked(self, prompt, params: SamplingParams) -> tuple[list[int], SamplingParams]:
         prompt = self._check_prompt(prompt)
         if len(prompt) + params.max_gen_tokens > self.max_seq_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_gen_tokens ({params.max_gen_tokens}) "
                              f"= {len(prompt) + params.max_gen_tokens} exceeds the model's max length: "
                              f"allowed <= {self.max_seq_len}")
-        if params.eos_token_id is not None and not 0 <= params.eos_token_id < self.vocab_size:
-            raise ValueError(f"eos_token_id={params.eos_token_id} is out of range: allowed "
-                             f"[0, {self.vocab_size - 1}]")
-        req = Request(self._next_rid, prompt, params, self.clock.now() if arrival is None else arrival)
-        self.scheduler.add(req)
-        self._next_rid += 1
-        self.requests.append(req)
-        return req
+        params = self._check_params(params)
+        self.scheduler.check_admissible(Request(-1, prompt, params))
+        return prompt, params
+
+    def _check_params(self, params: SamplingParams) -> SamplingParams:
+        """Token ids in the vocabulary, stop strings only with a tokenizer; the engine's EOS filled in."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not params.ignore_eos and params.eos_token_id is None and self.eos_token_id is not None:
+            params = dataclasses.replace(params, eos_token_id=self.eos_token_id)
+        ids = [("eos_token_id", params.eos_token_id)] if params.eos_token_id is not None else []
+        for name, t in ids + [("stop_token_ids", t) for t in params.stop_token_ids]:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"{name}={t} is out of the vocabulary: allowed [0, {self.vocab_size - 1}]")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={list(params.stop)!r} needs a tokenizer to read the output as text: "
+                             "give the LLM one, or use stop_token_ids")
+        return params
+
+    def abort(self, request) -> bool:
+        """Cancel a request (a ``Request`` or its rid) wherever it is, with finish_reason "abort":
+        waiting, it leaves the pool; between iterations, its K/V slots are freed now; in flight, its
+        token is dropped and its slots freed when that batch returns. The request-level baseline holds
+        it in its batch, as FT would. Returns False if it had already finished."""
+        rid = request.rid if isinstance(request, Request) else request
+        req = self.live.pop(rid, None)
+        if req is None:
+            if isinstance(rid, int) and 0 <= rid < self._next_rid:
+                return False
+            raise ValueError(f"rid={rid!r} names no request of this engine")
+        return self.scheduler.abort(req, self.clock.now())
+
+    def stats(self) -> EngineStats:
+        waiting = sum(r.t_scheduled is None for r in self.live.values())
+        kv = self.scheduler.kv
+        return EngineStats(waiting, len(self.live) - waiting, kv.n_reserved, kv.stats().used, kv.n_slots,
+                           self.scheduler.n_finished)
 
     def _check_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
@@ -120,30 +203,40 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._pending) or self.scheduler.has_work() or self.n_scheduled > 0
 
-    def step(self) -> list[tuple[Request, int]]:
+    def step(self, timeout: float | None = None) -> list[tuple[Request, int]]:
         """One turn of Algorithm 1's loop: schedule a batch if one can be formed; wait for a
-        returning batch once n_workers are in flight (or when nothing else can be done)."""
+        returning batch once n_workers are in flight (or when nothing else can be done, then for at
+        most ``timeout`` seconds, or until the trace's next arrival). Returns at once when idle."""
         self._admit_arrivals()
         now = self.clock.now()
         batch = self.scheduler.select(now)
+        ready = self.scheduler.take_ready()
         if batch is not None:
             batch.iteration, self._iteration = self._iteration, self._iteration + 1
             self.executor.submit(batch)
             self.n_scheduled += 1
             batch.at_submit = self._kv_snapshot()
         if self.n_scheduled and (self.n_scheduled == self.n_workers or batch is None):
-            timeout = None if batch is not None or not self._pending else \
-                max(0.0, self._pending[0][0] - self.clock.now())
-            done = self.executor.wait(timeout)
+            done = self.executor.wait(None if batch is not None else self._wait_limit(timeout))
             if done is not None:
                 self.n_scheduled -= 1
                 self._record(done)
-                return self.scheduler.on_return(done.batch, done.tokens, self.clock.now())
+                ready += self.scheduler.on_return(done.batch, done.tokens, self.clock.now())
         elif batch is None and self._pending:
             self.clock.sleep_until(self._pending[0][0])      # idle until the next arrival
-        elif batch is None and self.scheduler.has_work():
+        elif batch is None and self.scheduler.has_work() and not ready:
             raise RuntimeError("no request can be scheduled and none is in flight")  # guarded by add()
-        return []
+        for req, _ in ready:
+            if req.finished:
+                self.live.pop(req.rid, None)
+        return ready
+
+    def _wait_limit(self, timeout: float | None) -> float | None:
+        """How long an otherwise idle step waits for a batch: ``timeout``, the next arrival, or both."""
+        limits = [] if timeout is None else [timeout]
+        if self._pending:
+            limits.append(max(0.0, self._pending[0][0] - self.clock.now()))
+        return min(limits, default=None)
 
     def _admit_arrivals(self):
         now = self.clock.now()
@@ -184,7 +277,7 @@ class Engine:
     def result(self, start: float = 0.0) -> RunResult:
         reqs = [RequestRecord(r.rid, r.arrival - start, len(r.prompt), len(r.output),
                               _rel(r.t_scheduled, start), _rel(r.t_first_token, start),
-                              _rel(r.t_finish, start), r.n_iterations, tuple(r.output),
+                              _rel(r.t_finish, start), r.n_iterations, tuple(r.output), r.finish_reason,
                               n_preemptions=r.n_preemptions)
                 for r in self.requests]
         iters = [dataclasses.replace(it, start=it.start - start, end=it.end - start) for it in self.records] \

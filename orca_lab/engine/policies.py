@@ -94,20 +94,9 @@ class PagedScheduler(OrcaScheduler):
         req.n_preemptions += 1
         self.n_preemptions += 1
 
-    def on_return(self, batch: Batch, tokens: list[int], now: float) -> list[tuple[Request, int]]:
-        """Like ORCA's, except that a chunk short of the end of its context yields no token."""
-        events = []
-        for req, tok, kv_len in zip(batch.requests, tokens, batch.kv_lens):
-            req.n_cached, req.n_iterations = kv_len, req.n_iterations + 1
-            req.state = RequestState.INCREMENT
-            if kv_len < req.context_len:
-                continue                  # a non-final chunk: its sampled token is discarded
-            req.append(tok, now)
-            events.append((req, tok))
-            if req.finished:
-                self._finish(req, now)
-                self.pool.remove(req)
-        return events
+    def _yields(self, req: Request, kv_len: int) -> bool:
+        """A chunk short of the end of its context yields no token (its sample is discarded)."""
+        return kv_len >= req.context_len
 
 
 class ChunkedScheduler(PagedScheduler):

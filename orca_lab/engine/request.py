@@ -1,10 +1,12 @@
-"""A request, its states in Algorithm 1 and its sampling parameters."""
+"""A request, its states in Algorithm 1, its sampling parameters and why it finished."""
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
 from orca_lab.config import check_range
+
+FINISH_REASONS = ("length", "stop", "abort")   # OpenAI's and vLLM's names
 
 
 class RequestState(enum.Enum):
@@ -16,24 +18,60 @@ class RequestState(enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Greedy by default; EOS ignored by default, as in the paper's workload."""
+    """Greedy by default; EOS ignored by default, as in the paper's workload.
+
+    ``top_k`` (0 = off) and ``top_p`` (1 = off) narrow the distribution after ``temperature``;
+    ``seed`` makes a sampled request draw the same tokens whatever it is batched with. A request
+    stops at ``max_gen_tokens``, at EOS unless ``ignore_eos``, at any of ``stop_token_ids``, or once
+    its detokenized output contains one of the ``stop`` strings (the engine needs a tokenizer then).
+    """
     max_gen_tokens: int = 16
     temperature: float = 0.0
     top_k: int = 0
+    top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = True
     eos_token_id: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self):
         check_range("max_gen_tokens", self.max_gen_tokens, 1, 1 << 20)
         check_range("temperature", self.temperature, 0.0, 100.0, kind=float)
         check_range("top_k", self.top_k, 0, 1 << 24)
+        check_range("top_p", self.top_p, 0.0, 1.0, kind=float)
+        if self.top_p == 0:
+            raise ValueError("top_p=0 is out of range: allowed (0, 1]")
         if self.seed is not None:
             check_range("seed", self.seed, 0, 2 ** 63 - 1)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False")
+        if self.eos_token_id is not None:
+            check_range("eos_token_id", self.eos_token_id, 0, (1 << 24) - 1)
+        ids = _as_tuple("stop_token_ids", self.stop_token_ids, int)
+        for t in ids:
+            check_range("stop_token_ids", t, 0, (1 << 24) - 1)
+        stop = _as_tuple("stop", self.stop, str)
+        if any(not s for s in stop):
+            raise ValueError(f"stop={list(stop)!r} holds an empty string: each stop string needs >= 1 character")
+        object.__setattr__(self, "stop_token_ids", ids)     # tuples: the params stay hashable
+        object.__setattr__(self, "stop", stop)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _as_tuple(name: str, value, kind) -> tuple:
+    """One ``kind`` or a list of them, as a tuple."""
+    items = (value,) if isinstance(value, kind) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        raise ValueError(f"{name}={value!r} must be a {kind.__name__} or a list of them") from None
+    if any(not isinstance(x, kind) or isinstance(x, bool) for x in items):
+        raise ValueError(f"{name}={value!r} must be a {kind.__name__} or a list of them")
+    return items
 
 
 @dataclass(eq=False)
@@ -50,9 +88,11 @@ class Request:
     t_first_token: float | None = None
     t_finish: float | None = None
     n_iterations: int = 0             # iterations this request has run (FCFS property)
-    eos_seen: bool = False
+    finish_reason: str | None = None  # one of FINISH_REASONS once it is done
     generator: object = None          # torch.Generator of a sampled (non-greedy) request
     n_preemptions: int = 0            # times its K/V was freed to be recomputed (paged policies)
+    detokenize: object = None         # the tokenizer's decode: stop strings and ``text`` need it
+    stop_at: int | None = None        # where a stop string begins in the detokenized output
 
     @property
     def max_tokens(self) -> int:
@@ -65,7 +105,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return len(self.output) >= self.params.max_gen_tokens or self.eos_seen
+        return self.finish_reason is not None
 
     def pending_tokens(self) -> list[int]:
         """Tokens this request feeds into its next iteration: its whole prompt first, then its last token."""
@@ -80,5 +120,35 @@ class Request:
         if self.t_first_token is None and now is not None:
             self.t_first_token = now
         self.output.append(token)
+        self.finish_reason = self._stop_reason(token)
+
+    def _stop_reason(self, token: int) -> str | None:
+        """vLLM's order: EOS, stop token ids, stop strings, then the length limit."""
         p = self.params
-        self.eos_seen = (not p.ignore_eos) and p.eos_token_id is not None and token == p.eos_token_id
+        if (not p.ignore_eos and token == p.eos_token_id) or token in p.stop_token_ids:
+            return "stop"
+        if p.stop:
+            text = self.detokenize(self.output)
+            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+            if hits:
+                self.stop_at = min(hits)
+                return "stop"
+        return "length" if len(self.output) >= p.max_gen_tokens else None
+
+    @property
+    def text(self) -> str:
+        """The output as text a client may be shown now: without the stop string or the stop/EOS token
+        that ended it (as OpenAI and vLLM return it). While the request runs, a trailing incomplete
+        character is held back, and with stop strings so are the last characters that could begin one:
+        each call's text extends the previous one, so a server streams the difference."""
+        if self.detokenize is None:
+            raise RuntimeError(f"request {self.rid} has no tokenizer: its output is token ids only")
+        ended_by_token = self.finish_reason == "stop" and self.stop_at is None
+        text = self.detokenize(self.output[:-1] if ended_by_token else self.output)
+        if self.stop_at is not None:
+            return text[:self.stop_at]
+        if self.finished:
+            return text
+        text = text.rstrip("\ufffd")
+        hold = max((len(s) for s in self.params.stop), default=1) - 1
+        return text[:max(0, len(text) - hold)]

@@ -1,4 +1,4 @@
-"""Next-token choice from the last-token logits: greedy, or temperature / top-k under a seed."""
+"""Next-token choice from the last-token logits: greedy, or temperature / top-k / top-p under a seed."""
 import torch
 
 
@@ -13,11 +13,18 @@ def sample(logits: torch.Tensor, requests) -> list[int]:
 
 
 def _draw(logits: torch.Tensor, req) -> int:
+    """vLLM's order: temperature, then top-k, then top-p (the smallest set of most likely tokens
+    whose probability reaches top_p; the most likely token is always kept)."""
     p = req.params
+    logits = logits / p.temperature
     if p.top_k:
         kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, -1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p    # mass before it already reaches top_p
+        probs = probs.index_fill(0, order[outside], 0.0)
     if req.generator is None:
         req.generator = torch.Generator().manual_seed(p.seed if p.seed is not None else req.rid)
-    probs = torch.softmax(logits / p.temperature, -1).cpu()
-    return int(torch.multinomial(probs, 1, generator=req.generator))
+    return int(torch.multinomial(probs.cpu(), 1, generator=req.generator))

@@ -38,9 +38,18 @@ class Scheduler:
         """Algorithm 1's n_rsrv: the slots reserved by requests in the system."""
         return self.kv.n_reserved
 
+    def abort(self, req: Request, now: float) -> bool:
+        """Cancel ``req`` (finish_reason "abort"); False if it had already finished."""
+        raise NotImplementedError
+
+    def take_ready(self) -> list[tuple[Request, int]]:
+        """Tokens delivered outside ``on_return`` since the last call (none here)."""
+        return []
+
     def _finish(self, req: Request, now: float):
         req.state, req.t_finish = RequestState.FINISHED, now
-        self.kv.release(req)
+        if req.slots is not None:          # a request aborted before its first iteration holds none
+            self.kv.release(req)
         self.n_finished += 1
 
 
@@ -85,16 +94,40 @@ class OrcaScheduler(Scheduler):
         return Batch.selective(batch)
 
     def on_return(self, batch: Batch, tokens: list[int], now: float) -> list[tuple[Request, int]]:
-        """A batch came back: every request got one token; finished ones leave and free their slots."""
+        """A batch came back: every request got one token; finished ones leave and free their slots.
+        A request aborted while the batch was in flight leaves now, and its token is dropped."""
+        events = []
         for req, tok, kv_len in zip(batch.requests, tokens, batch.kv_lens):
+            if req.finish_reason == "abort":
+                self._leave(req, now)
+                continue
             req.n_cached, req.n_iterations = kv_len, req.n_iterations + 1
+            req.state = RequestState.INCREMENT
+            if not self._yields(req, kv_len):
+                continue
             req.append(tok, now)
+            events.append((req, tok))
             if req.finished:
-                self._finish(req, now)
-                self.pool.remove(req)
-            else:
-                req.state = RequestState.INCREMENT
-        return list(zip(batch.requests, tokens))
+                self._leave(req, now)
+        return events
+
+    def _yields(self, req: Request, kv_len: int) -> bool:
+        """Whether the iteration gave ``req`` a token: always here (a whole prompt, or one decode)."""
+        return True
+
+    def abort(self, req: Request, now: float) -> bool:
+        """Waiting or between iterations: it leaves the pool and frees its slots now. In flight: it
+        leaves when its batch returns (within one iteration), as ``on_return`` drops its token."""
+        if req.finished:
+            return False
+        req.finish_reason = "abort"
+        if req.state is not RequestState.RUNNING:
+            self._leave(req, now)
+        return True
+
+    def _leave(self, req: Request, now: float):
+        self._finish(req, now)
+        self.pool.remove(req)
 
 
 @dataclass(eq=False)
@@ -125,6 +158,7 @@ class RequestLevelScheduler(Scheduler):
         self.active: list[Request] = []
         self.micro: list[_MicroBatch] = []
         self.n_positions = 0      # positions the active batch feeds: its longest request's, less one
+        self._ready: list = []    # tokens of a batch that ended outside on_return (see select)
 
     def reservation(self, req: Request) -> int:
         return self.max_seq_len
@@ -139,6 +173,7 @@ class RequestLevelScheduler(Scheduler):
     def select(self, now: float = 0.0) -> Batch | None:
         """The next step of the idle micro-batch that has run the fewest steps (they take turns
         through the pipeline), until the batch's longest request has produced its last token."""
+        self._ready += self._end_batch(now)     # a batch whose last running request was aborted
         if not self.active:
             self._form_batch(now)
         if self._batch_done():
@@ -181,12 +216,34 @@ class RequestLevelScheduler(Scheduler):
             if last_pos + 1 >= len(req.prompt):  # past its prompt: a real token, kept until the batch ends
                 req.append(tok, None)
         mb.start, mb.q_len, mb.in_flight = last_pos + 1, 1, False
-        if not (self._batch_done() and not any(m.in_flight for m in self.micro)):
+        return self._end_batch(now)
+
+    def _end_batch(self, now: float) -> list[tuple[Request, int]]:
+        """Once every request of the batch is done and none of its micro-batches is in flight, the
+        whole batch returns at once, every token with it (FT delivers a request's tokens, the first
+        included, when its batch ends), and frees its slots. Aborted requests deliver nothing."""
+        if not (self.active and self._batch_done() and not any(m.in_flight for m in self.micro)):
             return []
         events = []
-        for req in self.active:                 # the whole batch returns at once, every token with it
-            req.t_first_token = now
-            events += [(req, tok) for tok in req.output]
+        for req in self.active:
+            if req.finish_reason != "abort":
+                req.t_first_token = now
+                events += [(req, tok) for tok in req.output]
             self._finish(req, now)
         self.active, self.micro = [], []
         return events
+
+    def take_ready(self) -> list[tuple[Request, int]]:
+        ready, self._ready = self._ready, []
+        return ready
+
+    def abort(self, req: Request, now: float) -> bool:
+        """Queued: it leaves the queue. In the batch: it is held like a request that finished early
+        (computes padding, returns nothing more) and its slots free when the batch ends, as in FT."""
+        if req.finished:
+            return False
+        req.finish_reason = "abort"
+        if req in self.queue:
+            self.queue.remove(req)
+            self._finish(req, now)
+        return True

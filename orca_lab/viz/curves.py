@@ -17,6 +17,8 @@ SCHEME_COLORS = {"max_seq_len": "#a50f15", "max_tokens": "#3182bd", "true_length
 
 
 def curve_label(system, max_bs, mbs) -> str:
+    if system not in _SHADES:         # another server, measured over HTTP: its own name
+        return str(system)
     return f"ft({max_bs},{int(mbs)})" if system == "ft" else f"{system}({max_bs})"
 
 
@@ -46,7 +48,8 @@ def latency_throughput_figure(df: pd.DataFrame, latency_col: str = "median_norm_
             pts = pts.sort_values("rate")
             fig.add_trace(go.Scatter(x=pts["throughput_rps"], y=pts[latency_col], name=label, legendgroup=label,
                                      showlegend=label not in shown, mode="lines+markers",
-                                     line=dict(color=colors[label], dash="dot" if system == "ft" else "solid"),
+                                     line=dict(color=colors.get(label, "#636363"),
+                                               dash="dot" if system == "ft" else "solid"),
                                      hovertemplate=f"{label}<br>rate %{{customdata:.3g}} req/s<br>"
                                                    "%{x:.3g} req/s, %{y:.4g} ms<extra></extra>",
                                      customdata=pts["rate"]), 1, col)

@@ -1,0 +1,104 @@
+"""What serving over HTTP costs: the server against the engine in this process, on the same work.
+
+    python benchmarks/serving.py [--n-requests 64] [--scale 0.25] [--max-bs 16] [--repeats 2]
+                                 [--threads 1] [--out docs/results/serving_cpu.json]
+
+1. Saturation: one paper-shaped trace, every request at time 0, served by ``LLM.serve`` in this
+   process and by ``orca-lab serve`` (a child process, same model, seed and engine settings) driven
+   by ``orca-lab bench``. Tokens/s of each, side by side, ``--repeats`` times alternating (goal: the
+   server reaches >= 90% of the in-process engine).
+2. Light load: short fixed-length requests at a low Poisson rate; the p99 inter-token latency the
+   client sees against the engine's own iteration time in the same run (goal: <= 1.5x).
+Both runs use one intra-op thread per process (``--threads``), recorded with the results.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+
+from orca_lab import LLM, EngineConfig
+from orca_lab.environment import environment
+from orca_lab.metrics import serving_summary
+from orca_lab.serving.bench import make_trace, run_load, server_records
+from orca_lab.serving.launch import ServerProcess
+
+
+def saturation(args, llm, server) -> list[dict]:
+    trace = make_trace("paper", args.n_requests, None, llm.cfg.vocab_size, args.seed, scale=args.scale)
+    rows = []
+    for rep in range(args.repeats):
+        local = serving_summary(llm.serve(trace))
+        run = asyncio.run(run_load(server.url, trace, "tiny"))
+        assert run.n_failed == 0, [r.error for r in run.requests if r.error][:3]
+        http = run.summary()
+        engine = serving_summary(server_records(server.url, [r.completion_id for r in run.requests], "engine"))
+        rows.append({"repeat": rep, "in_process_tok_s": local["throughput_tok_s"],
+                     "server_tok_s (client)": http["throughput_tok_s"],
+                     "server_engine_tok_s": engine["throughput_tok_s"],
+                     "ratio": http["throughput_tok_s"] / local["throughput_tok_s"]})
+    return rows
+
+
+def light_load(args, llm, server) -> dict:
+    trace = make_trace("fixed", args.light_requests, args.light_rate, llm.cfg.vocab_size, args.seed,
+                       input_len=16, output_len=64)
+    before = len(httpx.get(server.url + "/debug/run").json()["iterations"])
+    run = asyncio.run(run_load(server.url, trace, "tiny"))
+    assert run.n_failed == 0
+    iters = httpx.get(server.url + "/debug/run").json()["iterations"][before:]
+    span = np.array([it["end"] - it["start"] for it in iters])
+    itl = np.array(run.itl)
+    return {"rate": args.light_rate, "n_requests": args.light_requests, "n_iterations": len(span),
+            "itl_median_ms": float(np.median(itl) * 1e3), "itl_p99_ms": float(np.percentile(itl, 99) * 1e3),
+            "iteration_median_ms": float(np.median(span) * 1e3),
+            "iteration_p99_ms": float(np.percentile(span, 99) * 1e3),
+            "p99_itl_over_median_iteration": float(np.percentile(itl, 99) / np.median(span))}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n-requests", type=int, default=64)
+    p.add_argument("--scale", type=float, default=0.25, help="multiplies the paper's lengths")
+    p.add_argument("--max-bs", type=int, default=16)
+    p.add_argument("--n-slots", type=int, default=16384)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--light-rate", type=float, default=4.0)
+    p.add_argument("--light-requests", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="docs/results/serving_cpu.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    engine = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots)
+    llm = LLM("tiny", seed=0, engine=engine)
+    flags = ["--model", "tiny", "--max-bs", args.max_bs, "--n-slots", args.n_slots, "--threads", args.threads]
+    with ServerProcess(*flags) as server:
+        sat = saturation(args, llm, server)
+        light = light_load(args, llm, server)
+    print("saturation (tokens/s, same trace, all requests at t=0):")
+    print(f"{'repeat':>6}{'in-process':>14}{'server':>12}{'server engine':>15}{'ratio':>8}")
+    for r in sat:
+        print(f"{r['repeat']:>6}{r['in_process_tok_s']:>14.1f}{r['server_tok_s (client)']:>12.1f}"
+              f"{r['server_engine_tok_s']:>15.1f}{r['ratio']:>8.3f}")
+    ratio = statistics.median(r["ratio"] for r in sat)
+    print(f"median ratio {ratio:.3f} (goal >= 0.90)")
+    print(f"\nlight load ({light['rate']:g} req/s, 16-token prompts, 64 tokens each): p99 ITL "
+          f"{light['itl_p99_ms']:.2f} ms, engine iteration median {light['iteration_median_ms']:.2f} ms "
+          f"(p99 {light['iteration_p99_ms']:.2f}): ratio {light['p99_itl_over_median_iteration']:.2f} (goal <= 1.5)")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "environment": environment(), "saturation": sat,
+                               "saturation_median_ratio": ratio, "light_load": light}, indent=1))
+    print(f"wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

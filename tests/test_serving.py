@@ -1,0 +1,247 @@
+"""``orca-lab serve`` over real HTTP: uvicorn in a child process on 127.0.0.1 (a port the OS chooses),
+driven by the official ``openai`` client, httpx, and ``orca-lab bench``. Every loop is bounded and
+every server is stopped (and checked gone) at the end of its tests."""
+import asyncio
+import json
+import random
+import signal
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+from orca_lab import LLM
+from orca_lab.metrics import serving_summary
+from orca_lab.serving.bench import make_trace, run_load, server_records
+from orca_lab.serving.launch import ServerProcess
+from orca_lab.serving.metrics import parse_metrics
+
+from helpers import random_prompts
+
+N_SLOTS = 1000          # below the model's 1024 positions, so the slot check can refuse on its own
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--model", "tiny", "--seed", "0", "--max-bs", "16", "--n-slots", N_SLOTS).start()
+    yield s
+    assert s.stop() < 10
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def metrics(url) -> dict:
+    return parse_metrics(httpx.get(url + "/metrics").text)
+
+
+def wait_for(cond, timeout=10.0, every=0.02):
+    end = time.perf_counter() + timeout
+    while time.perf_counter() < end:
+        if cond():
+            return True
+        time.sleep(every)
+    return False
+
+
+def test_greedy_tokens_equal_llm_generate(client):
+    prompts = random_prompts(5, 257, lo=1, hi=30, seed=3)
+    resp = client.completions.create(model="tiny", prompt=prompts, max_tokens=12, temperature=0,
+                                     extra_body={"return_token_ids": True, "ignore_eos": True})
+    want = LLM("tiny", seed=0).generate(prompts, max_gen_tokens=12)
+    got = [c.model_extra["token_ids"] for c in sorted(resp.choices, key=lambda c: c.index)]
+    assert got == want
+    assert resp.usage.completion_tokens == 60 and resp.usage.prompt_tokens == sum(map(len, prompts))
+
+
+def test_streamed_text_equals_non_streamed(client):
+    kw = dict(model="tiny", prompt="Iteration-level scheduling", max_tokens=24, temperature=0,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0]
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == whole.model_extra["token_ids"]
+    assert chunks[-1].choices[0].finish_reason == "length" and len(chunks) == 24
+
+
+def test_64_concurrent_streaming_clients_get_their_tokens(server):
+    rng = random.Random(0)
+    jobs = [(rng.choice(["ORCA", "selective batching", "x" * 40]), rng.randint(1, 20)) for _ in range(64)]
+
+    async def one(aclient, prompt, n):
+        stream = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True},
+                                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+        ids, usage, reason = [], None, None
+        async for chunk in stream:
+            if chunk.choices:
+                ids += chunk.choices[0].model_extra["token_ids"]
+                reason = chunk.choices[0].finish_reason or reason
+            usage = chunk.usage or usage
+        return len(ids), usage.completion_tokens, reason
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as ac:
+            return await asyncio.wait_for(asyncio.gather(*(one(ac, p, n) for p, n in jobs)), 60)
+
+    results = asyncio.run(main())
+    assert results == [(n, n, "length") for _, n in jobs]
+
+
+BAD = [  # (body, status, words the message must hold: the field, the value, the allowed range)
+    ({"prompt": "a", "max_tokens": 0}, 400, ["max_tokens=0", "[1,"]),
+    ({"prompt": ""}, 400, ["prompt", "empty"]),
+    ({"prompt": []}, 400, ["prompt", "empty"]),
+    ({"prompt": [[1, 2], []]}, 400, ["prompt[1]", "empty"]),
+    ({"prompt": [5, 257]}, 400, ["prompt", "257", "[0, 256]"]),
+    ({"prompt": "a", "max_tokens": 1024}, 400, ["max_gen_tokens (1024)", "1025", "<= 1024", "max_tokens"]),
+    ({"prompt": "abc", "max_tokens": 999}, 400, ["max_tokens=1002", f"n_slots={N_SLOTS}"]),
+    ({"prompt": "a", "temperature": -0.5}, 400, ["temperature=-0.5", "[0.0, 2.0]"]),
+    ({"prompt": "a", "top_p": 0}, 400, ["top_p=0", "(0, 1]"]),
+    ({"prompt": "a", "top_p": 1.5}, 400, ["top_p=1.5", "[0.0, 1.0]"]),
+    ({"prompt": "a", "max_tokens": "many"}, 400, ["max_tokens='many'", "integer"]),
+    ({"prompt": 7}, 400, ["prompt", "got 7"]),
+    ({"prompt": "a", "model": "gpt-5"}, 404, ["model='gpt-5'", "tiny"]),
+]
+
+
+def test_bad_input_is_refused_while_good_requests_complete(server, client):
+    good = [client.completions.create(model="tiny", prompt="good", max_tokens=n, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True}) for n in (30, 40)]
+    with httpx.Client(base_url=server.url) as http:
+        for body, status, words in BAD:
+            r = http.post("/v1/completions", json=body)
+            err = r.json()["error"]
+            assert r.status_code == status and err["code"] == status, (body, r.text)
+            assert all(w in err["message"] for w in words), (body, err["message"])
+        r = http.post("/v1/completions", content=b'{"prompt": "a", ', headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as e:    # the official client reads the same body
+        client.completions.create(model="tiny", prompt="a", max_tokens=0)
+    assert e.value.param == "max_tokens" and "max_tokens=0" in e.value.message
+    assert [sum(1 for c in s if c.choices) for s in good] == [30, 40]
+    assert client.completions.create(model="tiny", prompt="still serving", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_a_dropped_stream_frees_its_slots(server):
+    body = {"model": "tiny", "prompt": [1] * 10, "max_tokens": 900, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    aborted = metrics(server.url)['orca_lab_requests_total{status="abort"}']
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert sum(1 for ln, _ in zip(lines, range(6)) if ln.startswith("data:")) >= 3
+            m = metrics(server.url)
+            assert m["orca_lab_kv_slots_reserved"] >= 910 and m["orca_lab_requests_running"] == 1
+        # the connection is closed here, mid-stream
+    assert wait_for(lambda: metrics(server.url)['orca_lab_requests_total{status="abort"}'] == aborted + 1)
+    m = metrics(server.url)
+    assert m["orca_lab_kv_slots_reserved"] == 0 and m["orca_lab_kv_slots_used"] == 0
+    assert m["orca_lab_requests_running"] == 0 and m["orca_lab_requests_waiting"] == 0
+    rec = server_records(server.url).requests[-1]
+    assert rec.finish_reason == "abort" and 3 <= rec.n_generated < 900
+
+
+def test_bench_agrees_with_the_servers_own_records(server):
+    """The same requests timed by the client (orca-lab bench) and by the server (arrival at the app
+    to its first token chunk and its last byte): TTFT and end-to-end percentiles within 10%. Long
+    prompts arriving at once make serving, not the HTTP hop (~10 ms on the loaded 2-core CI), the
+    bulk of every latency, as on a real deployment."""
+    trace = make_trace("fixed", 16, None, 257, input_len=300, output_len=4)
+    run = asyncio.run(run_load(server.url, trace, "tiny"))
+    assert run.n_failed == 0 and [r.n_generated for r in run.requests] == [4] * 16
+    client_side = serving_summary(run, run.itl)
+    server_side = serving_summary(server_records(server.url, [r.completion_id for r in run.requests]))
+    assert server_side["n_requests"] == 16
+    for key in ("ttft_median_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_median_ms", "e2e_p90_ms", "e2e_p99_ms"):
+        assert server_side[key] <= client_side[key] <= 1.1 * server_side[key], (key, client_side, server_side)
+
+
+def test_bench_cli_sweeps_rates_and_writes_its_report(server, tmp_path, capsys):
+    from orca_lab.cli import main
+    main(["bench", "--base-url", server.url, "--n-requests", "6", "--dataset", "fixed", "--input-len", "8",
+          "--output-len", "4", "--sweep-rates", "50", "inf", "--slo-ttft-ms", "10000", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "ttft" in out and "norm_latency" in out and "goodput_rps" in out
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert [row["rate"] for row in report["summary"]] == [50, float("inf")]
+    assert all(row["n_requests"] == 6 and row["n_failed"] == 0 for row in report["summary"])
+    assert report["environment"]["python"] and report["server"]["vocab_size"] == 257
+    assert (tmp_path / "bench_sweep.html").stat().st_size > 10_000
+
+
+# -- a second server: overload, then shutdown ------------------------------------------------------
+def test_overload_answers_503_and_loses_nothing_then_shuts_down_clean():
+    s = ServerProcess("--max-bs", "1", "--max-queue", "2", "--drain-s", "1").start()
+    try:
+        asyncio.run(_overload(s.url))
+        _drain_on_sigterm(s)
+    finally:
+        s.kill()
+    with pytest.raises(httpx.ConnectError):  # nothing listens on its port...
+        httpx.get(s.url + "/health")
+    with socket.socket() as sock:            # ...and a new server may take it (closed connections
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # stay in TIME_WAIT a while)
+        sock.bind(("127.0.0.1", s.port))
+        sock.listen()
+
+
+async def _overload(url):
+    """One request holds the only batch place (max_bs 1), two wait (max_queue 2): the next is
+    refused with 503 and Retry-After. The holder's client leaves; the two waiting still complete."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        post = lambda: asyncio.ensure_future(http.post("/v1/completions", json={
+            "prompt": "q", "max_tokens": 3, "temperature": 0, "ignore_eos": True}))
+        async with http.stream("POST", "/v1/completions", json={"prompt": "q", "max_tokens": 1000,
+                                                                "stream": True, "ignore_eos": True}):
+            await _until(http, lambda m: m["orca_lab_requests_running"] == 1)
+            queued = [post(), post()]
+            await _until(http, lambda m: m["orca_lab_requests_waiting"] == 2)
+            r = await http.post("/v1/completions", json={"prompt": "q", "max_tokens": 3})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert "max_queue=2" in r.json()["error"]["message"]
+        done = await asyncio.gather(*queued)
+    assert [(d.status_code, d.json()["usage"]["completion_tokens"]) for d in done] == [(200, 3)] * 2
+
+
+async def _until(http, cond, timeout=20.0):
+    end = time.perf_counter() + timeout
+    while time.perf_counter() < end:
+        if cond(parse_metrics((await http.get("/metrics")).text)):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the server never reached the expected state")
+
+
+def _drain_on_sigterm(s):
+    """SIGTERM: a request that fits in --drain-s finishes, one that does not is cut, and the process
+    exits within 10 s."""
+    with httpx.Client(base_url=s.url, timeout=30) as http:
+        short = {"prompt": "a", "max_tokens": 20, "stream": True, "ignore_eos": True}
+        long = {**short, "max_tokens": 1000}
+        with http.stream("POST", "/v1/completions", json=short) as r1, \
+                http.stream("POST", "/v1/completions", json=long) as r2:
+            lines1, lines2 = r1.iter_lines(), r2.iter_lines()
+            next(lines1), next(lines2)
+            s.proc.send_signal(signal.SIGTERM)
+            t0 = time.perf_counter()
+            got1 = [ln for ln in lines1 if ln.startswith("data:")]
+            with pytest.raises(httpx.HTTPError):    # cut at the end of the drain
+                [ln for ln in lines2]
+    assert got1[-1] == "data: [DONE]" and len(got1) == 20      # the 19 tokens left, then [DONE]
+    s.proc.wait(10)
+    assert time.perf_counter() - t0 < 10 and s.proc.poll() is not None
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-queue", "0", "max_queue=0"), ("--drain-s", "-1", "drain_s=-1.0"), ("--max-bs", "0", "max_bs=0"),
+    ("--model", "gpt-9", "model='gpt-9'")])
+def test_serve_refuses_bad_options_before_it_starts(flag, value, message, capsys):
+    from orca_lab.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["serve", flag, value])
+    assert e.value.code == 2 and message in capsys.readouterr().err
