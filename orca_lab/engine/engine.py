@@ -277,7 +277,7 @@ class Engine:
     def result(self, start: float = 0.0) -> RunResult:
         reqs = [RequestRecord(r.rid, r.arrival - start, len(r.prompt), len(r.output),
                               _rel(r.t_scheduled, start), _rel(r.t_first_token, start),
-                              _rel(r.t_finish, start), r.n_iterations, tuple(r.output), r.finish_reason,
+                              _rel(r.t_finish, start), r.n_iterations, tuple(r.output), finish_reason=r.finish_reason,
                               n_preemptions=r.n_preemptions)
                 for r in self.requests]
         iters = [dataclasses.replace(it, start=it.start - start, end=it.end - start) for it in self.records] \
