@@ -358,3 +358,24 @@ def test_any_tokenizer_with_encode_and_decode_works(tiny_llm):
         LLM(gpt=tiny_llm.model, tokenizer=object())
     with pytest.raises(ValueError, match=r"eos_token_id=257 is out of range: allowed \[0, 256\]"):
         LLM(gpt=tiny_llm.model, eos_token_id=257)
+
+
+def test_forget_bounds_what_a_long_lived_engine_keeps():
+    """A server's engine drops the oldest finished requests and iteration records, never a live one."""
+    llm = LLM("tiny", seed=0, engine=EngineConfig(max_bs=4, n_slots=2048))
+    engine = llm.new_engine()
+    try:
+        done = [engine.add_request([5, 6, 7], SamplingParams(max_gen_tokens=2)) for _ in range(6)]
+        while engine.has_work():
+            engine.step()
+        running = engine.add_request([1, 2], SamplingParams(max_gen_tokens=4))
+        engine.step()
+        engine.forget(keep_requests=2, keep_iterations=3)
+        assert [r.rid for r in engine.requests] == [done[-1].rid, running.rid]
+        assert len(engine.records) == 3
+        while engine.has_work():
+            engine.step()
+        assert running.finish_reason == "length" and engine.result().requests[-1].n_generated == 4
+        assert engine.scheduler.kv.n_reserved == 0
+    finally:
+        engine.close()

@@ -181,6 +181,15 @@ class Engine:
             raise ValueError(f"rid={rid!r} names no request of this engine")
         return self.scheduler.abort(req, self.clock.now())
 
+    def forget(self, keep_requests: int, keep_iterations: int):
+        """Bound what a long-lived engine keeps (a server runs for days): the oldest finished requests
+        past the last ``keep_requests`` and the iteration records past the last ``keep_iterations``
+        are dropped; requests not finished stay. ``result()`` then covers what is left."""
+        old = len(self.requests) - keep_requests
+        if old > 0:
+            self.requests = [r for i, r in enumerate(self.requests) if i >= old or r.rid in self.live]
+        del self.records[:max(0, len(self.records) - keep_iterations)]
+
     def stats(self) -> EngineStats:
         waiting = sum(r.t_scheduled is None for r in self.live.values())
         kv = self.scheduler.kv

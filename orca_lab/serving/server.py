@@ -31,6 +31,7 @@ from orca_lab.serving.protocol import (CompletionChoice, CompletionRequest, Comp
 log = logging.getLogger("orca_lab.serve")
 RETRY_AFTER_S = 1
 MAX_RECORDS = 100_000          # completions whose HTTP records /debug/run keeps
+HISTORY = 10_000               # requests and iterations the engine keeps for /debug/run (twice at most)
 
 
 class HTTPError(Exception):
@@ -201,6 +202,9 @@ class EngineThread:
             if rec.stage == 0:
                 m.iteration_tokens.observe(rec.n_tokens)
         self._n_records = len(records)
+        if len(records) > 2 * HISTORY or len(self.engine.requests) > 2 * HISTORY:
+            self.engine.forget(HISTORY, HISTORY)       # a server runs for days: keep its memory bounded
+            self._n_records = len(self.engine.records)
         self._send(out)
 
     def _cancel_all(self, msgs):
