@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("triton")
 
 from orca_lab.kernels.aot import DEFAULT_TARGETS, SHARED_LIMITS  # noqa: E402
-from orca_lab.kernels.attention import MAX_HEAD_SIZE, _block_sizes  # noqa: E402
+from orca_lab.kernels.attention import PrefillConfig, prefill_candidates  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "aot_fixtures"
@@ -55,15 +55,13 @@ def test_every_kernel_compiles_for_a100_and_h100_within_shared_memory(compiled):
     assert max(r["shared"] for r in attention) > 0     # its dots stage tiles in shared memory
 
 
-def test_every_attention_block_configuration_is_compiled(compiled):
-    """What the wrapper can pick on a GPU (head sizes 1 to 256, decode and prefill), each dtype."""
+def test_every_prefill_candidate_at_gpt3_shapes_is_compiled(compiled):
+    """Every configuration the tuner may pick for 40 heads of 128 in bf16 (the paper's), as launched."""
     _, rows = compiled
-    chosen = {_block_sizes(q_len, d, on_gpu=True) for d in range(1, MAX_HEAD_SIZE + 1) for q_len in (1, 16, 17, 4096)}
-    for dtype in ("fp32", "fp16", "bf16"):
-        seen = {(int(c["BLOCK_M"]), int(c["BLOCK_N"]), int(c["BLOCK_D"])) for r in rows
-                if r["kernel"].endswith("_ragged_attention_kernel") and r["what"].endswith(_torch_name(dtype))
-                for c in [r["constexprs"]]}
-        assert seen == chosen, dtype
+    seen = {(int(c["BLOCK_M"]), int(c["BLOCK_N"]), r["num_warps"], r["num_stages"]) for r in rows
+            if r["kernel"].endswith("_ragged_attention_kernel") and "40 heads of 128, torch.bfloat16" in r["what"]
+            for c in [r["constexprs"]]}
+    assert seen == {(c.block_m, c.block_n, c.num_warps, c.num_stages) for c in prefill_candidates(128, 2)}
 
 
 def _torch_name(dtype):

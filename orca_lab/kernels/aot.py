@@ -30,7 +30,7 @@ import pkgutil
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -51,6 +51,9 @@ class Launch:
     signature: dict = field(hash=False)
     constexprs: dict = field(hash=False)
     attrs: dict = field(hash=False)
+    num_warps: int = 4                  # Triton's defaults for a launch that names neither
+    num_stages: int = 3
+    quick: bool = True                  # in the quick check (CI); False: only with --full
 
     @property
     def name(self) -> str:
@@ -60,7 +63,7 @@ class Launch:
     def key(self) -> tuple:
         """Two launches with equal keys compile to the same cubin."""
         return (self.name, tuple(self.signature.items()), tuple((k, str(v)) for k, v in self.constexprs.items()),
-                tuple(sorted(self.attrs)))
+                tuple(sorted(self.attrs)), self.num_warps, self.num_stages)
 
 
 def meta(*shape, dtype=torch.float32) -> torch.Tensor:
@@ -73,8 +76,11 @@ def strides(prefix: str, letters: str, t: torch.Tensor) -> dict:
     return {prefix + c: s for c, s in zip(letters, t.stride(), strict=True)}
 
 
-def launch(kernel, what: str, **args) -> Launch:
-    """``kernel`` launched with ``args`` (every parameter by name), typed as Triton's launcher types it."""
+def launch(kernel, what: str, *, num_warps: int = 4, num_stages: int = 3, quick: bool = True,
+           **args) -> Launch:
+    """``kernel`` launched with ``args`` (every parameter by name) and ``num_warps``/``num_stages`` (they
+    change the code and its shared memory), typed as Triton's launcher types it. ``quick=False``
+    leaves it to ``--full``."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.nvidia.compiler import CUDABackend
 
@@ -95,7 +101,7 @@ def launch(kernel, what: str, **args) -> Launch:
             constexprs[p.name] = spec
         elif isinstance(spec, str) and CUDABackend.parse_attr(spec):
             attrs[(i,)] = CUDABackend.parse_attr(spec)
-    return Launch(kernel, what, signature, constexprs, attrs)
+    return Launch(kernel, what, signature, constexprs, attrs, num_warps, num_stages, quick)
 
 
 # ------------------------------------------------------------------------------------ discovery
@@ -123,11 +129,14 @@ def launched_kernels(modules) -> dict:
 
 
 def declared_launches(modules) -> list[Launch]:
-    """Every module's ``aot_launches()``, each distinct compile once (first description kept)."""
+    """Every module's ``aot_launches()``, each distinct compile once (first description kept; quick
+    if any of its declarations is)."""
     unique = {}
     for m in modules:
         for lc in getattr(m, "aot_launches", lambda: ())():
-            unique.setdefault(lc.key, lc)
+            seen = unique.setdefault(lc.key, lc)
+            if lc.quick and not seen.quick:
+                unique[lc.key] = replace(seen, quick=True)
     return list(unique.values())
 
 
@@ -149,11 +158,12 @@ def compile_launch(lc: Launch, arch: int) -> dict:
 
     row = {"kernel": lc.name, "what": lc.what, "arch": arch, "device": DEVICES.get(arch, f"sm_{arch}"),
            "constexprs": {k: str(v) for k, v in lc.constexprs.items()}, "signature": lc.signature,
-           "divisible_by_16": [lc.kernel.arg_names[i] for (i,) in sorted(lc.attrs)]}
+           "divisible_by_16": [lc.kernel.arg_names[i] for (i,) in sorted(lc.attrs)], "quick": lc.quick}
     t0 = time.perf_counter()
     try:
         compiled = triton.compile(ASTSource(lc.kernel, lc.signature, lc.constexprs, lc.attrs),
-                                  target=GPUTarget("cuda", arch, 32))
+                                  target=GPUTarget("cuda", arch, 32),
+                                  options={"num_warps": lc.num_warps, "num_stages": lc.num_stages})
     except Exception as e:  # the compiler's own message says what is wrong with the kernel
         return {**row, "error": f"{type(e).__name__}: {str(e).strip()[-1500:]}"}
     md = compiled.metadata
@@ -188,18 +198,21 @@ def main(argv=None) -> int:
                    help="compute capabilities, e.g. 80 90")
     p.add_argument("--modules", nargs="+", help="kernel modules (default: all of orca_lab.kernels)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compiling processes")
+    p.add_argument("--full", action="store_true",
+                   help="every declared launch (default: the quick set that CI compiles)")
     p.add_argument("--json", help="write every compile's row here")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         p.error("TRITON_INTERPRET is on: interpreted kernels cannot be compiled; run with TRITON_INTERPRET=0")
     t0 = time.perf_counter()
     modules = kernel_modules(args.modules)
-    launches = declared_launches(modules)
+    declared = declared_launches(modules)
     try:
-        check_coverage(modules, launches)
+        check_coverage(modules, declared)
     except LookupError as e:
         print(f"error: {e}")
         return 2
+    launches = [lc for lc in declared if args.full or lc.quick]
     rows = compile_all(launches, args.targets, args.jobs)
     failed = [r for r in rows if "error" in r]
     for arch in args.targets:
@@ -209,8 +222,9 @@ def main(argv=None) -> int:
         print(f"{DEVICES.get(arch, arch)}: {len(ok)} of {len(launches)} launches compiled{peak}")
     for r in failed:
         print(f"FAILED {r['kernel']} [{r['what']}] for {r['device']}: {r['error']}")
-    print(f"{len(launches)} distinct launches of {len(launched_kernels(modules))} kernels, {len(rows)} compiles "
-          f"in {time.perf_counter() - t0:.1f} s")
+    which = "all" if args.full else "the quick set (--full: all)"
+    print(f"{len(launches)} of {len(declared)} distinct launches ({which}) of {len(launched_kernels(modules))} "
+          f"kernels, {len(rows)} compiles in {time.perf_counter() - t0:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -336,6 +336,11 @@ NO_SPLIT = 1 << 30      # the partition of an unsplit context: longer than any
 SHARED_LIMIT = 160 * 1024
 
 
+def _prefill_shared(c: PrefillConfig, block_d: int, elem_bytes: int) -> int:
+    """Bytes of shared memory a ragged-kernel tile plans for: Q block and pipelined K/V blocks."""
+    return elem_bytes * block_d * (c.block_m + 2 * c.block_n * c.num_stages)
+
+
 def prefill_candidates(head_size: int, elem_bytes: int = 2) -> list[PrefillConfig]:
     """What the GPU tuner times for the ragged kernel (the first one also serves untuned). Tiles
     whose Q block and pipelined K/V blocks would not fit ``SHARED_LIMIT`` are left out (fp32 halves
@@ -347,8 +352,7 @@ def prefill_candidates(head_size: int, elem_bytes: int = 2) -> list[PrefillConfi
         cands = [PrefillConfig(64, 64, 4, 2), PrefillConfig(128, 64, 8, 2), PrefillConfig(128, 32, 4, 3),
                  PrefillConfig(64, 32, 4, 3), PrefillConfig(128, 128, 8, 2), PrefillConfig(32, 64, 4, 2),
                  PrefillConfig(16, 64, 4, 2)]   # short chunks: fewer wasted query rows
-    shared = lambda c: elem_bytes * block_d * (c.block_m + 2 * c.block_n * c.num_stages)
-    return [c for c in cands if shared(c) <= SHARED_LIMIT] or [PrefillConfig(16, 16, 4, 1)]
+    return [c for c in cands if _prefill_shared(c, block_d, elem_bytes) <= SHARED_LIMIT] or [PrefillConfig(16, 16, 4, 1)]
 
 
 def decode_candidates(head_size: int, n_heads: int) -> list[DecodeConfig]:
@@ -381,56 +385,6 @@ def tf32_matmuls(enabled: bool):
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
-
-
-_TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-def launch_configs(dtypes=(torch.float16, torch.bfloat16, torch.float32), head_sizes=(64, 80, 128),
-                   n_heads=40) -> list[dict]:
-    """Every launch the GPU path of this module can make, for ahead-of-time compilation checks.
-
-    Each entry: ``fn`` (the ``@triton.jit`` kernel), ``signature`` (argument name -> Triton type,
-    ``"constexpr"`` for compile-time ones, as ``triton.compiler.ASTSource`` takes it), ``constexprs``
-    (name -> value), ``num_warps``, ``num_stages``. Covers the tuner's candidates for the ragged
-    kernel (both dot precisions for fp32), the decode kernel (split and not) and the merge kernel,
-    with int64 slot ids (what the K/V manager hands out) and int32 offsets.
-    """
-    out = []
-    for dtype in dtypes:
-        t = _TRITON_DTYPES[dtype]
-        for d in head_sizes:
-            bd = next_pow2(d, 16)
-            for cfg in prefill_candidates(d, dtype.itemsize):
-                for prec in sorted({_dot_precision(dtype, False), _dot_precision(dtype, True)}):
-                    out.append(_entry(_ragged_attention_kernel, t, cfg, dict(
-                        DOT_PRECISION=prec, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd,
-                        INTERPRETED=False)))
-            for cfg in decode_candidates(d, n_heads):
-                for split in (False, True):
-                    out.append(_entry(_decode_attention_kernel, t, cfg, dict(
-                        SPLIT=split, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=bd,
-                        INTERPRETED=False)))
-            for block_s in (2, 4, 8, 16, 32, 64):
-                out.append(_entry(_decode_reduce_kernel, t, DecodeConfig(1, 1, 0, 4, 1), dict(
-                    BLOCK_S=block_s, BLOCK_D=bd, INTERPRETED=False)))
-    return out
-
-
-def _entry(fn, t, cfg, constexprs) -> dict:
-    """One launch's ahead-of-time description: pointer types by role, i32 scalars, fp32 scale."""
-    ptr = {"slot_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "part_ptr": "*fp32"}
-    signature = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = ptr.get(name, "*i32" if name.startswith(("cu_", "work_", "req_"))
-                                      else f"*{t}")
-        else:
-            signature[name] = "fp32" if name == "qk_scale" else "i32"
-    return dict(fn=fn, signature=signature, constexprs=constexprs, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
 
 
 # ------------------------------------------------------------------------------ iteration plan
@@ -616,28 +570,62 @@ def ragged_attention(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, sc
 
 
 # ------------------------------------------------------------------------ ahead-of-time compile
-def aot_launches():
-    """Every launch ``ragged_attention_triton`` can make on a GPU (``orca_lab.kernels.aot``): each
-    block configuration ``_block_sizes`` picks for head sizes 1 to 256, decode (one query per
-    request) and prefill; each float dtype; the engine's int64 slot ids and int32 offsets.
+def _head_classes():
+    """(heads, head size) pairs that compile differently: each BLOCK_D bucket (16 to 256) with head
+    sizes 1, odd, 2 or 8 times odd, and multiples of 16 (the 16-divisibility Triton specializes the
+    size and the strides H * D and D on); 1, 2 and 40 heads (one head makes ``n_heads`` a constant,
+    and fewer heads than ``block_h`` narrow the decode head group). Pairs that type the same are
+    merged by ``orca_lab.kernels.aot``."""
+    sizes = [1] + [d for b in (16, 32, 64, 128, 256) for d in (b - 1, b - 2, b - 8, b) if d > 1]
+    return [(h, d) for h in (1, 2, 40) for d in sizes]
 
-    fp16 takes every head size, so every alignment class of the strides (multiples of 16, odd sizes,
-    size 1); fp32 and bf16 take the multiples of 16, the
-    class with the most vectorized, pipelined loads (the most shared memory): elsewhere the dtype
-    changes only the operand type of the same code."""
+
+def aot_launches():
+    """Every launch ``ragged_attention_triton`` can make on a GPU (``orca_lab.kernels.aot``): for each
+    float dtype and head class (``_head_classes``), the ragged kernel with every prefill candidate
+    the tuner may pick (fp32 with both dot precisions), the decode kernel with every decode
+    candidate split and unsplit, the merge kernel with every BLOCK_S up to the longest context
+    ``max_seq_len`` allows; int64 slot ids, int32 offsets.
+
+    The quick set (CI) keeps, per kernel, dtype and BLOCK_D bucket, the default configuration and
+    the one with the largest tiles (the most shared memory), at 40 heads of a multiple of 16;
+    every launch at 40 heads of 128 in bf16 (GPT-3's); the merge kernel's smallest and largest
+    BLOCK_S. ``--full`` compiles the rest."""
     from orca_lab.kernels.aot import launch, meta, strides
-    i32 = meta(9, dtype=torch.int32)
-    for dtype in FLOAT_DTYPES:
-        every = dtype == torch.float16
-        for head_size in range(1, MAX_HEAD_SIZE + 1) if every else range(16, MAX_HEAD_SIZE + 1, 16):
-            for heads, max_q_len in product((1, 3), (1, 17)):
-                block_m, block_n, block_d = _block_sizes(max_q_len, head_size, on_gpu=True)
-                q, pool = meta(64, heads, head_size, dtype=dtype), meta(2, 256, heads, head_size, dtype=dtype)[0]
-                yield launch(
-                    _ragged_attention_kernel, f"{heads} heads of {head_size}, q_len <= {max_q_len}, {dtype}",
-                    q_ptr=q, k_ptr=pool, v_ptr=pool, out_ptr=q, slot_ptr=meta(9, dtype=torch.int64),
-                    cu_q_ptr=i32, cu_k_ptr=i32, work_req_ptr=i32, work_blk_ptr=i32,
-                    **strides("stride_q", "thd", q), **strides("stride_k", "nhd", pool),
-                    **strides("stride_v", "nhd", pool), **strides("stride_o", "thd", q),
-                    qk_scale=0.125, head_size=head_size, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, INTERPRETED=False)
+    i32, i64 = meta(9, dtype=torch.int32), meta(9, dtype=torch.int64)
+    max_splits = next_pow2(-(-(1 << 20) // 256))     # max_seq_len's limit over the shortest partition
+    for dtype, (heads, d) in product(FLOAT_DTYPES, _head_classes()):
+        bd = next_pow2(d, 16)
+        paper = dtype == torch.bfloat16 and heads == 40 and d == 128
+        rep = heads == 40 and d == bd
+        q, pool = meta(64, heads, d, dtype=dtype), meta(2, 256, heads, d, dtype=dtype)[0]
+        tensors = dict(q_ptr=q, k_ptr=pool, v_ptr=pool, out_ptr=q, slot_ptr=i64, cu_q_ptr=i32, cu_k_ptr=i32,
+                       **strides("stride_q", "thd", q), **strides("stride_k", "nhd", pool),
+                       **strides("stride_v", "nhd", pool), **strides("stride_o", "thd", q))
+        shape = f"{heads} heads of {d}, {dtype}"
+        cands = prefill_candidates(d, dtype.itemsize)
+        widest = max(cands, key=lambda c: _prefill_shared(c, bd, dtype.itemsize))
+        for c, prec in product(cands, sorted({_dot_precision(dtype, False), _dot_precision(dtype, True)})):
+            yield launch(_ragged_attention_kernel, f"prefill {c}, {prec}, {shape}", **tensors,
+                         work_req_ptr=i32, work_blk_ptr=i32, qk_scale=0.125, head_size=d,
+                         DOT_PRECISION=prec, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=bd,
+                         INTERPRETED=False, num_warps=c.num_warps, num_stages=c.num_stages,
+                         quick=paper or rep and c in (cands[0], widest))
+        cands = decode_candidates(d, heads)
+        widest = max(cands, key=lambda c: (c.block_h * c.block_n, c.num_stages))
+        part = meta(9, dtype=torch.float32)
+        for c, split in product(cands, (True, False)):
+            yield launch(_decode_attention_kernel, f"decode {c}, split={split}, {shape}", **tensors,
+                         part_ptr=part, m_ptr=part, l_ptr=part, req_ptr=i32, qk_scale=0.125, n_heads=heads,
+                         head_size=d, partition=c.partition if split else NO_SPLIT, SPLIT=split,
+                         BLOCK_H=c.block_h, BLOCK_N=c.block_n, BLOCK_D=bd, INTERPRETED=False,
+                         num_warps=c.num_warps, num_stages=c.num_stages,
+                         quick=paper or rep and c in (cands[0], widest))
+        # every BLOCK_S (split counts a multiple of 16 and not) at 40 heads; the ends at other heads
+        merges = [(1 << i, n) for i in range(1, max_splits.bit_length()) for n in {1 << i, max(2, (1 << i) - 1)}]
+        for block_s, n_splits in merges if rep else ((2, 2), (max_splits, max_splits)):
+            yield launch(_decode_reduce_kernel, f"merge of {n_splits} splits, {shape}", part_ptr=part, m_ptr=part,
+                         l_ptr=part, out_ptr=q, cu_q_ptr=i32, cu_k_ptr=i32, req_ptr=i32,
+                         **strides("stride_o", "thd", q), n_heads=heads, head_size=d, n_splits=n_splits,
+                         partition=256, BLOCK_S=block_s, BLOCK_D=bd, INTERPRETED=False, num_warps=4,
+                         quick=paper or rep and block_s in (2, max_splits))
