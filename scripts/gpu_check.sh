@@ -8,16 +8,18 @@
 # says whether all passed):
 #   tests    the test suite, on the GPU (kernels compiled for it, fp16/bf16 for real)
 #   bench    python -m orca_lab.kernels.bench: kernels against their roofline and the alternatives
+#   aot      python -m orca_lab.kernels.aot --full: every declared launch compiled for sm_80 and sm_90
+#            (CI compiles a subset; see orca_lab/kernels/aot.py)
 #   workers  EngineConfig(executor="workers") on one GPU over NCCL: the in-process engine's tokens
 #   fig9     Figure 9 measured for gpt3-13b (batch 1-32, inputs 32 and 128, 32 generated tokens),
 #            beside the simulator's prediction for the same GPU
 #   fig10    a measured Figure 10 sweep (latency vs throughput) on gpt2, which fits any GPU
 # Environment: OUT_DIR (default docs/results/gpu_<device>), PYTHON (default python3),
-# FIG10_PRESET (default gpt2), STEPS (default "tests bench workers fig9 fig10").
+# FIG10_PRESET (default gpt2), STEPS (default "tests bench aot workers fig9 fig10").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-STEPS=${STEPS:-tests bench workers fig9 fig10}
+STEPS=${STEPS:-tests bench aot workers fig9 fig10}
 FIG10_PRESET=${FIG10_PRESET:-gpt2}
 DRY=0
 case "${1:-}" in
@@ -77,6 +79,7 @@ FIG10=(-p mode measure -p preset "$FIG10_PRESET" -p device cuda
 
 step tests "$PY" -m pytest -q -p no:cacheprovider --junitxml "$OUT/tests.xml" tests
 step bench "$PY" -m orca_lab.kernels.bench --out "$OUT/kernels_bench.json"
+step aot env TRITON_INTERPRET=0 "$PY" -m orca_lab.kernels.aot --full --jobs "$(nproc)" --json "$OUT/aot_full.json"
 step workers "$PY" scripts/gpu_check.py workers "$OUT"
 step fig9 fig9
 step fig10 "${PM[@]}" reproduce/fig_e2e.ipynb "$OUT/fig10_measured.ipynb" -p out_dir "$OUT/fig10_measured" "${FIG10[@]}"

@@ -140,6 +140,34 @@ def declared_launches(modules) -> list[Launch]:
     return list(unique.values())
 
 
+def ci_subset(launches) -> list[Launch]:
+    """What CI compiles within a minute on 2 cores: of the quick launches, for each kernel and each
+    float dtype, the first declared (the wrapper's default) and the one with the largest tiles (the
+    product of its ``BLOCK_*`` constexprs and stages: the most shared memory). ``--full`` compiles
+    every declared launch (a GPU host's many cores do it in minutes)."""
+    groups: dict = {}
+    for lc in launches:
+        if lc.quick:
+            groups.setdefault((lc.name, _float_type(lc)), []).append(lc)
+    out = []
+    for group in groups.values():
+        biggest = max(group, key=_tiles)
+        out += [group[0]] if biggest is group[0] else [group[0], biggest]
+    return out
+
+
+def _float_type(lc: Launch) -> str:
+    return next((t for t in lc.signature.values() if t in ("*fp32", "*fp16", "*bf16")), "")
+
+
+def _tiles(lc: Launch) -> int:
+    size = lc.num_stages
+    for name, value in lc.constexprs.items():
+        if name.startswith("BLOCK") and isinstance(value, int):
+            size *= value
+    return size
+
+
 def check_coverage(modules, launches) -> None:
     """Refuse a launched kernel that no ``aot_launches`` declares."""
     covered = {lc.name for lc in launches}
@@ -201,6 +229,7 @@ def main(argv=None) -> int:
     p.add_argument("--full", action="store_true",
                    help="every declared launch (default: the quick set that CI compiles)")
     p.add_argument("--json", help="write every compile's row here")
+    p.add_argument("--list", action="store_true", help="write the declared launches to --json, compile none")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         p.error("TRITON_INTERPRET is on: interpreted kernels cannot be compiled; run with TRITON_INTERPRET=0")
@@ -212,7 +241,18 @@ def main(argv=None) -> int:
     except LookupError as e:
         print(f"error: {e}")
         return 2
-    launches = [lc for lc in declared if args.full or lc.quick]
+    launches = declared if args.full else ci_subset(declared)
+    if args.list:
+        chosen = {id(lc) for lc in launches}
+        rows = [{"kernel": lc.name, "what": lc.what, "num_warps": lc.num_warps, "num_stages": lc.num_stages,
+                 "constexprs": {k: str(v) for k, v in lc.constexprs.items()}, "signature": lc.signature,
+                 "divisible_by_16": [lc.kernel.arg_names[i] for (i,) in sorted(lc.attrs)], "ci": id(lc) in chosen}
+                for lc in declared]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        print(f"{len(declared)} distinct launches declared, {len(launches)} in CI's subset")
+        return 0
     rows = compile_all(launches, args.targets, args.jobs)
     failed = [r for r in rows if "error" in r]
     for arch in args.targets:
@@ -222,7 +262,7 @@ def main(argv=None) -> int:
         print(f"{DEVICES.get(arch, arch)}: {len(ok)} of {len(launches)} launches compiled{peak}")
     for r in failed:
         print(f"FAILED {r['kernel']} [{r['what']}] for {r['device']}: {r['error']}")
-    which = "all" if args.full else "the quick set (--full: all)"
+    which = "all" if args.full else "CI's subset (--full: all)"
     print(f"{len(launches)} of {len(declared)} distinct launches ({which}) of {len(launched_kernels(modules))} "
           f"kernels, {len(rows)} compiles in {time.perf_counter() - t0:.1f} s")
     if args.json:
