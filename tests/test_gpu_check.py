@@ -38,7 +38,7 @@ def test_the_dry_run_plans_every_step_at_the_papers_shapes():
     proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     steps = [line.split("]")[0][1:] for line in proc.stdout.splitlines() if line.startswith("[")]
-    assert steps == ["tests", "bench", "workers", "fig9", "fig10"]
+    assert steps == ["tests", "bench", "aot", "workers", "fig9", "fig10"]
     out = proc.stdout
     assert "-m pytest" in out and "-m orca_lab.kernels.bench" in out and "gpu_check.py workers" in out
     assert "fig9-compare" in out and "reproduce/fig_e2e.ipynb" in out and "-p mode measure" in out
