@@ -155,7 +155,7 @@ class WorkerPool:
         every worker says it is ready; a worker that dies meanwhile fails the start at once."""
         for t in range(self.tp):
             address = decode_address(self._await(store, [f"inbox/{t}"], deadline, "open its control inbox")[0])
-            self._control.append(connect(address, self._secret, MASTER))
+            self._control.append(self._connect_stage0(address, deadline))
         while len(self._reports) < self.pp:
             got = self._inbox.accept(POLL_S)
             if got is not None:
@@ -164,6 +164,18 @@ class WorkerPool:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"only {len(self._reports)} of {self.pp} stages connected to the master in time")
         self._await(store, [f"ready/{r}" for r in range(self.tp * self.pp)], deadline, "start")
+
+    def _connect_stage0(self, address, deadline):
+        """A worker may open its inbox and die just after (a start-up error): a refused connection
+        then means it is gone, and its own error, read when its process exits, is the one to report."""
+        try:
+            return connect(address, self._secret, MASTER)
+        except OSError as e:
+            end = min(deadline, time.monotonic() + 5.0)
+            while time.monotonic() < end:
+                self._check_alive("during start-up")
+                time.sleep(0.05)
+            raise RuntimeError(f"a worker's control inbox at {address} refused the master: {e}") from e
 
     def _await(self, store, keys, deadline, what):
         while not store.check(keys):
