@@ -13,7 +13,8 @@ import pytest
 
 from helpers import random_prompts
 from orca_lab import LLM, EngineConfig
-from orca_lab.engine.parallel import WorkerPool, check_degrees
+from orca_lab.config import check_degrees
+from orca_lab.engine.parallel import WorkerPool
 from orca_lab.workload import TraceItem, paper_trace
 
 DEGREES = [(2, 1), (1, 2), (2, 2)]          # (tensor_parallel, pipeline_parallel)

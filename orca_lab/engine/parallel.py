@@ -40,7 +40,7 @@ from multiprocessing.connection import wait as wait_any
 import torch
 import torch.distributed as dist
 
-from orca_lab.config import check_degrees, uses_workers  # noqa: F401  (re-exported: callers import them here)
+from orca_lab.config import check_degrees
 from orca_lab.engine.control import (ControlError, ControlMessage, Inbox, Reset, StageReport, Stop, WorkerError,
                                      connect, decode_address, encode, encode_address, start_heartbeat)
 from orca_lab.engine.executor import Completion, RealClock, StageTime
