@@ -50,19 +50,15 @@ def compare(args) -> dict:
 
 def serve(args):
     """``orca-lab serve``: the OpenAI-compatible endpoint (orca_lab.serving.server)."""
-    import torch
-    from orca_lab.llm import LLM
+    from orca_lab.serving.engine_core import EngineRecipe
     from orca_lab.serving.server import serve as run
     check_range("max_queue", args.max_queue, 1, 1 << 20)
     check_range("drain_s", args.drain_s, 0.0, 3600.0, kind=float)
-    torch.set_num_threads(args.threads)
+    check_range("threads", args.threads, 1, 1024)
     engine = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots, tensor_parallel=args.tp,
                           pipeline_parallel=args.pp, device=args.device, dtype=args.dtype)
-    if Path(args.model).is_dir():
-        llm = LLM.from_pretrained(args.model, engine=engine)
-    else:
-        llm = LLM(args.model, seed=args.seed, engine=engine)
-    run(llm, args.system, args.host, args.port, args.max_queue, args.drain_s, model_name=args.model)
+    run(EngineRecipe(args.model, args.seed, engine, args.system, args.threads), args.host, args.port,
+        args.max_queue, args.drain_s, model_name=args.model)
 
 
 def bench(args) -> dict:

@@ -4,7 +4,7 @@ Requests arrive from a trace (on the executor's clock) or are added by hand; eac
 record per pipeline stage, and each request a record of its timestamps: together a ``RunResult``.
 
 How a server drives it (ORCA §3, Figure 4: the endpoint puts requests in the pool, the engine loop
-runs iterations over it). The engine is not thread-safe: one engine thread owns it and loops::
+runs iterations over it). The engine is not thread-safe: one thread owns it and loops (``orca_lab.serving.engine_core``)::
 
     while serving:
         for msg in drain(inbox, block=not engine.has_work()):   # block only when idle
@@ -139,8 +139,8 @@ class Engine:
     def check_request(self, prompt, params: SamplingParams) -> list[int]:
         """Every check ``add_request`` makes, adding nothing: the prompt as token ids, or a ValueError
         (TypeError for a prompt that is not token ids) naming the field, the value and the range.
-        It reads only settings fixed at construction, so another thread (a server's event loop) may
-        call it while the engine thread runs."""
+        It reads only settings fixed at construction, so another thread may call it while the engine
+        runs."""
         return self._checked(prompt, params)[0]
 
     def _checked(self, prompt, params: SamplingParams) -> tuple[list[int], SamplingParams]:

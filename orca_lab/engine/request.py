@@ -137,18 +137,24 @@ class Request:
 
     @property
     def text(self) -> str:
-        """The output as text a client may be shown now: without the stop string or the stop/EOS token
-        that ended it (as OpenAI and vLLM return it). While the request runs, a trailing incomplete
-        character is held back, and with stop strings so are the last characters that could begin one:
-        each call's text extends the previous one, so a server streams the difference."""
+        """The output as text a client may be shown now (``visible_text``)."""
         if self.detokenize is None:
             raise RuntimeError(f"request {self.rid} has no tokenizer: its output is token ids only")
-        ended_by_token = self.finish_reason == "stop" and self.stop_at is None
-        text = self.detokenize(self.output[:-1] if ended_by_token else self.output)
-        if self.stop_at is not None:
-            return text[:self.stop_at]
-        if self.finished:
-            return text
-        text = text.rstrip("\ufffd")
-        hold = max((len(s) for s in self.params.stop), default=1) - 1
-        return text[:max(0, len(text) - hold)]
+        return visible_text(self.detokenize, self.output, self.finish_reason, self.stop_at, self.params.stop)
+
+
+def visible_text(decode, output: list[int], finish_reason: str | None, stop_at: int | None,
+                 stop: tuple[str, ...]) -> str:
+    """The output as text a client may be shown now: without the stop string or the stop/EOS token
+    that ended it (as OpenAI and vLLM return it). While the request runs, a trailing incomplete
+    character is held back, and with stop strings so are the last characters that could begin one:
+    each call's text extends the previous one, so a server streams the difference."""
+    ended_by_token = finish_reason == "stop" and stop_at is None
+    text = decode(output[:-1] if ended_by_token else output)
+    if stop_at is not None:
+        return text[:stop_at]
+    if finish_reason is not None:
+        return text
+    text = text.rstrip("\ufffd")
+    hold = max((len(s) for s in stop), default=1) - 1
+    return text[:max(0, len(text) - hold)]

@@ -1,6 +1,6 @@
 """The server's Prometheus metrics (``GET /metrics``), in a registry of its own per server.
 
-Gauges are set by the engine thread after every iteration from ``Engine.stats()``; histograms
+Gauges are set from the ``Engine.stats()`` that comes with every iteration's tokens; histograms
 observe each token as the engine hands it back (engine clock, before any HTTP): what the server
 itself measured, to compare with what a client measures.
 """

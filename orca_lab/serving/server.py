@@ -1,21 +1,20 @@
 """``orca-lab serve``: an OpenAI-compatible endpoint over the engine loop (ORCA §3, Figure 4).
 
 The endpoint (FastAPI on an asyncio event loop) checks each request and hands it to the request
-pool; the engine thread owns the ``Engine`` and runs Algorithm 1's iterations over that pool. They
-meet at two places only: a thread-safe inbox (endpoint -> engine: add, abort, snapshot, stop) and
-each HTTP request's asyncio queue (engine -> endpoint: one ``call_soon_threadsafe`` per iteration
-carries that iteration's tokens). No engine work runs on the event loop, so a long iteration never
-stalls the HTTP side, and the engine never waits on a slow client.
+pool; the engine, in a process of its own (``engine_core``), runs Algorithm 1's iterations over
+that pool. They meet at two pipes: endpoint -> engine (add, abort, call, stop) and engine ->
+endpoint (one message per iteration with its tokens, read by the event loop as it arrives). No
+engine work runs on the event loop, so a long iteration never stalls the HTTP side, and the engine
+never waits on a slow client or on the GIL the event loop holds.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
-import queue
-import threading
 import uuid
 from dataclasses import dataclass, field
 
@@ -23,7 +22,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from orca_lab.engine.request import SamplingParams
+from orca_lab.engine.request import SamplingParams, visible_text
+from orca_lab.serving.engine_core import SHUTTING_DOWN, EngineProcess, EngineRecipe
 from orca_lab.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from orca_lab.serving.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, ModelCard,
                                        ModelList, Usage, error_body, validation_error)
@@ -31,7 +31,6 @@ from orca_lab.serving.protocol import (CompletionChoice, CompletionRequest, Comp
 log = logging.getLogger("orca_lab.serve")
 RETRY_AFTER_S = 1
 MAX_RECORDS = 100_000          # completions whose HTTP records /debug/run keeps
-HISTORY = 10_000               # requests and iterations the engine keeps for /debug/run (twice at most)
 
 
 class HTTPError(Exception):
@@ -44,8 +43,8 @@ class HTTPError(Exception):
 
 @dataclass(frozen=True)
 class Event:
-    """What the engine thread sends a choice: a token (None when it ends without one), the text so
-    far, and its finish reason once it is done."""
+    """What a choice receives: a token (None when it ends without one), the text so far, and its
+    finish reason once it is done."""
     token: int | None
     text: str
     finish_reason: str | None = None
@@ -59,185 +58,158 @@ class Stream:
     params: SamplingParams
     arrival: float                 # at the endpoint, on the engine's clock
     out: asyncio.Queue             # shared by the choices of one HTTP request: (index, Event)
-    rid: int | None = None         # set by the engine thread once the engine holds it
-    last: float = 0.0              # engine clock of its last token (engine thread only)
+    sid: int = -1                  # the endpoint's name for it, known to the engine
+    rid: int | None = None         # the engine's, once it holds it
+    last: float = 0.0              # engine clock of its last token
+    output: list[int] = field(default_factory=list)
+    text: str = ""                 # the text shown so far
 
 
-class EngineThread:
-    """The engine in a thread of its own, fed by a thread-safe inbox: the paper's request pool."""
+class EngineClient:
+    """The endpoint's side of the engine process: the request pool's door (``submit``, ``cancel``,
+    ``call``), and the reader that turns each iteration's message into tokens, text and metrics.
+    Everything here runs on the event loop: no lock."""
 
-    def __init__(self, engine, metrics: ServerMetrics, max_queue: int):
-        self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.streams: dict[int, Stream] = {}          # rid -> stream still running (engine thread)
-        self.error: str | None = None                 # why the engine thread stopped, if it failed
+    def __init__(self, core: EngineProcess, metrics: ServerMetrics, max_queue: int):
+        self.core, self.metrics, self.max_queue = core, metrics, max_queue
+        self.decode = getattr(core.info.tokenizer, "decode", None)   # None: answers carry token ids only
+        self.streams: dict[int, Stream] = {}          # sid -> stream the engine holds
+        self.pending: dict[int, tuple[asyncio.Future, list[Stream]]] = {}   # adds and calls unanswered
+        self.error: str | None = None                 # why the engine stopped, if it failed
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._lock = threading.Lock()
-        self._in_inbox = 0                            # accepted, not handed to the engine yet
-        self._waiting = 0                             # never scheduled (engine), as last published
-        self._n_records = 0
-        self.text = engine.tokenizer is not None      # without one, answers carry token ids only
-        self._thread = threading.Thread(target=self._run, name="orca-engine", daemon=True)
+        self._keys, self._sids = itertools.count(), itertools.count()
+        self._in_inbox = 0                            # sent to the engine, not answered yet
+        self._waiting = 0                             # never scheduled (engine), as last reported
 
     @property
     def clock(self):
-        return self.engine.clock                      # reading it is thread-safe
+        return self.core.clock
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self.error is None and self.core.proc.is_alive()
 
-    # -- the event loop's side -----------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self._publish()
-        self._thread.start()
+        loop.add_reader(self.core.receive.fileno(), self._on_readable)
 
     def submit(self, streams: list[Stream]) -> asyncio.Future:
-        """Queue ``streams`` for the engine; the future settles once the engine took them (or
+        """Send ``streams`` to the engine; the future settles once the engine took them all (or
         refused them: ValueError/TypeError). Past ``max_queue`` waiting requests: 503."""
-        if not self._thread.is_alive():
+        if not self.alive:
             raise HTTPError(503, self.error or "the engine is not running")
-        with self._lock:
-            waiting = self._in_inbox + self._waiting
-            if waiting + len(streams) > self.max_queue:
-                raise HTTPError(503, f"the server is overloaded: {waiting} requests waiting, max_queue="
-                                f"{self.max_queue}; retry after {RETRY_AFTER_S} s",
-                                headers={"Retry-After": str(RETRY_AFTER_S)})
-            self._in_inbox += len(streams)
-        fut = self.loop.create_future()
-        self.inbox.put(("add", streams, fut))
+        waiting = self._in_inbox + self._waiting
+        if waiting + len(streams) > self.max_queue:
+            raise HTTPError(503, f"the server is overloaded: {waiting} requests waiting, max_queue="
+                            f"{self.max_queue}; retry after {RETRY_AFTER_S} s",
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
+        for s in streams:
+            s.sid = next(self._sids)
+        self._in_inbox += len(streams)
+        fut = self._expect(streams)
+        self._send(("add", fut.key, [(s.sid, s.prompt, s.params, s.arrival) for s in streams]))
         return fut
 
     def cancel(self, streams: list[Stream]):
-        self.inbox.put(("abort", streams, None))
+        self._send(("abort", [s.sid for s in streams]))
 
-    def call(self, fn) -> asyncio.Future:
-        """Run ``fn(engine)`` on the engine thread, between two iterations."""
-        fut = self.loop.create_future()
-        self.inbox.put(("call", fn, fut))
+    def call(self, name: str) -> asyncio.Future:
+        """``name`` run by the engine between two iterations (``EngineLoop._call``)."""
+        fut = self._expect([])
+        self._send(("call", fut.key, name))
         return fut
 
-    def stop(self, timeout: float = 5.0):
-        """Cancel what is left, stop the engine and its workers, and join the thread."""
-        if self._thread.is_alive():
-            self.inbox.put(("stop", None, None))
-            self._thread.join(timeout)
+    def stop(self):
+        """Ask the engine to cancel what is left and exit (then ``core.join``)."""
+        self._send(("stop",))
 
-    # -- the engine thread -----------------------------------------------------------------------
-    def _run(self):
-        engine = self.engine
+    def close(self):
+        self.loop.remove_reader(self.core.receive.fileno())
+        self.core.send.close(), self.core.receive.close()
+
+    def _expect(self, streams) -> asyncio.Future:
+        fut = self.loop.create_future()
+        fut.key = next(self._keys)
+        self.pending[fut.key] = (fut, streams)
+        return fut
+
+    def _send(self, msg):
+        if self.error is None:
+            try:
+                self.core.send.send(msg)
+            except OSError as e:
+                self._failed(f"the engine process is gone: {e!r}")
+
+    # -- what the engine sends --------------------------------------------------------------------
+    def _on_readable(self):
         try:
-            while True:
-                msgs = self._messages(block=not engine.has_work())
-                if any(kind == "stop" for kind, _, _ in msgs):
-                    self._cancel_all(msgs)
-                    return
-                for kind, arg, fut in msgs:
-                    {"add": self._add, "abort": self._abort, "call": self._call}[kind](arg, fut)
-                if engine.has_work():
-                    self._deliver_step(engine.step(timeout=0.01))
-                else:
-                    self._publish()
-        except BaseException as e:                    # a bug: fail every client, report unhealthy
-            log.exception("engine thread failed")
-            self.error = f"engine thread failed: {e!r}"
-            self._cancel_all([])
-        finally:
-            engine.close()
+            while self.error is None and self.core.receive.poll():
+                msg = self.core.receive.recv()
+                getattr(self, "_on_" + msg[0])(*msg[1:])
+        except (EOFError, OSError):
+            self._failed(f"the engine process exited (code {self.core.proc.exitcode})")
 
-    def _messages(self, block: bool) -> list:
-        msgs = []
-        try:
-            msgs.append(self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait())
-            while True:
-                msgs.append(self.inbox.get_nowait())
-        except queue.Empty:
-            return msgs
-
-    def _add(self, streams: list[Stream], fut):
-        engine = self.engine
-        try:                                          # checked by the endpoint already
-            for s in streams:
-                s.rid = engine.add_request(s.prompt, s.params, arrival=s.arrival).rid
-                s.last = s.arrival
-                self.streams[s.rid] = s
-        except (ValueError, TypeError) as e:
-            self._settle(fut, error=e)
+    def _on_added(self, key, answer):
+        fut, streams = self.pending.pop(key)
+        self._in_inbox -= len(streams)
+        if isinstance(answer, list):
+            for s, rid in zip(streams, answer):
+                s.rid, s.last = rid, s.arrival
+                self.streams[s.sid] = s
+            _settle(fut)
         else:
-            self._settle(fut)
-        finally:
-            with self._lock:
-                self._in_inbox -= len(streams)
-                self._waiting = engine.stats().waiting
+            _settle(fut, error=HTTPError(503, "the server is shutting down") if answer is SHUTTING_DOWN else answer)
 
-    def _abort(self, streams: list[Stream], _):
-        out = []
-        for s in streams:
-            if self.streams.pop(s.rid, None) is not None and self.engine.abort(s.rid):
-                out.append((s, Event(None, "", "abort")))
-                self.metrics.requests.labels("abort").inc()
-        self._send(out)
-
-    def _call(self, fn, fut):
-        try:
-            self._settle(fut, fn(self.engine))
-        except Exception as e:
-            self._settle(fut, error=e)
-
-    def _deliver_step(self, events):
-        now, out, m = self.clock.now(), [], self.metrics
-        for req, token in events:
-            s = self.streams.get(req.rid)
-            if s is None:                              # aborted meanwhile: its token is dropped
+    def _on_out(self, now, items, stats, iteration_tokens):
+        m, out = self.metrics, []
+        self._on_stats(stats)                          # first: a client that reads /metrics as soon
+        for n in iteration_tokens:                     # as it got a token sees the state it came from
+            m.iteration_tokens.observe(n)
+        for sid, token, reason, stop_at in items:
+            s = self.streams.get(sid)
+            if s is None:
                 continue
-            (m.ttft if len(req.output) == 1 else m.itl).observe(now - s.last)
-            s.last = now
-            out.append((s, Event(token, req.text if self.text else "", req.finish_reason)))
-            if req.finished:
-                del self.streams[req.rid]
-                m.requests.labels(req.finish_reason).inc()
-        records = self.engine.records
-        for rec in records[self._n_records:]:
-            if rec.stage == 0:
-                m.iteration_tokens.observe(rec.n_tokens)
-        self._n_records = len(records)
-        if len(records) > 2 * HISTORY or len(self.engine.requests) > 2 * HISTORY:
-            self.engine.forget(HISTORY, HISTORY)       # a server runs for days: keep its memory bounded
-            self._n_records = len(self.engine.records)
-        self._send(out)
+            if token is not None:
+                (m.ttft if not s.output else m.itl).observe(now - s.last)
+                s.last = now
+                s.output.append(token)
+                if self.decode is not None:
+                    s.text = visible_text(self.decode, s.output, reason, stop_at, s.params.stop)
+            out.append((s, Event(token, s.text, reason)))
+            if reason is not None:
+                del self.streams[sid]
+                m.requests.labels(reason).inc()
+        for s, ev in out:
+            s.out.put_nowait((s.index, ev))
 
-    def _cancel_all(self, msgs):
-        """Shutting down (or failed): every running request ends with "abort", every add waiting in
-        the inbox is refused with 503, and nothing is left in the engine."""
-        for kind, arg, fut in msgs:
-            if kind == "add":
-                self._settle(fut, error=HTTPError(503, "the server is shutting down"))
-        self._abort(list(self.streams.values()), None)
-
-    def _publish(self):
-        stats = self.engine.stats()
+    def _on_stats(self, stats):
         self._waiting = stats.waiting
         self.metrics.set_state(stats, self._in_inbox)
 
-    def _send(self, out):
-        """Hand ``out`` to the event loop, the gauges first: a client that reads /metrics as soon
-        as it got a token sees the state that token came from."""
-        self._publish()
-        if out:
-            self.loop.call_soon_threadsafe(_put_events, out)
+    def _on_result(self, key, value):
+        fut, _ = self.pending.pop(key)
+        _settle(fut, error=value) if isinstance(value, Exception) else _settle(fut, value)
 
-    def _settle(self, fut, result=None, error=None):
-        if fut is not None:
-            self.loop.call_soon_threadsafe(_settle_future, fut, result, error)
+    def _on_failed(self, why: str):
+        self._failed(why)
+
+    def _failed(self, why: str):
+        """The engine is gone: every waiting future gets 503, every running stream ends with
+        "abort", and /health says why."""
+        if self.error is not None:
+            return
+        log.error(why)
+        self.error = why
+        for fut, _ in self.pending.values():
+            _settle(fut, error=HTTPError(503, why))
+        self.pending.clear()
+        for s in self.streams.values():
+            s.out.put_nowait((s.index, Event(None, s.text, "abort")))
+            self.metrics.requests.labels("abort").inc()
+        self.streams.clear()
 
 
-def _put_events(out):
-    for s, ev in out:
-        s.out.put_nowait((s.index, ev))
-
-
-def _settle_future(fut: asyncio.Future, result, error):
+def _settle(fut: asyncio.Future, result=None, error=None):
     if not fut.done():                            # a client that left cancelled it
         fut.set_exception(error) if error is not None else fut.set_result(result)
 
@@ -245,10 +217,9 @@ def _settle_future(fut: asyncio.Future, result, error):
 # -- the endpoint --------------------------------------------------------------------------------
 @dataclass
 class ServerState:
-    llm: object
     model_name: str
     system: str
-    pool: EngineThread
+    pool: EngineClient
     metrics: ServerMetrics
     draining: bool = False
     completions: dict = field(default_factory=dict)   # completion id -> HTTPRecord (the last MAX_RECORDS)
@@ -269,13 +240,12 @@ class HTTPRecord:
     finish: float | None = None
 
 
-def build_app(llm, system: str = "orca", max_queue: int = 1024, model_name: str | None = None,
-              ready=None) -> FastAPI:
-    """The FastAPI app over a fresh engine of ``llm``; its lifespan starts and stops the engine
-    thread. ``ready(app)`` is called once it serves."""
+def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, model_name: str | None = None,
+              ready=None, stop_timeout: float = 5.0) -> FastAPI:
+    """The FastAPI app over a started engine process; its lifespan's end stops that engine (which
+    cancels what is left and stops its workers). ``ready(app)`` is called once it serves."""
     metrics = ServerMetrics()
-    state = ServerState(llm, model_name or llm.cfg.name, system, EngineThread(llm.new_engine(system), metrics,
-                                                                              max_queue), metrics)
+    state = ServerState(model_name or core.info.cfg.name, system, EngineClient(core, metrics, max_queue), metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -286,7 +256,9 @@ def build_app(llm, system: str = "orca", max_queue: int = 1024, model_name: str 
             yield
         finally:
             state.draining = True
-            await asyncio.to_thread(state.pool.stop)
+            state.pool.stop()
+            await asyncio.to_thread(core.join, stop_timeout)   # the loop reads the engine's last words
+            state.pool.close()
 
     app = FastAPI(title="orca_lab", lifespan=lifespan)
     app.state.orca = state
@@ -319,7 +291,7 @@ def build_app(llm, system: str = "orca", max_queue: int = 1024, model_name: str 
     async def run_records():
         """The engine's ``RunResult`` so far (per-request and per-iteration records, engine clock),
         and which engine requests served each completion id."""
-        result = await state.pool.call(lambda engine: engine.result().to_json())
+        result = await state.pool.call("result")
         return {**result, "completions": {c: dataclasses.asdict(r) for c, r in state.completions.items()}}
 
     @app.post("/v1/completions", response_model=CompletionResponse)
@@ -355,7 +327,7 @@ class _StampArrival:
 
 
 def _model_card(state: ServerState) -> ModelCard:
-    ec, cfg = state.llm.engine_config, state.llm.cfg
+    ec, cfg = state.pool.core.info.engine_config, state.pool.core.info.cfg
     return ModelCard(id=state.model_name, max_model_len=cfg.max_seq_len, vocab_size=cfg.vocab_size,
                      system=state.system, max_bs=ec.max_bs, n_slots=ec.n_slots)
 
@@ -368,7 +340,8 @@ def _streams(state: ServerState, body: CompletionRequest, arrival: float) -> lis
     if body.model is not None and body.model != state.model_name:
         raise HTTPError(404, f"model={body.model!r} does not exist: this server serves "
                         f"{state.model_name!r}", "model")
-    prompts = [_encode(state.llm.tokenizer, p, i, len(body.prompt)) for i, p in enumerate(body.prompt)]
+    tokenizer = state.pool.core.info.tokenizer
+    prompts = [_encode(tokenizer, p, i, len(body.prompt)) for i, p in enumerate(body.prompt)]
     out, q = [], asyncio.Queue()
     for i, ids in enumerate(prompts):
         for j in range(body.n):
@@ -380,17 +353,8 @@ def _streams(state: ServerState, body: CompletionRequest, arrival: float) -> lis
                                         stop_token_ids=tuple(body.stop_token_ids or ()))
             except ValueError as e:
                 raise HTTPError(400, _http_names(str(e)), _param_of(str(e))) from None
-            out.append(Stream(len(out), _checked(state, ids, params), params, arrival, q))
+            out.append(Stream(len(out), ids, params, arrival, q))
     return out
-
-
-def _checked(state: ServerState, prompt, params) -> list[int]:
-    """The engine's own submission checks (vocabulary, max length, K/V slots), run here so that a
-    request is refused whole, before any of its prompts is accepted (they read fixed settings only)."""
-    try:
-        return state.pool.engine.check_request(prompt, params)
-    except (ValueError, TypeError) as e:
-        raise HTTPError(400, _http_names(str(e)), _param_of(str(e))) from None
 
 
 def _encode(tokenizer, prompt, i: int, n: int) -> list[int]:
@@ -539,16 +503,22 @@ def listen(host: str, port: int):
     return sock
 
 
-def serve(llm, system: str = "orca", host: str = "127.0.0.1", port: int = 8000, max_queue: int = 1024,
+def serve(recipe: EngineRecipe, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 1024,
           drain_s: float = 5.0, model_name: str | None = None):
-    """Serve ``llm`` until SIGINT/SIGTERM; prints its URL once it accepts requests."""
+    """Serve the model of ``recipe`` until SIGINT/SIGTERM; prints its URL once it accepts requests.
+    The port is taken first (a busy one fails at once), then the engine process builds the model."""
     sock = listen(host, port)
     url = f"http://{host}:{sock.getsockname()[1]}"
-    ready = lambda app: print(f"orca-lab serve: {app.state.orca.model_name} ({system}) on {url}", flush=True)
-    app = build_app(llm, system, max_queue, model_name, ready)
+    ready = lambda app: print(f"orca-lab serve: {app.state.orca.model_name} ({recipe.system}) on {url}", flush=True)
     try:
-        _Server(app, sock, drain_s).run()
+        core = EngineProcess(recipe)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        _Server(build_app(core, recipe.system, max_queue, model_name, ready), sock, drain_s).run()
     except KeyboardInterrupt:          # uvicorn re-raises the SIGINT it drained for: we are done
         pass
     finally:
         sock.close()
+        core.join(5.0)                 # already gone unless uvicorn never ran the lifespan's end

@@ -1,0 +1,245 @@
+"""The engine in a process of its own: the paper's request pool and Algorithm 1's loop, apart from
+the endpoint (vLLM's EngineCore does the same).
+
+Why a process and not a thread: between its kernels the engine runs Python, and so does the event
+loop for every SSE chunk it writes; in one process they take turns on one GIL. On a 2-core machine
+the server's engine ran ~25% slower than the same engine in process, and a token's chunk waited for
+the GIL (p99 inter-token latency ~3x the iteration). In a process the engine keeps a core's worth
+of Python to itself, and what it sends is one small message per iteration.
+
+The two ends talk over two one-way pipes between this parent and its own child (no port, no other
+peer), as pickled tuples:
+
+    endpoint -> engine   ("add", key, [(sid, prompt, params, arrival)])   ("abort", [sid])
+                         ("call", key, name)                              ("stop",)
+    engine -> endpoint   ("ready", EngineInfo)   ("added", key, [rid] | exception | None)
+                         ("out", now, [(sid, token, finish_reason, stop_at)], stats, [n_tokens])
+                         ("stats", stats)        ("result", key, value | exception)   ("failed", why)
+
+``sid`` is the endpoint's name for a stream: the endpoint can cancel a stream before the engine's
+answer with its rid has come back. Text is made on the endpoint's side from the token ids
+(``visible_text``): detokenizing is not the engine's work.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import signal
+import threading
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orca_lab.config import EngineConfig
+from orca_lab.engine.executor import RealClock
+
+HISTORY = 10_000          # requests and iterations the engine keeps for /debug/run (twice at most)
+SHUTTING_DOWN = None      # an "added" answer: the engine is stopping and took nothing
+
+
+@dataclass(frozen=True)
+class EngineRecipe:
+    """What the engine process builds its ``LLM`` from: a preset (random weights of ``seed``) or a
+    checkpoint directory, the engine's settings, the system, and torch's intra-op threads."""
+    model: str
+    seed: int = 0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    system: str = "orca"
+    threads: int = 1
+
+    def __post_init__(self):
+        """Refuse a bad model or parallel degrees here, before a process is started for it."""
+        from orca_lab.config import check_degrees, model_config
+        from orca_lab.engine.model import checkpoint_config
+        path = Path(self.model)
+        check_degrees(checkpoint_config(path) if path.is_dir() else model_config(self.model), self.engine)
+
+    def build(self):
+        import torch
+        from orca_lab.llm import LLM
+        torch.set_num_threads(self.threads)
+        if Path(self.model).is_dir():
+            return LLM.from_pretrained(self.model, engine=self.engine)
+        return LLM(self.model, seed=self.seed, engine=self.engine)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the endpoint needs of the model: its shape, the settings as resolved (``n_slots`` on a
+    GPU), and its tokenizer (None: token ids only)."""
+    cfg: object
+    engine_config: EngineConfig
+    tokenizer: object
+
+
+# -- the engine's side (the child process) ---------------------------------------------------------
+def engine_main(recipe: EngineRecipe, inbox, outbox, t0: float):
+    # Ctrl-C and a service manager's SIGTERM reach the whole process group: the endpoint drains its
+    # requests first and then stops us, or we stop when it is gone (the pipe closes).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        llm = recipe.build()
+        engine = llm.new_engine(recipe.system)
+    except (ValueError, TypeError) as e:        # bad settings (a model too big for the GPU): the same error
+        outbox.send(("failed", e))
+        return
+    except BaseException as e:
+        outbox.send(("failed", f"the engine could not start: {e!r}"))
+        return
+    engine.clock.t0 = t0                       # one clock for both processes (perf_counter is system-wide)
+    outbox.send(("ready", EngineInfo(llm.cfg, llm.engine_config, llm.tokenizer)))
+    outbox.send(("stats", engine.stats()))      # the gauges from the start (kv_slots_total)
+    EngineLoop(engine, inbox, outbox).run()
+
+
+class EngineLoop:
+    """Algorithm 1's loop over the request pool, fed by the endpoint's messages."""
+
+    def __init__(self, engine, inbox, outbox):
+        self.engine, self.outbox = engine, outbox
+        self.messages: queue.SimpleQueue = queue.SimpleQueue()
+        self.rids: dict[int, int] = {}           # sid -> rid, while the request runs
+        self.sids: dict[int, int] = {}           # rid -> sid
+        self._n_records = 0
+        # A thread empties the pipe as messages come, so the endpoint never blocks on a full pipe
+        # while the engine runs an iteration.
+        threading.Thread(target=self._receive, args=(inbox,), daemon=True).start()
+
+    def _receive(self, inbox):
+        try:
+            while True:
+                self.messages.put(inbox.recv())
+        except (EOFError, OSError):               # the endpoint is gone: stop
+            self.messages.put(("stop",))
+
+    def run(self):
+        engine = self.engine
+        try:
+            while True:
+                msgs = self._take(block=not engine.has_work())
+                if any(m[0] == "stop" for m in msgs):
+                    self._stop(msgs)
+                    return
+                for m in msgs:
+                    getattr(self, "_" + m[0])(*m[1:])
+                if engine.has_work():
+                    self._deliver(engine.step(timeout=0.01))
+                elif msgs:
+                    self._send(("stats", engine.stats()))
+        except BaseException:
+            self._send(("failed", f"the engine failed:\n{traceback.format_exc()}"))
+        finally:
+            engine.close()
+
+    def _take(self, block: bool) -> list:
+        msgs = []
+        try:
+            msgs.append(self.messages.get(timeout=0.5) if block else self.messages.get_nowait())
+            while True:
+                msgs.append(self.messages.get_nowait())
+        except queue.Empty:
+            return msgs
+
+    def _add(self, key, items):
+        """All of a completion's prompts or none: each is checked before any is added."""
+        engine = self.engine
+        try:
+            prompts = [engine.check_request(prompt, params) for _, prompt, params, _ in items]
+        except (ValueError, TypeError) as e:
+            self._send(("added", key, e))
+            return
+        rids = []
+        for (sid, _, params, arrival), prompt in zip(items, prompts):
+            rid = engine.add_request(prompt, params, arrival=arrival).rid
+            self.rids[sid], self.sids[rid] = rid, sid
+            rids.append(rid)
+        self._send(("added", key, rids))
+
+    def _abort(self, sids):
+        out = []
+        for sid in sids:
+            rid = self.rids.pop(sid, None)
+            if rid is not None and self.engine.abort(rid):
+                del self.sids[rid]
+                out.append((sid, None, "abort", None))
+        if out:
+            self._send(("out", self.engine.clock.now(), out, self.engine.stats(), []))
+
+    def _call(self, key, name):
+        try:
+            value = {"result": lambda e: e.result().to_json()}[name](self.engine)
+        except Exception as e:
+            value = e
+        self._send(("result", key, value))
+
+    def _deliver(self, events):
+        out = []
+        for req, token in events:
+            sid = self.sids.get(req.rid)
+            if sid is None:                        # aborted meanwhile: its token is dropped
+                continue
+            out.append((sid, token, req.finish_reason, req.stop_at))
+            if req.finished:
+                del self.sids[req.rid], self.rids[sid]
+        records = self.engine.records
+        tokens = [r.n_tokens for r in records[self._n_records:] if r.stage == 0]
+        self._n_records = len(records)
+        if len(records) > 2 * HISTORY or len(self.engine.requests) > 2 * HISTORY:
+            self.engine.forget(HISTORY, HISTORY)   # a server runs for days: keep its memory bounded
+            self._n_records = len(self.engine.records)
+        self._send(("out", self.engine.clock.now(), out, self.engine.stats(), tokens))
+
+    def _stop(self, msgs):
+        """Adds still queued are refused, every running request ends with "abort"."""
+        for m in msgs:
+            if m[0] == "add":
+                self._send(("added", m[1], SHUTTING_DOWN))
+        self._abort(list(self.rids))
+
+    def _send(self, msg):
+        try:
+            self.outbox.send(msg)
+        except (BrokenPipeError, OSError):        # the endpoint is gone; the loop stops on its EOF
+            pass
+
+
+# -- the endpoint's side (this process) ------------------------------------------------------------
+class EngineProcess:
+    """Starts the engine process and waits until it serves; the endpoint's ``EngineClient`` then
+    talks to it."""
+
+    def __init__(self, recipe: EngineRecipe, start_timeout: float = 600.0):
+        ctx = mp.get_context("spawn")              # a fresh interpreter: no inherited threads or CUDA state
+        self.inbox, to_engine = ctx.Pipe(duplex=False)       # (reader, writer)
+        from_engine, self.outbox = ctx.Pipe(duplex=False)
+        self.receive, self.send = from_engine, to_engine
+        self.clock = RealClock()
+        self.proc = ctx.Process(target=engine_main, args=(recipe, self.inbox, self.outbox, self.clock.t0),
+                                name="orca-engine")
+        self.proc.start()
+        self.inbox.close(), self.outbox.close()   # the child's ends: its exit closes the pipes
+        self.info = self._wait_ready(start_timeout)
+
+    def _wait_ready(self, timeout: float) -> EngineInfo:
+        if not self.receive.poll(timeout):
+            self.kill()
+            raise RuntimeError(f"the engine process did not start within {timeout:.0f} s")
+        try:
+            kind, value = self.receive.recv()
+        except EOFError:
+            value, kind = f"the engine process exited with code {self.proc.exitcode}", "failed"
+        if kind != "ready":
+            self.kill()
+            raise value if isinstance(value, Exception) else RuntimeError(value)
+        return value
+
+    def join(self, timeout: float):
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.kill()
+
+    def kill(self):
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join()
