@@ -2,7 +2,8 @@
 
 On a GPU the tensors live there; without one the kernels run in Triton's interpreter at small sizes.
 Contexts cross the interpreter's split boundary (32 keys) so both the one-pass path and the
-split-and-merge path (FlashDecoding) run; head sizes 13 and 80 are masked tails of power-of-two blocks.
+split-and-merge path (FlashDecoding) run, the merge over more splits than it reads in one step too;
+head sizes 13 and 80 are masked tails of power-of-two blocks.
 """
 import math
 
@@ -80,6 +81,18 @@ def test_decode_kernel_launch_configurations(cfg):
     """Head groups wider than the heads (masked), no split, a split that is not a multiple of the
     key block, and splits shorter than a key block (14 merged)."""
     check(*DECODE, 3, 16, torch.float32, decode=cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_merge_over_more_splits_than_two_chunks(dtype):
+    """The merge reads MERGE_CHUNK splits a step, rescaling what it holds by the new running max:
+    2 chunks and 3 splits for the longest context (its last split partial), one split past a
+    chunk, one chunk of splits, and two splits read among the many the grid allocates."""
+    cfg, chunk = attention.INTERPRETER_DECODE, attention.MERGE_CHUNK
+    splits = [2 * chunk + 3, chunk + 1, chunk, 2]
+    kv_lens = [n * cfg.partition - 5 for n in splits]
+    plan = check([1] * len(kv_lens), kv_lens, 2, 13, dtype, decode=cfg)
+    assert plan.max_kv == kv_lens[0] and -(-plan.max_kv // cfg.partition) == splits[0]
 
 
 @pytest.mark.parametrize("decode", [True, False])

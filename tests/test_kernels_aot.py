@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("triton")
 
 from orca_lab.kernels.aot import DEFAULT_TARGETS, SHARED_LIMITS  # noqa: E402
-from orca_lab.kernels.attention import prefill_candidates  # noqa: E402
+from orca_lab.kernels.attention import MERGE_CHUNK, prefill_candidates  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "aot_fixtures"
@@ -75,6 +75,18 @@ def test_every_prefill_candidate_at_gpt3_shapes_is_declared_and_ci_compiles_the_
     ci = [r for r in rows if r["ci"]]
     assert {r["what"].split(", ")[-1] for r in ci} == {"torch.float32", "torch.float16", "torch.bfloat16"}
     assert len(rows) > 10 * len(ci)
+
+
+def test_one_merge_compile_serves_any_split_count(declared):
+    """The FlashDecoding merge reads MERGE_CHUNK splits a step, so the 4096 splits of a 1M-token
+    context compile as few do: as GPT-3's heads type (bf16, 128 wide, several heads), two merges (a
+    split count that is a multiple of 16 and one that is not), both at the most splits a context has."""
+    merges = [r for r in declared if r["kernel"].endswith("_decode_reduce_kernel")]
+    assert {r["constexprs"]["BLOCK_S"] for r in merges} == {str(MERGE_CHUNK)}
+    paper = [r for r in merges if r["signature"]["out_ptr"] == "*bf16" and r["constexprs"]["BLOCK_D"] == "128"
+             and r["signature"]["n_heads"] == "i32" and {"head_size", "stride_ot"} <= set(r["divisible_by_16"])]
+    assert sorted(r["what"].split()[2] for r in paper) == ["4095", "4096"]
+    assert sorted("n_splits" in r["divisible_by_16"] for r in paper) == [False, True]
 
 
 def _torch_name(dtype):

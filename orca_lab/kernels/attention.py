@@ -179,25 +179,38 @@ def _decode_reduce_kernel(
     n_heads, head_size, n_splits, partition,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    # Program (i, head): merge the splits that hold keys, each weighted by exp2(m_s - max m).
+    # Program (i, head): merge the splits that hold keys, BLOCK_S at a time, with the same online
+    # softmax as over keys: a running max m_i, the sum l_i and output acc rescaled by exp2(m_i - m_new).
+    # A fixed chunk makes one compile serve any split count (a tile of all splits took minutes to
+    # compile at 4096 of them).
     i = tl.program_id(0)
     head = tl.program_id(1)
     req = tl.load(req_ptr + i)
     row = tl.load(cu_q_ptr + req)
     kv_len = tl.load(cu_k_ptr + req + 1) - tl.load(cu_k_ptr + req)
-    offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < (kv_len + partition - 1) // partition
-    base = (i * n_heads + head) * n_splits + offs_s
-    m = tl.load(m_ptr + base, mask=mask_s, other=float("-inf"))
-    l_s = tl.load(l_ptr + base, mask=mask_s, other=0.0)
-    w = tl.where(mask_s, tl.exp2(m - tl.max(m, 0)), 0.0)
+    n_used = (kv_len + partition - 1) // partition      # splits past the context were left empty
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_size
-    acc = tl.load(part_ptr + base[:, None] * head_size + offs_d[None, :],
-                  mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l_s, 0)
+    m_i = tl.full([], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(0, n_used, BLOCK_S):
+        offs_s = start + tl.arange(0, BLOCK_S)
+        mask_s = offs_s < n_used
+        base = (i * n_heads + head) * n_splits + offs_s
+        m = tl.load(m_ptr + base, mask=mask_s, other=float("-inf"))
+        l_s = tl.load(l_ptr + base, mask=mask_s, other=0.0)
+        part = tl.load(part_ptr + base[:, None] * head_size + offs_d[None, :],
+                       mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+        # Split `start` holds keys, so m_new is finite from the first chunk on: no -inf - -inf.
+        m_new = tl.maximum(m_i, tl.max(m, 0))
+        alpha = tl.exp2(m_i - m_new)
+        w = tl.where(mask_s, tl.exp2(m - m_new), 0.0)
+        l_i = l_i * alpha + tl.sum(w * l_s, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * part, 0)
+        m_i = m_new
     tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d * stride_od,
-             cast_rne(out, out_ptr.dtype.element_ty, INTERPRETED), mask=mask_d)
+             cast_rne(acc / l_i, out_ptr.dtype.element_ty, INTERPRETED), mask=mask_d)
 
 
 # ------------------------------------------------------------------------------------ reference
@@ -330,6 +343,12 @@ class DecodeConfig:
 INTERPRETER_PREFILL = PrefillConfig(16, 16, 1, 1)
 INTERPRETER_DECODE = DecodeConfig(2, 16, 32, 1, 1)
 NO_SPLIT = 1 << 30      # the partition of an unsplit context: longer than any
+# Splits the merge kernel reads per step, whatever their count (one compile per dtype and BLOCK_D).
+# 16 takes in one step every split count up to 4k-16k-token contexts (partition 256-1024), GPT-3's
+# 2048 included, wasting at most 15 masked lanes; a [16, 256] fp32 tile is 32 values a thread over
+# 4 warps. A 1M-token context's 4096 splits take 256 steps, reading about 1/256 of the bytes its
+# decode kernel read (D fp32 per split against 256 keys of bf16 K and V).
+MERGE_CHUNK = 16
 
 
 # Shared memory a ragged-kernel launch may plan for: under A100's 164 KiB (H100 has 227 KiB).
@@ -490,7 +509,7 @@ def _launch_decode(q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, scale, plan, cf
         if split:
             _decode_reduce_kernel[(n, H)](
                 part, m, l_, out, cu_q, cu_k, plan.decode_reqs, *out.stride(), H, D, n_splits,
-                c.partition, BLOCK_S=next_pow2(n_splits), BLOCK_D=block_d, INTERPRETED=not on_gpu,
+                c.partition, BLOCK_S=MERGE_CHUNK, BLOCK_D=block_d, INTERPRETED=not on_gpu,
                 num_warps=4 if on_gpu else 1)
 
     if cfg is None:
@@ -584,19 +603,16 @@ def aot_launches():
     """Every launch ``ragged_attention_triton`` can make on a GPU (``orca_lab.kernels.aot``): for each
     float dtype and head class (``_head_classes``), the ragged kernel with every prefill candidate
     the tuner may pick (fp32 with both dot precisions), the decode kernel with every decode
-    candidate split and unsplit, the merge kernel with every BLOCK_S up to the longest context
-    ``max_seq_len`` allows; int64 slot ids, int32 offsets.
+    candidate split and unsplit, the merge kernel (one compile whatever the split count, but for
+    Triton's typing of a count that is or is not a multiple of 16); int64 slot ids, int32 offsets.
 
     The quick set (CI) keeps, per kernel, dtype and BLOCK_D bucket, the default configuration and
     the one with the largest tiles (the most shared memory), at 40 heads of a multiple of 16;
-    every launch at 40 heads of 128 in bf16 (GPT-3's); the merge kernel's BLOCK_S 2 and 64 (a merge
-    of 4096 splits alone compiles for minutes). ``orca_lab.kernels.aot.ci_subset`` narrows this to
-    what CI compiles; ``--full`` compiles every launch."""
+    every launch at 40 heads of 128 in bf16 (GPT-3's). ``orca_lab.kernels.aot.ci_subset`` narrows
+    this to what CI compiles; ``--full`` compiles every launch."""
     from orca_lab.kernels.aot import launch, meta, strides
     i32, i64 = meta(9, dtype=torch.int32), meta(9, dtype=torch.int64)
-    max_splits = next_pow2(-(-(1 << 20) // 256))     # max_seq_len's limit over the shortest partition
-    # CI's merges stop at 64 splits (16k-token contexts): one of 4096 took 196 s to compile (sm_80)
-    CI_MAX_SPLITS = 64
+    max_splits = (1 << 20) // 256     # max_seq_len's limit over the shortest partition
     for dtype, (heads, d) in product(FLOAT_DTYPES, _head_classes()):
         bd = next_pow2(d, 16)
         paper = dtype == torch.bfloat16 and heads == 40 and d == 128
@@ -624,11 +640,11 @@ def aot_launches():
                          BLOCK_H=c.block_h, BLOCK_N=c.block_n, BLOCK_D=bd, INTERPRETED=False,
                          num_warps=c.num_warps, num_stages=c.num_stages,
                          quick=paper or rep and c in (cands[0], widest))
-        # every BLOCK_S (split counts a multiple of 16 and not) at 40 heads; the ends at other heads
-        merges = [(1 << i, n) for i in range(1, max_splits.bit_length()) for n in {1 << i, max(2, (1 << i) - 1)}]
-        for block_s, n_splits in merges if rep else ((2, 2), (max_splits, max_splits)):
+        # the merge reads MERGE_CHUNK splits a step: one compile for any split count, but for
+        # Triton's hint that the count is a multiple of 16; both, at the most splits a context has
+        for n_splits in (max_splits - 1, max_splits):
             yield launch(_decode_reduce_kernel, f"merge of {n_splits} splits, {shape}", part_ptr=part, m_ptr=part,
                          l_ptr=part, out_ptr=q, cu_q_ptr=i32, cu_k_ptr=i32, req_ptr=i32,
                          **strides("stride_o", "thd", q), n_heads=heads, head_size=d, n_splits=n_splits,
-                         partition=256, BLOCK_S=block_s, BLOCK_D=bd, INTERPRETED=False, num_warps=4,
-                         quick=block_s in (2, CI_MAX_SPLITS) and (paper or rep))
+                         partition=256, BLOCK_S=MERGE_CHUNK, BLOCK_D=bd, INTERPRETED=False, num_warps=4,
+                         quick=paper or rep)
