@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -101,9 +102,11 @@ def main(argv=None):
     engine = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots)
     llm = LLM(args.model, seed=0, engine=engine)
     flags = ["--model", args.model, "--max-bs", args.max_bs, "--n-slots", args.n_slots, "--threads", args.threads]
+    load_before = os.getloadavg()      # a busy machine moves these figures by tens of percent
     with ServerProcess(*flags) as server:
         sat = saturation(args, llm, server)
         light = light_load(args, llm, server)
+    load = {"before": load_before, "after": os.getloadavg()}
     print("saturation (tokens/s, same trace, all requests at t=0):")
     print(f"{'repeat':>6}{'in-process':>14}{'server':>12}{'server engine':>15}{'ratio':>8}")
     for r in sat:
@@ -119,7 +122,8 @@ def main(argv=None):
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "environment": environment(), "saturation": sat,
-                               "saturation_median_ratio": ratio, "light_load": light}, indent=1))
+                               "saturation_median_ratio": ratio, "light_load": light,
+                               "load_average_1_5_15min": load}, indent=1))
     print(f"wrote {out}", file=sys.stderr)
 
 

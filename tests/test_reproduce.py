@@ -24,7 +24,7 @@ SMALL = {   # each notebook at a size that runs in seconds
     "fig9_engine": dict(models=["gpt3-13b"], batch_sizes=[1, 8], input_lens=[32]),
     "fig11_homogeneous": dict(shapes=[[16, 8]], curves=["orca(4)", "ft(2,2)"], n_requests=10, loads=[0.5, 1.5], n_procs=1),
     "kv_memory": dict(rates=[2.0], n_requests=30),
-    "sim_fidelity": dict(presets=["tiny"], curves=["orca(4)"], loads=[0.5], n_requests=6, scale=0.05, repeats=2),
+    "sim_fidelity": dict(presets=["tiny"], curves=["orca(4)", "ft(4,4)"], loads=[0.5], n_requests=6, scale=0.05, repeats=2),
     "policies": dict(models=["gpt3-13b"], traces=["paper", "sharegpt"], n_requests=16, concurrency_requests=60,
                      measured_requests=4, loads=[0.5, 1.5], formats=["html", "png", "svg", "pdf"]),
 }
@@ -154,13 +154,15 @@ def test_sim_fidelity_reports_errors_per_load(runs):
     assert {"model", "curve", "load", "measured_ms", "simulated_ms", "latency_error_pct", "throughput_error_pct",
             "simulated_unscaled_ms", "latency_error_unscaled_pct", "speed", "tries", "steady", "run_speed",
             "simulated_at_run_speed_ms", "latency_error_at_run_speed_pct", "run_load"} <= set(df.columns)
-    assert len(df) == 1 and df["measured_ms"].gt(0).all() and df["simulated_ms"].gt(0).all()
+    assert len(df) == 2 and df["measured_ms"].gt(0).all() and df["simulated_ms"].gt(0).all()
     assert df["speed"].gt(0).all() and df["run_speed"].gt(0).all() and df["tries"].eq(1).all()
     # the primary error with its spread over the repeats, the engine's own spread, the field's statistics
     lo, mid, hi = (df[f"latency_error_at_run_speed{s}_pct"] for s in ("_min", "", "_max"))
     assert (lo <= mid).all() and (mid <= hi).all() and df["measured_spread_pct"].ge(0).all()
     assert {"norm_p95_error_pct", "ttft_mean_error_pct", "tpot_p90_error_pct", "e2e_mean_error_pct",
             "measured_norm_p95_ms"} <= set(df.columns) and (df["repeats"] == 2).all()
+    # the baseline hands a request all its tokens at once, in the simulator as in the engine: TPOT 0 in both
+    assert df.set_index("curve").loc["ft(4,4)", ["measured_tpot_mean_ms", "tpot_mean_error_pct"]].eq(0).all()
     _figures(out, "sim_fidelity")
 
 

@@ -177,12 +177,20 @@ def _measure(real, cost, curve, spec, rate, offline) -> tuple[dict, bool]:
            "simulated_ms": s["median_norm_latency_ms"], "simulated_unscaled_ms": u["median_norm_latency_ms"],
            "simulated_at_run_speed_ms": r["median_norm_latency_ms"], "measured_rps": m["throughput_rps"],
            "simulated_rps": s["throughput_rps"]}
-    row["latency_error_at_run_speed_pct"] = 100 * (row["simulated_at_run_speed_ms"] / row["measured_ms"] - 1)
+    row["latency_error_at_run_speed_pct"] = error_pct(row["simulated_at_run_speed_ms"], row["measured_ms"])
     measured, simulated = request_stats(run), request_stats(r_run)
     for k in STATS:
         row[f"measured_{k}_ms"] = measured[k]
-        row[f"{k}_error_pct"] = 100 * (simulated[k] / measured[k] - 1)
+        row[f"{k}_error_pct"] = error_pct(simulated[k], measured[k])
     return row, steady([before], [after])
+
+
+def error_pct(simulated: float, measured: float) -> float:
+    """The relative error (%). A statistic that is 0 in both agrees (ft's TPOT: the request-level
+    baseline hands a request all its tokens at once); 0 in the real run alone has none (nan)."""
+    if measured == 0:
+        return 0.0 if simulated == 0 else math.nan
+    return 100 * (simulated / measured - 1)
 
 
 def field_summary(df: pd.DataFrame, vidur_load: float = 0.85) -> pd.DataFrame:
