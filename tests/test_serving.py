@@ -3,10 +3,12 @@ driven by the official ``openai`` client, httpx, and ``orca-lab bench``. Every l
 every server is stopped (and checked gone) at the end of its tests."""
 import asyncio
 import json
+import os
 import random
 import signal
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -245,3 +247,38 @@ def test_serve_refuses_bad_options_before_it_starts(flag, value, message, capsys
     with pytest.raises(SystemExit) as e:
         main(["serve", flag, value])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+# -- a third server: its engine process dies --------------------------------------------------------
+def _engine_pid(server_pid: int) -> int:
+    """The spawned engine process: the server's child running multiprocessing's spawn_main."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if ppid == server_pid and b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            return int(stat.parent.name)
+    raise AssertionError(f"server {server_pid} has no engine process")
+
+
+def test_an_engine_that_dies_ends_its_streams_and_the_endpoint_says_why():
+    s = ServerProcess("--max-bs", "4", "--drain-s", "1").start()
+    try:
+        with httpx.Client(base_url=s.url, timeout=30) as http:
+            with http.stream("POST", "/v1/completions", json={"prompt": "a", "max_tokens": 1000, "stream": True,
+                                                                "ignore_eos": True}) as r:
+                lines = r.iter_lines()
+                next(lines)
+                os.kill(_engine_pid(s.proc.pid), signal.SIGKILL)
+                chunks = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "abort" and len(chunks) < 999
+            health = http.get("/health")
+            assert health.status_code == 503 and "engine process exited (code -9)" in health.text
+            r = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+            assert r.status_code == 503 and "engine process exited" in r.json()["error"]["message"]
+            assert http.get("/v1/models").status_code == 200      # the HTTP side still answers
+        assert s.stop() < 10
+    finally:
+        s.kill()

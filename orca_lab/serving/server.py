@@ -78,6 +78,7 @@ class EngineClient:
         self.error: str | None = None                 # why the engine stopped, if it failed
         self.loop: asyncio.AbstractEventLoop | None = None
         self._keys, self._sids = itertools.count(), itertools.count()
+        self.stopping = False                         # asked to stop: its exit is no failure
         self._in_inbox = 0                            # sent to the engine, not answered yet
         self._waiting = 0                             # never scheduled (engine), as last reported
 
@@ -122,9 +123,11 @@ class EngineClient:
     def stop(self):
         """Ask the engine to cancel what is left and exit (then ``core.join``)."""
         self._send(("stop",))
+        self.stopping = True
 
     def close(self):
-        self.loop.remove_reader(self.core.receive.fileno())
+        if not self.core.receive.closed:
+            self.loop.remove_reader(self.core.receive.fileno())
         self.core.send.close(), self.core.receive.close()
 
     def _expect(self, streams) -> asyncio.Future:
@@ -147,7 +150,9 @@ class EngineClient:
                 msg = self.core.receive.recv()
                 getattr(self, "_on_" + msg[0])(*msg[1:])
         except (EOFError, OSError):
-            self._failed(f"the engine process exited (code {self.core.proc.exitcode})")
+            self.core.proc.join(0.5)                  # its exit code, once it has one
+            self._failed("the server is shutting down" if self.stopping else
+                         f"the engine process exited (code {self.core.proc.exitcode})")
 
     def _on_added(self, key, answer):
         fut, streams = self.pending.pop(key)
@@ -198,8 +203,10 @@ class EngineClient:
         "abort", and /health says why."""
         if self.error is not None:
             return
-        log.error(why)
+        if not self.stopping:
+            log.error(why)
         self.error = why
+        self.loop.remove_reader(self.core.receive.fileno())
         for fut, _ in self.pending.values():
             _settle(fut, error=HTTPError(503, why))
         self.pending.clear()
