@@ -1,7 +1,7 @@
 """What serving over HTTP costs: the server against the engine in this process, on the same work.
 
     python benchmarks/serving.py [--model tiny] [--n-requests 64] [--scale 0.25] [--max-bs 16] [--repeats 2]
-                                 [--light-rate 4] [--light-output 64] [--threads 1]
+                                 [--light-rates 1 4] [--light-output 64] [--threads 1]
                                  [--out docs/results/serving_cpu.json]
 
 1. Saturation: one paper-shaped trace, every request at time 0, served by ``LLM.serve`` in this
@@ -64,8 +64,8 @@ def engine_token_gaps(iterations: list[dict]) -> np.ndarray:
     return np.concatenate([np.diff(e) for e in ends.values() if len(e) > 1])
 
 
-def light_load(args, llm, server) -> dict:
-    trace = make_trace("fixed", args.light_requests, args.light_rate, llm.cfg.vocab_size, args.seed,
+def light_load(args, llm, server, rate: float) -> dict:
+    trace = make_trace("fixed", args.light_requests, rate, llm.cfg.vocab_size, args.seed,
                        input_len=16, output_len=args.light_output)
     before = len(httpx.get(server.url + "/debug/run").json()["iterations"])
     run = asyncio.run(run_load(server.url, trace, args.model))
@@ -74,7 +74,7 @@ def light_load(args, llm, server) -> dict:
     span = np.array([it["end"] - it["start"] for it in iters])
     itl, gaps = np.array(run.itl), engine_token_gaps(iters)
     p99 = lambda a: float(np.percentile(a, 99))
-    return {"model": args.model, "rate": args.light_rate, "n_requests": args.light_requests,
+    return {"model": args.model, "rate": rate, "n_requests": args.light_requests,
             "output_len": args.light_output, "n_iterations": len(span),
             "itl_median_ms": float(np.median(itl) * 1e3), "itl_p99_ms": p99(itl) * 1e3,
             "iteration_median_ms": float(np.median(span) * 1e3), "iteration_p99_ms": p99(span) * 1e3,
@@ -90,7 +90,8 @@ def main(argv=None):
     p.add_argument("--max-bs", type=int, default=16)
     p.add_argument("--n-slots", type=int, default=16384)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--light-rate", type=float, default=4.0)
+    p.add_argument("--light-rates", type=float, nargs="+", default=[1.0, 4.0],
+                   help="req/s: 1 keeps about one request in flight, 4 overlaps their prefills")
     p.add_argument("--light-requests", type=int, default=16)
     p.add_argument("--light-output", type=int, default=64)
     p.add_argument("--model", default="tiny", help="a preset (random weights of seed 0)")
@@ -105,7 +106,7 @@ def main(argv=None):
     load_before = os.getloadavg()      # a busy machine moves these figures by tens of percent
     with ServerProcess(*flags) as server:
         sat = saturation(args, llm, server)
-        light = light_load(args, llm, server)
+        light = [light_load(args, llm, server, rate) for rate in args.light_rates]
     load = {"before": load_before, "after": os.getloadavg()}
     print("saturation (tokens/s, same trace, all requests at t=0):")
     print(f"{'repeat':>6}{'in-process':>14}{'server':>12}{'server engine':>15}{'ratio':>8}")
@@ -114,11 +115,12 @@ def main(argv=None):
               f"{r['server_engine_tok_s']:>15.1f}{r['ratio']:>8.3f}")
     ratio = statistics.median(r["ratio"] for r in sat)
     print(f"median ratio {ratio:.3f} (goal >= 0.90)")
-    print(f"\nlight load ({light['rate']:g} req/s, 16-token prompts, {args.light_output} tokens each): p99 ITL "
-          f"{light['itl_p99_ms']:.2f} ms, engine iteration median {light['iteration_median_ms']:.2f} ms "
-          f"(p99 {light['iteration_p99_ms']:.2f}): ratio {light['p99_itl_over_median_iteration']:.2f} (goal <= 1.5)")
-    print(f"  the same tokens' p99 gap as the engine made them: {light['engine_token_gap_p99_ms']:.2f} ms; "
-          f"the client's p99 ITL over it {light['p99_itl_over_engine_p99_gap']:.2f} (what HTTP adds at the tail)")
+    for ll in light:
+        print(f"\nlight load ({ll['rate']:g} req/s, 16-token prompts, {args.light_output} tokens each): p99 ITL "
+              f"{ll['itl_p99_ms']:.2f} ms, engine iteration median {ll['iteration_median_ms']:.2f} ms "
+              f"(p99 {ll['iteration_p99_ms']:.2f}): ratio {ll['p99_itl_over_median_iteration']:.2f} (goal <= 1.5)")
+        print(f"  the same tokens' p99 gap as the engine made them: {ll['engine_token_gap_p99_ms']:.2f} ms; "
+              f"the client's p99 ITL over it {ll['p99_itl_over_engine_p99_gap']:.2f} (what HTTP adds at the tail)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "environment": environment(), "saturation": sat,
