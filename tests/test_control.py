@@ -20,7 +20,7 @@ from orca_lab.engine.request import SamplingParams
 
 SECRET = bytes(range(32))
 MESSAGES = [
-    ControlMessage(7, (3, 9), (0, 12), (5, 1), ((1, 2, 3, 4, 5), (8,)), ("initiation", "increment"), False,
+    ControlMessage(7, (3, 9), (0, 12), (5, 1), ((1, 2, 3, 4, 5), (8,)), ("prefill", "decode"), (False, True), False,
                    {3: ((0, 1, 2, 3, 4, 5, 6), SamplingParams(max_gen_tokens=3, temperature=0.5, top_k=4, seed=1))},
                    (2,)),
     Reset(), Stop(), StageReport(7, 1, 1.5, 2.25, [4, 5]), StageReport(7, 0, 1.0, 1.5), WorkerError(3, "Traceback"),
@@ -35,6 +35,7 @@ def test_every_message_round_trips(msg):
     if isinstance(msg, ControlMessage):        # tuples come back as lists: compare what workers read
         assert got.reserve == msg.reserve and got.iteration == msg.iteration
         assert [list(t) for t in got.tokens] == [list(t) for t in msg.tokens] and list(got.rids) == list(msg.rids)
+        assert list(got.yields) == list(msg.yields)
     else:
         assert got == msg
 

@@ -73,7 +73,7 @@ def test_one_host_read_back_per_iteration(small_gpt, backend):
     engine, batch = mixed_batch(llm)
     bt = batch.tensors("cpu")        # host metadata: built from host arrays, read nothing back
     with torch.inference_mode(), CountReadBacks() as counted:
-        tokens = sample(llm.model(bt, engine.scheduler.kv), batch.requests)
+        tokens = sample(llm.model(bt, engine.scheduler.kv), batch)
     assert counted.calls == ["tolist"] and len(tokens) == len(batch)
     engine.close()
 

@@ -1,6 +1,7 @@
 """The policies after ORCA (paged K/V with recompute preemption, chunked prefill): batched greedy =
-alone under forced preemption and prompts longer than the budget, no leaks, FCFS, the simulator's
-batches, a pipeline of worker processes, and their refusals of bad settings."""
+alone under forced preemption and prompts longer than the budget, seeded sampling = alone however a
+prompt is chunked, no leaks, FCFS, the simulator's batches, a pipeline of worker processes, and their
+refusals of bad settings."""
 import pytest
 import torch
 
@@ -40,6 +41,15 @@ def expected(tiny_llm):
     return trace, [tiny_llm.generate([list(t.prompt)], max_gen_tokens=t.max_gen_tokens)[0] for t in trace]
 
 
+@pytest.fixture(scope="module")
+def sampled(tiny_llm):
+    """Seeded, sampled requests whose prompts (30 to 45 tokens) exceed a 16-token budget, and each
+    one's tokens alone (ORCA, one request in the engine, its prompt in one pass)."""
+    prompts = random_prompts(3, tiny_llm.cfg.vocab_size, 30, 45, seed=7)
+    params = [SamplingParams(max_gen_tokens=6, temperature=0.8, top_k=20, top_p=0.9, seed=s) for s in (1, 2, 3)]
+    return prompts, params, [tiny_llm.generate([p], sampling_params=[sp])[0] for p, sp in zip(prompts, params)]
+
+
 def engine_for(tiny_llm, setting, n_workers=1, executor="local", max_bs=4):
     system, n_slots, budget = SETTINGS[setting]
     cfg = EngineConfig(max_bs=max_bs, n_slots=n_slots, block_size=8, max_num_batched_tokens=budget,
@@ -73,6 +83,18 @@ def test_batched_greedy_equals_each_request_alone(tiny_llm, expected, setting, n
     if n_slots > 64:               # room for n_workers batches at once
         assert max(it.in_flight for it in result.iterations) == n_workers
     assert_no_leak(engine)
+
+
+def test_sampled_requests_draw_nothing_for_prefill_chunks(tiny_llm, sampled):
+    """A seeded request draws once per token it gets: split into chunks (chunked) or fed one token per
+    iteration beside shorter prompts (ft), its prompt yields no token and no draw, so it gets the
+    tokens it gets alone (vLLM and SGLang sample no partial prefill either)."""
+    prompts, params, alone = sampled
+    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=4, n_slots=4096, block_size=8,
+                                                      max_num_batched_tokens=16))
+    for system in ("orca", "paged", "chunked", "ft"):
+        assert llm.generate(prompts, system=system, sampling_params=params) == alone, system
+    assert alone != llm.generate(prompts, max_gen_tokens=6)          # sampled, not greedy
 
 
 def test_preemption_frees_the_latest_arrival_and_admission_is_fcfs(tiny_llm):
@@ -125,9 +147,11 @@ def test_simulator_and_real_engine_make_the_same_batches(tiny_llm, setting):
     assert simulated.requests_df()["n_preemptions"].sum() > 0
 
 
-def test_a_pipeline_of_worker_processes_gives_the_same_tokens(tiny_llm, expected):
-    """1 x 2 workers over gloo: blocks grow and preempted requests come back with new slots."""
+def test_a_pipeline_of_worker_processes_gives_the_same_tokens(tiny_llm, expected, sampled):
+    """1 x 2 workers over gloo: blocks grow and preempted requests come back with new slots; the last
+    stage draws nothing for a sampled request's prefill chunks."""
     trace, alone = expected
+    prompts, params, sampled_alone = sampled
     cfg = EngineConfig(max_bs=4, n_slots=64, block_size=8, max_num_batched_tokens=16, pipeline_parallel=2)
     llm = LLM(gpt=tiny_llm.model, engine=cfg)
     with WorkerPool(llm):
@@ -135,6 +159,7 @@ def test_a_pipeline_of_worker_processes_gives_the_same_tokens(tiny_llm, expected
             result = llm.serve(trace, system=system)
             assert [list(r.output) for r in result.requests] == alone, system
             assert result.requests_df()["n_preemptions"].sum() > 0
+        assert llm.generate(prompts, system="chunked", sampling_params=params) == sampled_alone
 
 
 def test_block_manager_hands_out_whole_blocks_and_takes_them_all_back():

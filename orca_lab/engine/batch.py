@@ -22,11 +22,14 @@ class Batch:
     iteration: int = -1
     tokens: list[list[int]] = field(default_factory=list)  # the new token ids of each request
     phases: list[str] = field(default_factory=list)        # prefill / decode / held, at build time
+    yields: list[bool] = field(default_factory=list)       # whether each request gets a token, at build time
     at_submit: tuple = ()     # (batches in flight, n_rsrv, slots used) when the engine submitted it
 
     def __post_init__(self):
         if not self.phases:
             self.phases = [phase(r, s, q) for r, s, q in zip(self.requests, self.starts, self.q_lens)]
+        if not self.yields:
+            self.yields = [yields_token(r, s, q) for r, s, q in zip(self.requests, self.starts, self.q_lens)]
 
     @classmethod
     def selective(cls, requests, q_lens=None) -> "Batch":
@@ -69,6 +72,13 @@ def phase(req, start: int, q_len: int) -> str:
     if q_len == 1 and start == req.context_len - 1 >= len(req.prompt):
         return "decode"   # its last generated token, on top of the K/V of all the others
     return "prefill"      # a prompt, a chunk of one, or a preempted request's recomputation
+
+
+def yields_token(req, start: int, q_len: int) -> bool:
+    """Whether the iteration gives ``req`` its next token: it runs to the end of the context. A
+    prefill chunk short of that end, a prompt the padded baseline still feeds one token at a time,
+    and a finished request held in its batch get none, and are not sampled (``sampler.py``)."""
+    return not req.finished and start + q_len >= req.context_len
 
 
 @dataclass

@@ -40,6 +40,7 @@ class ControlMessage:
     q_lens: tuple[int, ...]          # new tokens per request
     tokens: tuple[tuple[int, ...], ...]
     phases: tuple[str, ...]
+    yields: tuple[bool, ...]         # which requests the last stage samples (``Batch.yields``)
     padded: bool
     # The worker side of the K/V manager: slots and sampling of requests the workers have not seen
     # yet, and the requests the scheduler finished (their slots may be handed to new requests).
@@ -50,12 +51,13 @@ class ControlMessage:
     def of(cls, batch: Batch, iteration: int, reserve, release) -> "ControlMessage":
         return cls(iteration, tuple(r.rid for r in batch.requests), tuple(batch.starts),
                    tuple(batch.q_lens), tuple(tuple(t) for t in batch.tokens), tuple(batch.phases),
-                   batch.padded, reserve, tuple(release))
+                   tuple(batch.yields), batch.padded, reserve, tuple(release))
 
     def batch(self, requests: dict) -> Batch:
         """The worker's Batch over its own request records (``requests[rid].slots``)."""
         return Batch([requests[rid] for rid in self.rids], list(self.starts), list(self.q_lens),
-                     self.padded, self.iteration, [list(t) for t in self.tokens], list(self.phases))
+                     self.padded, self.iteration, [list(t) for t in self.tokens], list(self.phases),
+                     list(self.yields))
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ class DecodeGraphs:
             extra = size - n
             padded = Batch(batch.requests + [pad] * extra, batch.starts + [0] * extra, [1] * size,
                            iteration=batch.iteration, tokens=batch.tokens + [[0]] * extra,
-                           phases=batch.phases + ["pad"] * extra)
+                           phases=batch.phases + ["pad"] * extra, yields=batch.yields + [False] * extra)
             return self._forward(self._fill(padded.tensors(self.kv.k.device), size), size)[:n]
         finally:
             self.kv.release(pad)

@@ -128,14 +128,14 @@ class LocalExecutor:
         clock.mark()
         logits = self.graphs.run(batch) if self.graphs is not None and self.graphs.takes(batch) else None
         if logits is not None:
-            tokens = sample(logits, batch.requests)
+            tokens = sample(logits, batch)
             clock.mark()
         else:
             bt, x = batch.tensors(self.device), None
             for s, (lo, hi) in enumerate(self.stages):
                 x = self.model.run_layers(self.model.embed(bt) if s == 0 else x, bt, self.kv, lo, hi)
                 if s == len(self.stages) - 1:
-                    tokens = sample(self.model.head(x, bt), batch.requests)  # .tolist() syncs the device
+                    tokens = sample(self.model.head(x, bt), batch)  # .tolist() syncs the device
                 clock.mark()
         t = clock.times()
         return Completion(batch, tokens, [StageTime(s, a, b) for s, (a, b) in enumerate(zip(t, t[1:]))])

@@ -10,7 +10,8 @@
   paging plus a budget of ``max_num_batched_tokens`` new tokens per iteration. Decodes go first; the
   prefill chunks of the oldest waiting or partly prefilled requests fill what is left, so a long
   prompt spans several iterations and never stalls the decodes. A chunk that does not finish the
-  context produces no token (its sample is thrown away).
+  context produces no token and is not sampled (``Batch.yields``): a seeded request draws nothing
+  for it, so it gets the tokens it gets unchunked, as in vLLM and SGLang.
 
 A chunk, like a recomputation, is a request whose new tokens start past position 0: the ragged
 attention already takes ``q_len < kv_len``. With ``n_workers`` batches in flight, a request in flight
@@ -93,10 +94,6 @@ class PagedScheduler(OrcaScheduler):
         req.n_cached, req.state = 0, RequestState.INITIATION
         req.n_preemptions += 1
         self.n_preemptions += 1
-
-    def _yields(self, req: Request, kv_len: int) -> bool:
-        """A chunk short of the end of its context yields no token (its sample is discarded)."""
-        return kv_len >= req.context_len
 
 
 class ChunkedScheduler(PagedScheduler):

@@ -2,12 +2,16 @@
 import torch
 
 
-def sample(logits: torch.Tensor, requests) -> list[int]:
-    """One token per request; greedy rows share one argmax, sampled rows use their own generator
-    so a request draws the same tokens whatever it is batched with."""
+def sample(logits: torch.Tensor, batch) -> list[int | None]:
+    """One token per request of ``batch`` that yields one (``Batch.yields``), None for the others.
+    Greedy rows share one argmax; sampled rows use their own generator, and only a row that yields
+    draws from it, so a request draws the same tokens whatever it is batched with and however its
+    prompt is chunked (vLLM and SGLang do not sample a partial prefill either)."""
     tokens = logits.argmax(-1).tolist()
-    for i, req in enumerate(requests):
-        if not req.params.greedy:
+    for i, (req, yields) in enumerate(zip(batch.requests, batch.yields)):
+        if not yields:
+            tokens[i] = None
+        elif not req.params.greedy:
             tokens[i] = _draw(logits[i].float(), req)
     return tokens
 

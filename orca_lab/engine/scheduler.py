@@ -94,26 +94,23 @@ class OrcaScheduler(Scheduler):
         return Batch.selective(batch)
 
     def on_return(self, batch: Batch, tokens: list[int], now: float) -> list[tuple[Request, int]]:
-        """A batch came back: every request got one token; finished ones leave and free their slots.
+        """A batch came back: every request got one token (all but a prefill chunk short of its
+        context's end, ``policies.py``: ``batch.yields``); finished ones leave and free their slots.
         A request aborted while the batch was in flight leaves now, and its token is dropped."""
         events = []
-        for req, tok, kv_len in zip(batch.requests, tokens, batch.kv_lens):
+        for req, tok, kv_len, yields in zip(batch.requests, tokens, batch.kv_lens, batch.yields):
             if req.finish_reason == "abort":
                 self._leave(req, now)
                 continue
             req.n_cached, req.n_iterations = kv_len, req.n_iterations + 1
             req.state = RequestState.INCREMENT
-            if not self._yields(req, kv_len):
+            if not yields:
                 continue
             req.append(tok, now)
             events.append((req, tok))
             if req.finished:
                 self._leave(req, now)
         return events
-
-    def _yields(self, req: Request, kv_len: int) -> bool:
-        """Whether the iteration gave ``req`` a token: always here (a whole prompt, or one decode)."""
-        return True
 
     def abort(self, req: Request, now: float) -> bool:
         """Waiting or between iterations: it leaves the pool and frees its slots now. In flight: it
@@ -207,13 +204,13 @@ class RequestLevelScheduler(Scheduler):
     def on_return(self, batch: Batch, tokens: list[int], now: float) -> list[tuple[Request, int]]:
         mb = next(m for m in self.micro if m.batches and m.batches[-1] is batch)
         last_pos = mb.start + mb.q_len - 1
-        for req, tok in zip(batch.requests, tokens):
+        for req, tok, yields in zip(batch.requests, tokens, batch.yields):
             if req.finished:
-                continue                       # held: its token is thrown away
+                continue                       # held (or aborted in flight): no token
             req.n_iterations += 1
             req.n_cached = last_pos + 1
             req.state = RequestState.INCREMENT
-            if last_pos + 1 >= len(req.prompt):  # past its prompt: a real token, kept until the batch ends
+            if yields:                         # past its prompt: a real token, kept until the batch ends
                 req.append(tok, None)
         mb.start, mb.q_len, mb.in_flight = last_pos + 1, 1, False
         return self._end_batch(now)

@@ -198,7 +198,7 @@ class Worker:
         x = self.model.run_layers(x, bt, self.kv, 0, len(self.model.blocks))
         tokens = None
         if self.last:
-            tokens = self._sample(x, bt, batch.requests)
+            tokens = self._sample(x, bt, batch)
         else:
             self.data.send_next(x)
         if self.report is not None:
@@ -206,11 +206,11 @@ class Worker:
             start, end = clock.times()
             self.report.send(StageReport(msg.iteration, self.stage, start, end, tokens))
 
-    def _sample(self, x, bt, requests):
+    def _sample(self, x, bt, batch):
         logits = self.model.head(x, bt)                     # this rank's vocabulary rows
         if self.spec.tp > 1:
             logits = self.data.all_gather_last(logits)[:, :self.spec.cfg.vocab_size]
-        return sample(logits, requests) if self.tp_rank == 0 else None
+        return sample(logits, batch) if self.tp_rank == 0 else None
 
     def close(self):
         self.data.close()
