@@ -34,16 +34,22 @@ PARTS = ("select", "metadata", "forward", "sampling", "bookkeeping")
 
 
 class Timers:
-    """Seconds spent in each wrapped function during the current step."""
-    def __init__(self):
-        self.now = defaultdict(float)
+    """Seconds spent in each wrapped function during the current step. On a GPU a part returns once
+    its kernels are queued, and its time would show up in whichever later part waits for them (the
+    sampler's read-back): ``sync`` (``torch.cuda.synchronize``) is called on both sides of every
+    part, so each part is charged its own GPU time. That serializes host and GPU, as a profiler does;
+    the step's unsynchronized time is ``bare_forward``'s and the engine benchmarks' business."""
+    def __init__(self, sync=lambda: None):
+        self.now, self.sync = defaultdict(float), sync
 
     def wrap(self, name, fn):
         def timed(*args, **kwargs):
+            self.sync()
             t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                self.sync()
                 self.now[name] += time.perf_counter() - t
         return timed
 
@@ -76,7 +82,8 @@ def measure(llm, batch_size: int, iters: int, scale: float, seed: int) -> dict:
         engine.add_request(list(it.prompt), SamplingParams(max_gen_tokens=iters + 4))
     engine.step()         # the initiation phase of every request
     engine.step()         # one increment, untimed: first-call costs out of the way
-    timers, rows = Timers(), []
+    on_gpu = torch.device(llm.engine_config.device).type == "cuda"
+    timers, rows = Timers(torch.cuda.synchronize if on_gpu else (lambda: None)), []
     with instrumented(engine, timers):
         for _ in range(iters):
             timers.now.clear()
