@@ -76,6 +76,7 @@ class EngineClient:
         self.streams: dict[int, Stream] = {}          # sid -> stream the engine holds
         self.pending: dict[int, tuple[asyncio.Future, list[Stream]]] = {}   # adds and calls unanswered
         self.error: str | None = None                 # why the engine stopped, if it failed
+        self.stopping = False                         # stop() was sent: its exit is no failure
         self.loop: asyncio.AbstractEventLoop | None = None
         self._keys, self._sids = itertools.count(), itertools.count()
         self._in_inbox = 0                            # sent to the engine, not answered yet
@@ -121,6 +122,7 @@ class EngineClient:
 
     def stop(self):
         """Ask the engine to cancel what is left and exit (then ``core.join``)."""
+        self.stopping = True
         self._send(("stop",))
 
     def close(self):
@@ -147,7 +149,8 @@ class EngineClient:
                 msg = self.core.receive.recv()
                 getattr(self, "_on_" + msg[0])(*msg[1:])
         except (EOFError, OSError):
-            self._failed(f"the engine process exited (code {self.core.proc.exitcode})")
+            self._failed(f"the engine process exited (code {self.core.proc.exitcode})",
+                         log.info if self.stopping else log.error)
 
     def _on_added(self, key, answer):
         fut, streams = self.pending.pop(key)
@@ -193,12 +196,12 @@ class EngineClient:
     def _on_failed(self, why: str):
         self._failed(why)
 
-    def _failed(self, why: str):
+    def _failed(self, why: str, report=log.error):
         """The engine is gone: every waiting future gets 503, every running stream ends with
         "abort", and /health says why."""
         if self.error is not None:
             return
-        log.error(why)
+        report(why)
         self.error = why
         for fut, _ in self.pending.values():
             _settle(fut, error=HTTPError(503, why))
