@@ -245,33 +245,37 @@ def _drain_on_sigterm(s):
 
 
 # -- with worker processes: nothing outlives the server ---------------------------------------------
-def descendants(pid: int) -> dict[int, str]:
-    """Every process under ``pid``, as pid -> command line (from /proc: psutil is not a dependency)."""
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def descendants(pid: int) -> dict[int, tuple[str, str]]:
+    """Every process under ``pid`` (from /proc: psutil is not a dependency), as pid -> (start time,
+    command line): the start time tells it from a later process given the same pid."""
     children: dict[int, list[int]] = {}
     for d in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError):             # it exited meanwhile
-            continue
-        children.setdefault(ppid, []).append(int(d))
+        if (st := _stat(int(d))) is not None:
+            children.setdefault(int(st[1]), []).append(int(d))
     out, todo = {}, [pid]
     while todo:
         for child in children.get(todo.pop(), []):
-            with contextlib.suppress(OSError):
-                out[child] = Path(f"/proc/{child}/cmdline").read_text().replace("\0", " ")
+            with contextlib.suppress(OSError, TypeError):
+                out[child] = (_stat(child)[19], Path(f"/proc/{child}/cmdline").read_text().replace("\0", " "))
             todo.append(child)
     return out
 
 
-def running(pid: int) -> bool:
-    """Not exited (a zombie has: it holds no port, memory or file any more)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+def running(tree: dict[int, tuple[str, str]]) -> dict[int, str]:
+    """Those of ``tree`` not exited yet (a zombie has: it holds no port, memory or file any more)."""
+    return {pid: cmd for pid, (start, cmd) in tree.items()
+            if (st := _stat(pid)) is not None and st[0] != "Z" and st[19] == start}
 
 
-def server_with_workers(degree: str, tmp_path) -> tuple[ServerProcess, dict[int, str]]:
+def server_with_workers(degree: str, tmp_path) -> tuple[ServerProcess, dict]:
     """A server over 2 worker processes that has served one request, and its process tree: the
     engine process, the fork server, the 2 workers, multiprocessing's resource tracker."""
     s = ServerProcess("--max-bs", "4", degree, "2", "--drain-s", "1", env={"TMPDIR": str(tmp_path)}).start()
@@ -280,7 +284,7 @@ def server_with_workers(degree: str, tmp_path) -> tuple[ServerProcess, dict[int,
         assert client.completions.create(model="tiny", prompt="hi", max_tokens=4).usage.completion_tokens == 4
         tree = descendants(s.proc.pid)
         kinds = [next((k for k in ("spawn_main", "forkserver", "resource_tracker") if k in cmd), cmd)
-                 for cmd in tree.values()]
+                 for _, cmd in tree.values()]
         assert sorted(kinds) == ["forkserver"] * 3 + ["resource_tracker", "spawn_main"], tree
     except BaseException:
         tree = descendants(s.proc.pid)
@@ -290,9 +294,9 @@ def server_with_workers(degree: str, tmp_path) -> tuple[ServerProcess, dict[int,
     return s, tree
 
 
-def kill_left(tree: dict[int, str]):
+def kill_left(tree: dict):
     """A failed test leaves nothing running behind it either."""
-    for pid in filter(running, tree):
+    for pid in running(tree):
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
 
@@ -308,8 +312,8 @@ def test_workers_stop_with_the_server(sig, degree, tmp_path):
         t0 = time.perf_counter()
         s.proc.send_signal(sig)
         s.proc.wait(10)
-        left_at_exit = {p: tree[p] for p in tree if running(p) and "resource_tracker" not in tree[p]}
-        assert wait_for(lambda: not any(map(running, tree)), 10 - (time.perf_counter() - t0))
+        left_at_exit = {p: cmd for p, cmd in running(tree).items() if "resource_tracker" not in cmd}
+        assert wait_for(lambda: not running(tree), 10 - (time.perf_counter() - t0)), running(tree)
     finally:
         s.kill()
         kill_left(tree)
@@ -326,7 +330,7 @@ def test_a_killed_server_takes_its_engine_and_workers_with_it(tmp_path):
     try:
         s.proc.kill()
         s.proc.wait()
-        assert wait_for(lambda: not any(map(running, tree)), 10), {p: tree[p] for p in filter(running, tree)}
+        assert wait_for(lambda: not running(tree), 10), running(tree)
     finally:
         kill_left(tree)
 
