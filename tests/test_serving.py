@@ -2,6 +2,7 @@
 driven by the official ``openai`` client, httpx, and ``orca-lab bench``. Every loop is bounded and
 every server is stopped (and checked gone) at the end of its tests."""
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -47,7 +48,7 @@ def wait_for(cond, timeout=10.0, every=0.02):
         if cond():
             return True
         time.sleep(every)
-    return False
+    return cond()
 
 
 def test_greedy_tokens_equal_llm_generate(client):
@@ -184,6 +185,10 @@ def test_overload_answers_503_and_loses_nothing_then_shuts_down_clean():
         _drain_on_sigterm(s)
     finally:
         s.kill()
+    assert_port_free(s)
+
+
+def assert_port_free(s):
     with pytest.raises(httpx.ConnectError):  # nothing listens on its port...
         httpx.get(s.url + "/health")
     with socket.socket() as sock:            # ...and a new server may take it (closed connections
@@ -239,6 +244,97 @@ def _drain_on_sigterm(s):
     assert time.perf_counter() - t0 < 10 and s.proc.poll() is not None
 
 
+# -- with worker processes: nothing outlives the server ---------------------------------------------
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def descendants(pid: int) -> dict[int, tuple[str, str]]:
+    """Every process under ``pid`` (from /proc: psutil is not a dependency), as pid -> (start time,
+    command line): the start time tells it from a later process given the same pid."""
+    children: dict[int, list[int]] = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        if (st := _stat(int(d))) is not None:
+            children.setdefault(int(st[1]), []).append(int(d))
+    out, todo = {}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            with contextlib.suppress(OSError, TypeError):
+                out[child] = (_stat(child)[19], Path(f"/proc/{child}/cmdline").read_text().replace("\0", " "))
+            todo.append(child)
+    return out
+
+
+def running(tree: dict[int, tuple[str, str]]) -> dict[int, str]:
+    """Those of ``tree`` not exited yet (a zombie has: it holds no port, memory or file any more)."""
+    return {pid: cmd for pid, (start, cmd) in tree.items()
+            if (st := _stat(pid)) is not None and st[0] != "Z" and st[19] == start}
+
+
+def server_with_workers(degree: str, tmp_path) -> tuple[ServerProcess, dict]:
+    """A server over 2 worker processes that has served one request, and its process tree: the
+    engine process, the fork server, the 2 workers, multiprocessing's resource tracker."""
+    s = ServerProcess("--max-bs", "4", degree, "2", "--drain-s", "1", env={"TMPDIR": str(tmp_path)}).start()
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        assert client.completions.create(model="tiny", prompt="hi", max_tokens=4).usage.completion_tokens == 4
+        tree = descendants(s.proc.pid)
+        kinds = [next((k for k in ("spawn_main", "forkserver", "resource_tracker") if k in cmd), cmd)
+                 for _, cmd in tree.values()]
+        assert sorted(kinds) == ["forkserver"] * 3 + ["resource_tracker", "spawn_main"], tree
+    except BaseException:
+        tree = descendants(s.proc.pid)
+        s.kill()
+        kill_left(tree)
+        raise
+    return s, tree
+
+
+def kill_left(tree: dict):
+    """A failed test leaves nothing running behind it either."""
+    for pid in running(tree):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig, degree", [(signal.SIGTERM, "--tp"), (signal.SIGINT, "--pp")],
+                         ids=["SIGTERM-tp", "SIGINT-pp"])
+def test_workers_stop_with_the_server(sig, degree, tmp_path):
+    """SIGTERM or SIGINT: when the server has exited, so have its engine process, its workers and the
+    fork server they came from; multiprocessing's resource tracker follows its parent; the port and
+    the temporary files are gone."""
+    s, tree = server_with_workers(degree, tmp_path)
+    try:
+        t0 = time.perf_counter()
+        s.proc.send_signal(sig)
+        s.proc.wait(10)
+        left_at_exit = {p: cmd for p, cmd in running(tree).items() if "resource_tracker" not in cmd}
+        assert wait_for(lambda: not running(tree), 10 - (time.perf_counter() - t0)), running(tree)
+    finally:
+        s.kill()
+        kill_left(tree)
+    assert left_at_exit == {}
+    assert_port_free(s)
+    # torchinductor_<user> is torch's compile cache, kept across runs on purpose
+    assert [f.name for f in tmp_path.iterdir() if not f.name.startswith("torchinductor_")] == []
+
+
+def test_a_killed_server_takes_its_engine_and_workers_with_it(tmp_path):
+    """SIGKILL leaves the server no say: its engine process reads the end of its pipe, stops its
+    workers and the fork server, and exits."""
+    s, tree = server_with_workers("--tp", tmp_path)
+    try:
+        s.proc.kill()
+        s.proc.wait()
+        assert wait_for(lambda: not running(tree), 10), running(tree)
+    finally:
+        kill_left(tree)
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--max-queue", "0", "max_queue=0"), ("--drain-s", "-1", "drain_s=-1.0"), ("--max-bs", "0", "max_bs=0"),
     ("--model", "gpt-9", "model='gpt-9'")])
@@ -252,15 +348,8 @@ def test_serve_refuses_bad_options_before_it_starts(flag, value, message, capsys
 # -- a third server: its engine process dies --------------------------------------------------------
 def _engine_pid(server_pid: int) -> int:
     """The spawned engine process: the server's child running multiprocessing's spawn_main."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (stat.parent / "cmdline").read_bytes()
-        except (OSError, ValueError):
-            continue
-        if ppid == server_pid and b"spawn_main" in cmd and b"resource_tracker" not in cmd:
-            return int(stat.parent.name)
-    raise AssertionError(f"server {server_pid} has no engine process")
+    return next(pid for pid, (_, cmd) in descendants(server_pid).items()
+                if "spawn_main" in cmd and "resource_tracker" not in cmd)
 
 
 def test_an_engine_that_dies_ends_its_streams_and_the_endpoint_says_why():

@@ -330,7 +330,8 @@ def _context(device: str):
     """On CPU, workers are forked from a fork server that imported torch and this package once (a
     clean, single-threaded process: safe to fork, unlike this one), so a pool starts in about a second
     instead of paying every worker's imports. ``torch._dynamo`` too: building modules on the meta
-    device imports it lazily, ~3 s per worker otherwise. The server lives as long as this process.
+    device imports it lazily, ~3 s per worker otherwise. The server lives as long as this process
+    (``_stop_fork_server``).
 
     On CUDA, workers are spawned: a fresh interpreter each, so nothing this process or a preloaded
     import did to the CUDA driver can leave a worker unable to initialize it."""
@@ -339,6 +340,27 @@ def _context(device: str):
     ctx = get_context("forkserver")
     ctx.set_forkserver_preload(["orca_lab.engine.worker", "torch._dynamo"])
     return ctx
+
+
+def _stop_fork_server():
+    """At exit, once every pool's workers are gone. Left alone, the fork server would stop when this
+    process's end closes its pipe, and then spend ~1.4 s tearing down the torch it imported: it
+    would outlive this process (and ``orca-lab serve``, which waits for its engine process). Its
+    children, the workers, are gone and it holds nothing else, so it is killed and reaped here
+    (unless this process still has children: they may be the fork server's too)."""
+    from multiprocessing import active_children, forkserver
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is None or active_children():
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(server._forkserver_pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):       # its socket's folder may have been removed first
+        server._stop()                       # reaps it, closes its pipe, removes its socket
+
+
+# Made at import, before any pool's finalizer: at exit, finalizers run newest first, so this one runs
+# after every pool still open has stopped its workers.
+weakref.finalize(_context, _stop_fork_server)
 
 
 @contextlib.contextmanager
