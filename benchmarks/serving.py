@@ -9,10 +9,11 @@
    by ``orca-lab bench``. Tokens/s of each, side by side, ``--repeats`` times alternating (goal: the
    server reaches >= 90% of the in-process engine), the server's from its own records, the
    client's beside it.
-2. Light load: short fixed-length requests at a low Poisson rate; the p99 inter-token latency the
-   client sees against the engine's own iteration time in the same run (goal: <= 1.5x), and
-   against the p99 gap between the same tokens as the engine made them (what HTTP adds at the tail:
-   on a CPU the iteration itself varies with the batch and the host).
+2. Light load: short fixed-length requests from one client one at a time, then at low Poisson
+   rates; the p99 inter-token latency the client sees against the engine's own iteration time in
+   the same run (goal: <= 1.5x), against the p99 gap between the same tokens as the engine made
+   them (what HTTP adds at the tail), and the same trace served in process beside it (on a CPU
+   the iteration itself varies with the host, and with another request's prefill in its batch).
 Both runs use one intra-op thread per process (``--threads``), recorded with the results.
 """
 from __future__ import annotations
@@ -70,18 +71,21 @@ def engine_token_gaps(iterations: list[dict]) -> np.ndarray:
     return np.concatenate([np.diff(e) for e in ends.values() if len(e) > 1])
 
 
-def light_load(args, llm, server, rate: float) -> dict:
+def light_load(args, llm, server, rate: float | None) -> dict:
+    """At ``rate`` req/s (Poisson), or with ``rate`` None one client sending its requests one after
+    the other (no two requests share an iteration, so no prefill lengthens another's)."""
     trace = make_trace("fixed", args.light_requests, rate, llm.cfg.vocab_size, args.seed,
                        input_len=16, output_len=args.light_output)
     before = len(httpx.get(server.url + "/debug/run").json()["iterations"])
-    run = asyncio.run(run_load(server.url, trace, args.model))
+    run = asyncio.run(run_load(server.url, trace, args.model, max_concurrency=1 if rate is None else None))
     assert run.n_failed == 0
     iters = httpx.get(server.url + "/debug/run").json()["iterations"][before:]
     span = np.array([it["end"] - it["start"] for it in iters])
     itl, gaps = np.array(run.itl), engine_token_gaps(iters)
     p99 = lambda a: float(np.percentile(a, 99))
     # the same trace in this process: how much the engine's own iterations vary, with no server
-    alone = llm.serve(trace).to_json()["iterations"]
+    alone = [it for part in ([trace] if rate else [[item] for item in trace])
+             for it in llm.serve(part).to_json()["iterations"]]
     alone_span = np.array([it["end"] - it["start"] for it in alone])
     return {"model": args.model, "rate": rate, "n_requests": args.light_requests,
             "output_len": args.light_output, "n_iterations": len(span),
@@ -118,7 +122,7 @@ def main(argv=None):
     load_before = os.getloadavg()      # a busy machine moves these figures by tens of percent
     with ServerProcess(*flags) as server:
         sat = saturation(args, llm, server)
-        light = [light_load(args, llm, server, rate) for rate in args.light_rates]
+        light = [light_load(args, llm, server, rate) for rate in [None, *args.light_rates]]
     load = {"before": load_before, "after": os.getloadavg()}
     print("saturation (tokens/s, same trace, all requests at t=0):")
     print(f"{'repeat':>6}{'in-process':>12}{'server':>9}{'its engine':>12}{'client':>9}{'ratio':>8}{'client ratio':>14}")
@@ -129,7 +133,8 @@ def main(argv=None):
     print(f"median ratio {ratio:.3f} (goal >= 0.90); as the client saw it "
           f"{statistics.median(r['client_ratio'] for r in sat):.3f}")
     for ll in light:
-        print(f"\nlight load ({ll['rate']:g} req/s, 16-token prompts, {args.light_output} tokens each): p99 ITL "
+        how = "one client, one request at a time" if ll["rate"] is None else f"{ll['rate']:g} req/s"
+        print(f"\nlight load ({how}, 16-token prompts, {args.light_output} tokens each): p99 ITL "
               f"{ll['itl_p99_ms']:.2f} ms, engine iteration median {ll['iteration_median_ms']:.2f} ms "
               f"(p99 {ll['iteration_p99_ms']:.2f}): ratio {ll['p99_itl_over_median_iteration']:.2f} (goal <= 1.5)")
         print(f"  the same tokens' p99 gap as the engine made them: {ll['engine_token_gap_p99_ms']:.2f} ms; "

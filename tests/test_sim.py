@@ -218,6 +218,27 @@ def test_the_speed_of_runs_is_read_against_the_fit_from_busy_iterations_only(tin
         fit.speed_of([])
 
 
+@pytest.mark.parametrize("system", ["orca", "ft"])
+def test_a_speed_that_changes_within_a_run_is_read_back_window_by_window(tiny_llm, system):
+    """A simulated machine 2x slower than the fit for the first 0.2 s, then as fast: the fit reads each window's
+    speed back from the run's own busy iterations, and the simulator at that profile replays the
+    run's timings exactly."""
+    from orca_lab.sim.fitted import SpeedProfile
+    fit = FittedCost({"selective": [2e-3, 1e-5, 3e-8, 2e-7, 4e-4], "padded": [1e-3, 2e-5, 1e-8, 1e-7, 1e-4]})
+    truth = SpeedProfile(0.05, (2.0,) * 4, 1.0)
+    machine = SimBackend(tiny_llm.cfg, cost=fit, n_slots=8192, speed=truth)
+    curve = Curve(system, 4, 4 if system == "ft" else None)
+    run = machine.serve(curve, ragged_trace(tiny_llm.cfg.vocab_size, n=40))
+    assert run.duration > 0.3
+    read = fit.speed_profile(run, window=0.05)
+    # a window an iteration straddles mixes both speeds; every other one is read exactly
+    assert read.speeds[:3] == pytest.approx((2.0,) * 3) and read.speeds[5:] == pytest.approx([1.0] * (len(read.speeds) - 5))
+    replay = SimBackend(tiny_llm.cfg, cost=fit, n_slots=8192, speed=read).serve(curve, ragged_trace(tiny_llm.cfg.vocab_size, n=40))
+    assert replay.duration == pytest.approx(run.duration, rel=0.02)
+    assert SimBackend(tiny_llm.cfg, cost=fit, n_slots=8192).serve(curve, ragged_trace(tiny_llm.cfg.vocab_size, n=40)).duration \
+        < 0.95 * run.duration
+
+
 def test_a_point_is_measured_again_while_the_machine_changes_speed(monkeypatch):
     from orca_lab.sim import fidelity
     outcomes = iter([("a", False), ("b", False), ("c", True), ("d", True)])

@@ -25,12 +25,13 @@ class SimExecutor:
     """Returns each batch's tokens after the time its cost model gives, on a ``VirtualClock``.
 
     ``cost.iteration(batch) -> IterationCost``; ``cost.n_stages`` is the pipeline depth, which is
-    Algorithm 1's ``n_workers``. Tokens are placeholders (the paper's workload ignores EOS); with
+    Algorithm 1's ``n_workers``. ``speed(now) -> factor``, if given, scales an iteration started at
+    ``now`` (a machine that is slower at some moments than others: ``fitted.SpeedProfile``). Tokens are placeholders (the paper's workload ignores EOS); with
     ``eos_after(request) -> int | None`` a request emits ``eos_token_id`` after that many tokens.
     """
 
-    def __init__(self, cost, eos_after=None):
-        self.cost, self.eos_after = cost, eos_after
+    def __init__(self, cost, eos_after=None, speed=None):
+        self.cost, self.eos_after, self.speed = cost, eos_after, speed
         self.n_workers = cost.n_stages
         self.clock = VirtualClock()
         self.stage_free = [0.0] * self.n_workers   # when each stage finishes the work queued on it
@@ -39,13 +40,14 @@ class SimExecutor:
     def submit(self, batch):
         now = self.clock.now()
         cost = self.cost.iteration(batch)
-        t, stages = now + cost.dispatch, []
+        k = 1.0 if self.speed is None else self.speed(now)
+        t, stages = now + k * cost.dispatch, []
         for s, busy in enumerate(cost.stages):
             start = max(t, self.stage_free[s])
-            t = self.stage_free[s] = start + busy
+            t = self.stage_free[s] = start + k * busy
             stages.append(StageTime(s, start, t))
         # the tokens' return trip delays this batch but keeps no stage busy
-        self.in_flight.append((t + cost.collect, Completion(batch, self._tokens(batch), stages)))
+        self.in_flight.append((t + k * cost.collect, Completion(batch, self._tokens(batch), stages)))
 
     def wait(self, timeout: float | None = None) -> Completion | None:
         """The oldest batch once it is done, or None if ``timeout`` comes first. Stages are FIFO and

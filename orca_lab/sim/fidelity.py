@@ -15,9 +15,12 @@ A shared machine changes speed by tens of percent from one second to the next (o
 the same physical cores: on this project's 2-core machine a fixed matmul loop switches between
 about 6.3 and 8.6 ms every few seconds, each core on its own), which no model of the engine can
 predict. So the primary comparison takes the machine's speed out: each real run is compared with
-the simulator at the speed that run itself ran at (``run_speed``: its busy iteration periods over
-the fit's predictions for the same batches, ``FittedCost.speed_of``; ``FittedCost.at_speed``),
-which leaves the simulator the scheduling, batching and queueing to get right. Each point is run
+the simulator at the speed that run itself ran at, second by second (``SPEED_WINDOW``: its busy
+iteration periods in each window over the fit's predictions for the same batches,
+``FittedCost.speed_profile``; the simulator's iteration started at time t runs at that window's
+speed), which leaves the simulator the scheduling, batching and queueing to get right. The same
+at one speed for the whole run (``run_speed``, ``FittedCost.speed_of``) is a secondary column:
+the machine changes speed within a run, and a spell at the wrong moment moves the queue. Each point is run
 ``repeats`` times; the table keeps the median error, its spread over the repeats, and the real
 engine's own spread from one repeat to the next, the yardstick for the error. Besides the median
 normalized latency it compares the statistics the field reports (``STATS``: Vidur's P95 of
@@ -48,6 +51,7 @@ PROBE_SHARE = 0.5       # ... or this share of the run it brackets: the machine'
                         # seconds, and a probe a tenth of a gpt2 run long missed its speed by up to 12%
 CALIBRATION_REQUESTS = 16   # the smaller batch sizes are fitted on the trace's first requests
 STEADY = 0.1            # the probes around a run may differ by this fraction
+SPEED_WINDOW = 1.0      # seconds: the run's own speed is measured window by window (FittedCost.speed_profile)
 TRIES = 4
 
 
@@ -171,13 +175,17 @@ def _measure(real, cost, curve, spec, rate, offline) -> tuple[dict, bool]:
     m, run = serve_point(real, curve, spec, rate)
     after = cost.speed_of(probe(real, curve, offline, seconds))
     speed, run_speed = (before + after) / 2, cost.speed_of([run], busy_only=True)
-    sim = lambda s: serve_point(SimBackend(real.cfg, cost=cost.at_speed(s), n_slots=real.n_slots), curve, spec, rate)
-    (s, _), (u, _), (r, r_run) = sim(speed), sim(1.0), sim(run_speed)
+    sim = lambda c, profile=None: serve_point(SimBackend(real.cfg, cost=c, n_slots=real.n_slots, speed=profile),
+                                              curve, spec, rate)
+    (s, _), (u, _), (w, _) = sim(cost.at_speed(speed)), sim(cost), sim(cost.at_speed(run_speed))
+    r, r_run = sim(cost, cost.speed_profile(run, SPEED_WINDOW))
     row = {"speed": speed, "run_speed": run_speed, "measured_ms": m["median_norm_latency_ms"],
            "simulated_ms": s["median_norm_latency_ms"], "simulated_unscaled_ms": u["median_norm_latency_ms"],
-           "simulated_at_run_speed_ms": r["median_norm_latency_ms"], "measured_rps": m["throughput_rps"],
+           "simulated_at_run_speed_ms": r["median_norm_latency_ms"],
+           "simulated_at_mean_run_speed_ms": w["median_norm_latency_ms"], "measured_rps": m["throughput_rps"],
            "simulated_rps": s["throughput_rps"]}
     row["latency_error_at_run_speed_pct"] = error_pct(row["simulated_at_run_speed_ms"], row["measured_ms"])
+    row["latency_error_at_mean_run_speed_pct"] = error_pct(row["simulated_at_mean_run_speed_ms"], row["measured_ms"])
     measured, simulated = request_stats(run), request_stats(r_run)
     for k in STATS:
         row[f"measured_{k}_ms"] = measured[k]

@@ -65,8 +65,22 @@ class FittedCost:
     def _predicted(self, runs, busy_only: bool = False):
         """(run, features, predicted seconds, measured seconds) of every iteration period of ``runs``."""
         for run in runs:
-            for x, y in iteration_periods(run, busy_only):
+            for x, y, _ in iteration_periods(run, busy_only):
                 yield run, x, self._predict(x, run.system == "ft"), y
+
+    def speed_profile(self, run, window: float = 1.0) -> "SpeedProfile":
+        """How many times slower than this fit the machine ran ``run``, window by window of
+        ``window`` seconds (its busy periods, as ``speed_of``): a shared machine changes speed every
+        few seconds, which one figure for the whole run averages away. A window with fewer than
+        ``MIN_PERIODS`` busy periods takes the whole run's figure."""
+        sums = defaultdict(lambda: [0.0, 0.0, 0])
+        for x, y, t in iteration_periods(run, busy_only=True):
+            s = sums[int(t // window)]
+            s[0], s[1], s[2] = s[0] + y, s[1] + self._predict(x, run.system == "ft"), s[2] + 1
+        whole = self.speed_of([run], busy_only=True)
+        n = max(sums, default=-1) + 1
+        return SpeedProfile(window, tuple(sums[i][0] / sums[i][1] if sums[i][2] >= MIN_PERIODS else whole
+                                          for i in range(n)), whole)
 
     def at_speed(self, speed: float) -> "FittedCost":
         """The same fit on a machine ``speed`` times slower (> 1) or faster (< 1)."""
@@ -85,7 +99,7 @@ class FittedCost:
         rows = defaultdict(lambda: ([], []))
         for run in runs:
             kind = _kind(run.system == "ft")
-            for x, y in iteration_periods(run):
+            for x, y, _ in iteration_periods(run):
                 rows[kind][0].append(x)
                 rows[kind][1].append(y)
         if not rows:
@@ -113,14 +127,30 @@ class FittedCost:
         return cls(d["coef"], d["n_layers"], d["n_stages"], d.get("speed", 1.0))
 
 
+MIN_PERIODS = 5     # busy periods a window needs for a speed of its own
+
+
+@dataclass(frozen=True)
+class SpeedProfile:
+    """A machine's speed (times slower than a fit) through a run: ``speeds[i]`` over
+    [i * window, (i + 1) * window) seconds of the run's clock, ``rest`` before and after."""
+    window: float
+    speeds: tuple
+    rest: float
+
+    def __call__(self, t: float) -> float:
+        i = int(t // self.window)
+        return self.speeds[i] if 0 <= i < len(self.speeds) else self.rest
+
+
 def _kind(padded: bool) -> str:
     """The baseline's padded batches and ORCA's selective ones run different attention code."""
     return "padded" if padded else "selective"
 
 
 def iteration_periods(run, busy_only: bool = False):
-    """(features, seconds) of every iteration of ``run`` but the last: from its first stage's start
-    to the next iteration's. Each request's start (tokens cached) is rebuilt by adding up the new
+    """(features, seconds, start) of every iteration of ``run`` but the last: from its first stage's
+    start to the next iteration's. Each request's start (tokens cached) is rebuilt by adding up the new
     tokens it brought to earlier iterations. ``busy_only`` keeps the periods in which the engine
     cannot have slept waiting for arrivals (some request goes on into the next iteration): in an
     online run the others may hold idle time."""
@@ -132,7 +162,7 @@ def iteration_periods(run, busy_only: bool = False):
         for r, q in zip(it.rids, it.q_lens):
             cached[r] += q
         if not busy_only or not set(it.rids).isdisjoint(nxt.rids):
-            out.append((features(starts, it.q_lens), nxt.start - it.start))
+            out.append((features(starts, it.q_lens), nxt.start - it.start, it.start))
     return out
 
 

@@ -84,6 +84,7 @@ class SimBackend:
     pipeline_parallel: int | None = None
     block_size: int = 16
     max_num_batched_tokens: int = 512
+    speed: object = None        # speed(t) -> factor on the cost at time t (SimExecutor), None: 1
 
     def __post_init__(self):
         self.cfg = model_config(self.model)
@@ -102,7 +103,7 @@ class SimBackend:
     def new_engine(self, curve: Curve, eos_after=None) -> Engine:
         n_slots = self.n_slots - (self.n_slots % self.block_size if curve.system in PAGED else 0)
         kv = new_kv(curve.system, n_slots, self.block_size)   # accounting only: no K/V tensors
-        executor = SimExecutor(self.cost, eos_after)
+        executor = SimExecutor(self.cost, eos_after, self.speed)
         config = {"model": self.cfg.name, "system": curve.system, "max_bs": curve.max_bs, "mbs": curve.mbs,
                   "n_slots": n_slots, "n_workers": executor.n_workers, "simulated": True,
                   "block_size": self.block_size, "max_num_batched_tokens": self.max_num_batched_tokens}
