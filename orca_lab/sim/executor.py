@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 from orca_lab.engine.executor import Completion, StageTime, VirtualClock
 
+IDLE_GAP = 1e-3     # seconds between two iterations that count as the engine having idled
+
 
 class IterationCost(NamedTuple):
     """What a cost model says about one iteration of one batch, in seconds."""
@@ -25,8 +27,9 @@ class SimExecutor:
     """Returns each batch's tokens after the time its cost model gives, on a ``VirtualClock``.
 
     ``cost.iteration(batch) -> IterationCost``; ``cost.n_stages`` is the pipeline depth, which is
-    Algorithm 1's ``n_workers``. ``speed(now) -> factor``, if given, scales an iteration started at
-    ``now`` (a machine that is slower at some moments than others: ``fitted.SpeedProfile``). Tokens are placeholders (the paper's workload ignores EOS); with
+    Algorithm 1's ``n_workers``. ``speed(now, idle) -> factor``, if given, scales an iteration started
+    at ``now``, ``idle`` when the engine had nothing in flight for more than ``IDLE_GAP`` before it
+    (a machine slower at some moments than others, and after a sleep: ``fitted.SpeedProfile``). Tokens are placeholders (the paper's workload ignores EOS); with
     ``eos_after(request) -> int | None`` a request emits ``eos_token_id`` after that many tokens.
     """
 
@@ -36,11 +39,13 @@ class SimExecutor:
         self.clock = VirtualClock()
         self.stage_free = [0.0] * self.n_workers   # when each stage finishes the work queued on it
         self.in_flight: deque[tuple[float, Completion]] = deque()   # (ready time, completion)
+        self.last_ready: float | None = None       # when the last batch came back
 
     def submit(self, batch):
         now = self.clock.now()
         cost = self.cost.iteration(batch)
-        k = 1.0 if self.speed is None else self.speed(now)
+        idle = not self.in_flight and self.last_ready is not None and now - self.last_ready > IDLE_GAP
+        k = 1.0 if self.speed is None else self.speed(now, idle)
         t, stages = now + k * cost.dispatch, []
         for s, busy in enumerate(cost.stages):
             start = max(t, self.stage_free[s])
@@ -57,6 +62,7 @@ class SimExecutor:
             self.clock.sleep_until(self.clock.now() + timeout)
             return None
         self.clock.sleep_until(ready)
+        self.last_ready = ready
         return self.in_flight.popleft()[1]
 
     def _tokens(self, batch) -> list[int]:

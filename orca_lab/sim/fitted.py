@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from orca_lab.engine.executor import split_layers
-from orca_lab.sim.executor import IterationCost
+from orca_lab.sim.executor import IDLE_GAP, IterationCost
 
 FEATURES = ("const", "tokens", "attn_pairs", "attn_context", "requests")
 
@@ -72,15 +72,38 @@ class FittedCost:
         """How many times slower than this fit the machine ran ``run``, window by window of
         ``window`` seconds (its busy periods, as ``speed_of``): a shared machine changes speed every
         few seconds, which one figure for the whole run averages away. A window with fewer than
-        ``MIN_PERIODS`` busy periods takes the whole run's figure."""
+        ``MIN_PERIODS`` busy periods takes the whole run's figure. Iterations that start after the
+        engine idled get a factor of their own (``_after_idle``) and stay out of the windows."""
+        woken, after_idle = self._after_idle(run)
         sums = defaultdict(lambda: [0.0, 0.0, 0])
         for x, y, t in iteration_periods(run, busy_only=True):
-            s = sums[int(t // window)]
-            s[0], s[1], s[2] = s[0] + y, s[1] + self._predict(x, run.system == "ft"), s[2] + 1
-        whole = self.speed_of([run], busy_only=True)
+            if t not in woken:
+                s = sums[int(t // window)]
+                s[0], s[1], s[2] = s[0] + y, s[1] + self._predict(x, run.system == "ft"), s[2] + 1
+        whole = sum(s[0] for s in sums.values()) / sum(s[1] for s in sums.values()) if sums else \
+            self.speed_of([run], busy_only=True)
         n = max(sums, default=-1) + 1
         return SpeedProfile(window, tuple(sums[i][0] / sums[i][1] if sums[i][2] >= MIN_PERIODS else whole
-                                          for i in range(n)), whole)
+                                          for i in range(n)), whole, after_idle)
+
+    def _after_idle(self, run) -> tuple[set, float]:
+        """The starts of the iterations that began after the engine idled (``IDLE_GAP``), and how
+        much slower they ran than busy ones, both as (end - start) over the fit's prediction: a
+        core left idle is clocked down (on the 2-core CI machine the first ~30 ms after each sleep
+        ran 25-40% slower: RealClock)."""
+        first = sorted((it for it in run.iterations if it.stage == 0), key=lambda it: it.iteration)
+        cached, ratios, woken = defaultdict(int), ([], []), set()
+        for prev, it in zip([None] + first, first):
+            starts = [cached[r] for r in it.rids]
+            for r, q in zip(it.rids, it.q_lens):
+                cached[r] += q
+            if prev is not None:
+                idle = it.start - prev.end > IDLE_GAP
+                ratios[idle].append((it.end - it.start) / self._predict(features(starts, it.q_lens), run.system == "ft"))
+                if idle:
+                    woken.add(it.start)
+        busy, slow = ratios
+        return woken, float(np.median(slow) / np.median(busy)) if len(slow) >= MIN_PERIODS and busy else 1.0
 
     def at_speed(self, speed: float) -> "FittedCost":
         """The same fit on a machine ``speed`` times slower (> 1) or faster (< 1)."""
@@ -127,20 +150,22 @@ class FittedCost:
         return cls(d["coef"], d["n_layers"], d["n_stages"], d.get("speed", 1.0))
 
 
-MIN_PERIODS = 5     # busy periods a window needs for a speed of its own
+MIN_PERIODS = 5     # busy periods a window needs for a speed of its own (and iterations after idle for theirs)
 
 
 @dataclass(frozen=True)
 class SpeedProfile:
     """A machine's speed (times slower than a fit) through a run: ``speeds[i]`` over
-    [i * window, (i + 1) * window) seconds of the run's clock, ``rest`` before and after."""
+    [i * window, (i + 1) * window) seconds of the run's clock, ``rest`` before and after, times
+    ``after_idle`` for an iteration that starts after the engine idled."""
     window: float
     speeds: tuple
     rest: float
+    after_idle: float = 1.0
 
-    def __call__(self, t: float) -> float:
+    def __call__(self, t: float, idle: bool = False) -> float:
         i = int(t // self.window)
-        return self.speeds[i] if 0 <= i < len(self.speeds) else self.rest
+        return (self.speeds[i] if 0 <= i < len(self.speeds) else self.rest) * (self.after_idle if idle else 1.0)
 
 
 def _kind(padded: bool) -> str:
