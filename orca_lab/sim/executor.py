@@ -29,8 +29,9 @@ class SimExecutor:
     ``cost.iteration(batch) -> IterationCost``; ``cost.n_stages`` is the pipeline depth, which is
     Algorithm 1's ``n_workers``. ``speed(now, idle) -> factor``, if given, scales an iteration started
     at ``now``, ``idle`` when the engine had nothing in flight for more than ``IDLE_GAP`` before it
-    (a machine slower at some moments than others, and after a sleep: ``fitted.SpeedProfile``). Tokens are placeholders (the paper's workload ignores EOS); with
-    ``eos_after(request) -> int | None`` a request emits ``eos_token_id`` after that many tokens.
+    (a machine slower at some moments than others, and after a sleep: ``fitted.SpeedProfile``).
+    Tokens are placeholders (the paper's workload ignores EOS); with ``eos_after(request) -> int |
+    None`` a request emits ``eos_token_id`` after that many tokens.
     """
 
     def __init__(self, cost, eos_after=None, speed=None):

@@ -91,17 +91,13 @@ class FittedCost:
         much slower they ran than busy ones, both as (end - start) over the fit's prediction: a
         core left idle is clocked down (on the 2-core CI machine the first ~30 ms after each sleep
         ran 25-40% slower: RealClock)."""
-        first = sorted((it for it in run.iterations if it.stage == 0), key=lambda it: it.iteration)
-        cached, ratios, woken = defaultdict(int), ([], []), set()
-        for prev, it in zip([None] + first, first):
-            starts = [cached[r] for r in it.rids]
-            for r, q in zip(it.rids, it.q_lens):
-                cached[r] += q
-            if prev is not None:
-                idle = it.start - prev.end > IDLE_GAP
-                ratios[idle].append((it.end - it.start) / self._predict(features(starts, it.q_lens), run.system == "ft"))
-                if idle:
-                    woken.add(it.start)
+        ratios, woken = ([], []), set()
+        first = first_stage_iterations(run)
+        for (prev, _), (it, x) in zip(first, first[1:]):
+            idle = it.start - prev.end > IDLE_GAP
+            ratios[idle].append((it.end - it.start) / self._predict(x, run.system == "ft"))
+            if idle:
+                woken.add(it.start)
         busy, slow = ratios
         return woken, float(np.median(slow) / np.median(busy)) if len(slow) >= MIN_PERIODS and busy else 1.0
 
@@ -173,22 +169,25 @@ def _kind(padded: bool) -> str:
     return "padded" if padded else "selective"
 
 
-def iteration_periods(run, busy_only: bool = False):
-    """(features, seconds, start) of every iteration of ``run`` but the last: from its first stage's
-    start to the next iteration's. Each request's start (tokens cached) is rebuilt by adding up the new
-    tokens it brought to earlier iterations. ``busy_only`` keeps the periods in which the engine
-    cannot have slept waiting for arrivals (some request goes on into the next iteration): in an
-    online run the others may hold idle time."""
-    first = sorted((it for it in run.iterations if it.stage == 0), key=lambda it: it.iteration)
-    cached = defaultdict(int)
-    out = []
-    for it, nxt in zip(first, first[1:]):
-        starts = [cached[r] for r in it.rids]
+def first_stage_iterations(run) -> list[tuple[object, list[float]]]:
+    """(record, features) of every first-stage iteration of ``run``, in order. Each request's start
+    (tokens cached) is rebuilt by adding up the new tokens it brought to earlier iterations."""
+    cached, out = defaultdict(int), []
+    for it in sorted((it for it in run.iterations if it.stage == 0), key=lambda it: it.iteration):
+        out.append((it, features([cached[r] for r in it.rids], it.q_lens)))
         for r, q in zip(it.rids, it.q_lens):
             cached[r] += q
-        if not busy_only or not set(it.rids).isdisjoint(nxt.rids):
-            out.append((features(starts, it.q_lens), nxt.start - it.start, it.start))
     return out
+
+
+def iteration_periods(run, busy_only: bool = False):
+    """(features, seconds, start) of every iteration of ``run`` but the last: from its first stage's
+    start to the next iteration's. ``busy_only`` keeps the periods in which the engine cannot have
+    slept waiting for arrivals (some request goes on into the next iteration): in an online run the
+    others may hold idle time."""
+    first = first_stage_iterations(run)
+    return [(x, nxt.start - it.start, it.start) for (it, x), (nxt, _) in zip(first, first[1:])
+            if not busy_only or not set(it.rids).isdisjoint(nxt.rids)]
 
 
 def _nnls(X, y):
