@@ -211,14 +211,13 @@ class EngineProcess:
 
     def __init__(self, recipe: EngineRecipe, start_timeout: float = 600.0):
         ctx = mp.get_context("spawn")              # a fresh interpreter: no inherited threads or CUDA state
-        self.inbox, to_engine = ctx.Pipe(duplex=False)       # (reader, writer)
-        from_engine, self.outbox = ctx.Pipe(duplex=False)
-        self.receive, self.send = from_engine, to_engine
+        engine_in, self.send = ctx.Pipe(duplex=False)       # (reader, writer)
+        self.receive, engine_out = ctx.Pipe(duplex=False)
         self.clock = RealClock()
-        self.proc = ctx.Process(target=engine_main, args=(recipe, self.inbox, self.outbox, self.clock.t0),
+        self.proc = ctx.Process(target=engine_main, args=(recipe, engine_in, engine_out, self.clock.t0),
                                 name="orca-engine")
         self.proc.start()
-        self.inbox.close(), self.outbox.close()   # the child's ends: its exit closes the pipes
+        engine_in.close(), engine_out.close()     # the child's ends: its exit closes the pipes
         self.info = self._wait_ready(start_timeout)
 
     def _wait_ready(self, timeout: float) -> EngineInfo:
