@@ -1,6 +1,6 @@
 """What serving over HTTP costs: the server against the engine in this process, on the same work.
 
-    python benchmarks/serving.py [--model tiny] [--n-requests 256] [--scale 0.25] [--max-bs 16] [--repeats 2]
+    python benchmarks/serving.py [--model tiny] [--device cpu] [--dtype float32] [--n-requests 256] [--scale 0.25] [--max-bs 16] [--repeats 2]
                                  [--light-rates 1 4] [--light-output 64] [--threads 1]
                                  [--out docs/results/serving_cpu.json]
 
@@ -111,14 +111,17 @@ def main(argv=None):
     p.add_argument("--light-requests", type=int, default=16)
     p.add_argument("--light-output", type=int, default=64)
     p.add_argument("--model", default="tiny", help="a preset (random weights of seed 0)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda: both sides run there")
+    p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="docs/results/serving_cpu.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    engine = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots)
+    engine = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots, device=args.device, dtype=args.dtype)
     llm = LLM(args.model, seed=0, engine=engine)
-    flags = ["--model", args.model, "--max-bs", args.max_bs, "--n-slots", args.n_slots, "--threads", args.threads]
+    flags = ["--model", args.model, "--max-bs", args.max_bs, "--n-slots", args.n_slots, "--threads", args.threads,
+             "--device", args.device, "--dtype", args.dtype]
     load_before = os.getloadavg()      # a busy machine moves these figures by tens of percent
     with ServerProcess(*flags) as server:
         sat = saturation(args, llm, server)
