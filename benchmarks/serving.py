@@ -13,7 +13,7 @@
    rates. The inter-token latency the client sees against the engine's iteration time (goal:
    p99 <= 1.5x), two ways: the p99 ITL over the run's median iteration, and token by token, each
    gap over the iteration that made that token. On a shared CPU the second is the one that
-   measures the server: the same fixed work, repeated in this process, has a p99 1.4-1.8x its
+   measures the server: the same fixed work, repeated in this process, has a p99 1.3-2.0x its
    median (``host_jitter``, recorded beside it), so the first reads the host's tail whatever the
    server does. Beside them: the p99 gap between the same tokens as the engine made them (what
    HTTP adds at the tail), and the same trace served in process (the iteration itself varies with
@@ -85,7 +85,7 @@ def engine_token_gaps(iterations: list[dict]) -> np.ndarray:
 def itl_over_own_iteration(run, data: dict, iterations: list[dict]) -> np.ndarray:
     """Each gap the client saw over the span of the engine iteration that made that token: what
     serving adds, token by token, with the host's speed of that moment in both (on a shared CPU
-    the same work takes 1.5-2x longer from one moment to the next)."""
+    the same work can take up to twice as long from one moment to the next)."""
     held = iterations_by_rid(iterations)
     ratios = []
     for r in run.requests:

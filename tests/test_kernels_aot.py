@@ -87,6 +87,8 @@ def test_one_merge_compile_serves_any_split_count(declared):
              and r["signature"]["n_heads"] == "i32" and {"head_size", "stride_ot"} <= set(r["divisible_by_16"])]
     assert sorted(r["what"].split()[2] for r in paper) == ["4095", "4096"]
     assert sorted("n_splits" in r["divisible_by_16"] for r in paper) == [False, True]
+    # it reads fp32 partials whatever the model's dtype: CI compiles it writing each dtype
+    assert {r["signature"]["out_ptr"] for r in merges if r["ci"]} == {"*fp32", "*fp16", "*bf16"}
 
 
 def _torch_name(dtype):

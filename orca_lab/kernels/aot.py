@@ -142,13 +142,13 @@ def declared_launches(modules) -> list[Launch]:
 
 def ci_subset(launches) -> list[Launch]:
     """What CI compiles within a minute on 2 cores: of the quick launches, for each kernel and each
-    float dtype, the first declared (the wrapper's default) and the one with the largest tiles (the
-    product of its ``BLOCK_*`` constexprs and stages: the most shared memory). ``--full`` compiles
-    every declared launch (a GPU host's many cores do it in minutes)."""
+    set of float dtypes it takes, the first declared (the wrapper's default) and the one with the
+    largest tiles (the product of its ``BLOCK_*`` constexprs and stages: the most shared memory).
+    ``--full`` compiles every declared launch (a GPU host's many cores do it in minutes)."""
     groups: dict = {}
     for lc in launches:
         if lc.quick:
-            groups.setdefault((lc.name, _float_type(lc)), []).append(lc)
+            groups.setdefault((lc.name, _float_types(lc)), []).append(lc)
     out = []
     for group in groups.values():
         biggest = max(group, key=_tiles)
@@ -156,8 +156,10 @@ def ci_subset(launches) -> list[Launch]:
     return out
 
 
-def _float_type(lc: Launch) -> str:
-    return next((t for t in lc.signature.values() if t in ("*fp32", "*fp16", "*bf16")), "")
+def _float_types(lc: Launch) -> tuple[str, ...]:
+    """The float pointer types a launch takes: a kernel that reads fp32 partials and writes fp16
+    (the split-K merge) is its own group, not fp32's."""
+    return tuple(sorted({t for t in lc.signature.values() if t in ("*fp32", "*fp16", "*bf16")}))
 
 
 def _tiles(lc: Launch) -> int:
