@@ -241,19 +241,22 @@ def test_a_speed_that_changes_within_a_run_is_read_back_window_by_window(tiny_ll
 
 @pytest.mark.parametrize("system", ["orca", "ft"])
 def test_a_slower_start_after_idle_is_read_back_and_replayed(tiny_llm, system):
-    """A simulated machine whose first iteration after a sleep runs 1.4x slower (a clocked-down
-    core): the run's profile reads that factor back, and replays the run's timings with it."""
+    """A simulated machine whose first iteration after a sleep starts 0.5 ms after the arrival that
+    woke it and runs 1.4x slower (a clocked-down core): the run's profile reads both back, and
+    replays the run's timings with them."""
     from orca_lab.sim.fitted import SpeedProfile
     fit = FittedCost({"selective": [2e-3, 1e-5, 3e-8, 2e-7, 4e-4], "padded": [1e-3, 2e-5, 1e-8, 1e-7, 1e-4]})
     curve = Curve(system, 4, 4 if system == "ft" else None)
     trace = [TraceItem(0.5 * i, it.prompt, it.max_gen_tokens) for i, it in enumerate(ragged_trace(tiny_llm.cfg.vocab_size, n=10))]
     machine = lambda speed: SimBackend(tiny_llm.cfg, cost=fit, n_slots=8192, speed=speed).serve(curve, trace)
-    run = machine(SpeedProfile(1.0, (), 1.0, after_idle=1.4))
+    run = machine(SpeedProfile(1.0, (), 1.0, after_idle=1.4, wake=5e-4))
     read = fit.speed_profile(run)
     assert read.after_idle == pytest.approx(1.4) and read.rest == pytest.approx(1.0)
+    assert read.wake == pytest.approx(5e-4)
     ttft = lambda r: [q.t_first_token for q in r.requests]
     assert ttft(machine(read)) == pytest.approx(ttft(run))
     assert ttft(machine(None)) != pytest.approx(ttft(run))
+    assert ttft(machine(SpeedProfile(1.0, (), 1.0, after_idle=1.4))) != pytest.approx(ttft(run))
 
 
 def test_a_point_is_measured_again_while_the_machine_changes_speed(monkeypatch):

@@ -18,7 +18,8 @@ predict. So the primary comparison takes the machine's speed out: each real run 
 the simulator at the speed that run itself ran at, second by second (``SPEED_WINDOW``: its busy
 iteration periods in each window over the fit's predictions for the same batches,
 ``FittedCost.speed_profile``; the simulator's iteration started at time t runs at that window's
-speed, and one started after the engine idled by the factor the run's own such iterations show),
+speed, and one started after the engine idled by the factor the run's own such iterations show,
+after the delay they show from the arrival that woke the engine),
 which leaves the simulator the scheduling, batching and queueing to get right. The same
 at one speed for the whole run (``run_speed``, ``FittedCost.speed_of``) is a secondary column:
 the machine changes speed within a run, and a spell at the wrong moment moves the queue. Each point is run

@@ -73,8 +73,9 @@ class FittedCost:
         ``window`` seconds (its busy periods, as ``speed_of``): a shared machine changes speed every
         few seconds, which one figure for the whole run averages away. A window with fewer than
         ``MIN_PERIODS`` busy periods takes the whole run's figure. Iterations that start after the
-        engine idled get a factor of their own (``_after_idle``) and stay out of the windows."""
-        woken, after_idle = self._after_idle(run)
+        engine idled get a factor of their own and a delay before they start (``_after_idle``), and
+        stay out of the windows."""
+        woken, after_idle, wake = self._after_idle(run)
         sums = defaultdict(lambda: [0.0, 0.0, 0])
         for x, y, t in iteration_periods(run, busy_only=True):
             if t not in woken:
@@ -84,22 +85,29 @@ class FittedCost:
             self.speed_of([run], busy_only=True)
         n = max(sums, default=-1) + 1
         return SpeedProfile(window, tuple(sums[i][0] / sums[i][1] if sums[i][2] >= MIN_PERIODS else whole
-                                          for i in range(n)), whole, after_idle)
+                                          for i in range(n)), whole, after_idle, wake)
 
-    def _after_idle(self, run) -> tuple[set, float]:
-        """The starts of the iterations that began after the engine idled (``IDLE_GAP``), and how
-        much slower they ran than busy ones, both as (end - start) over the fit's prediction: a
-        core left idle is clocked down (on the 2-core CI machine the first ~30 ms after each sleep
-        ran 25-40% slower: RealClock)."""
-        ratios, woken = ([], []), set()
+    def _after_idle(self, run) -> tuple[set, float, float]:
+        """The starts of the iterations that began after the engine idled (``IDLE_GAP``); how much
+        slower they ran than busy ones, both as (end - start) over the fit's prediction: a core left
+        idle is clocked down (on the 2-core CI machine the first ~30 ms after each sleep ran 25-40%
+        slower: RealClock); and the median time from the arrival that woke the engine to the start
+        of its iteration. A busy iteration's period holds the engine's Python before the next start;
+        after a sleep that Python runs before the start, on the woken core (~0.5 ms on the 2-core
+        CPU, where busy iterations are 0.2-0.3 ms apart), and the request waits for it."""
+        ratios, woken, waits = ([], []), set(), []
+        arrival = {r.rid: r.arrival for r in run.requests}
         first = first_stage_iterations(run)
         for (prev, _), (it, x) in zip(first, first[1:]):
             idle = it.start - prev.end > IDLE_GAP
             ratios[idle].append((it.end - it.start) / self._predict(x, run.system == "ft"))
             if idle:
                 woken.add(it.start)
+                waits.append(it.start - max(arrival[r] for r in it.rids if arrival[r] <= it.start))
         busy, slow = ratios
-        return woken, float(np.median(slow) / np.median(busy)) if len(slow) >= MIN_PERIODS and busy else 1.0
+        if len(slow) < MIN_PERIODS or not busy:
+            return woken, 1.0, 0.0
+        return woken, float(np.median(slow) / np.median(busy)), float(np.median(waits))
 
     def at_speed(self, speed: float) -> "FittedCost":
         """The same fit on a machine ``speed`` times slower (> 1) or faster (< 1)."""
@@ -153,11 +161,13 @@ MIN_PERIODS = 5     # busy periods a window needs for a speed of its own (and it
 class SpeedProfile:
     """A machine's speed (times slower than a fit) through a run: ``speeds[i]`` over
     [i * window, (i + 1) * window) seconds of the run's clock, ``rest`` before and after, times
-    ``after_idle`` for an iteration that starts after the engine idled."""
+    ``after_idle`` for an iteration that starts after the engine idled, which starts ``wake``
+    seconds after the arrival that woke it."""
     window: float
     speeds: tuple
     rest: float
     after_idle: float = 1.0
+    wake: float = 0.0
 
     def __call__(self, t: float, idle: bool = False) -> float:
         i = int(t // self.window)
