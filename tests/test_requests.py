@@ -170,6 +170,9 @@ def test_check_request_refuses_what_add_request_refuses_and_adds_nothing(tiny_ll
     for call in (engine.check_request, engine.add_request):
         with pytest.raises(ValueError, match=match):
             call(prompt, SamplingParams(**kw))
+    # several at once: a good one before the bad one is not added either
+    with pytest.raises(ValueError, match=match):
+        engine.add_requests([((5, 6), SamplingParams(), None), (prompt, SamplingParams(**kw), None)])
     assert engine.requests == [] and not engine.has_work()
     assert engine.check_request((5, 6), SamplingParams()) == [5, 6] and engine.requests == []
 

@@ -127,7 +127,15 @@ class Engine:
 
     # -- submission: bad input is refused here, and the engine keeps serving the others ----------
     def add_request(self, prompt, params: SamplingParams, arrival: float | None = None) -> Request:
-        prompt, params = self._checked(prompt, params)
+        return self.add_requests([(prompt, params, arrival)])[0]
+
+    def add_requests(self, items) -> list[Request]:
+        """``(prompt, params, arrival)`` each, all or none: every one is checked before any is added
+        (a completion with several prompts is refused whole)."""
+        checked = [(*self._checked(prompt, params), arrival) for prompt, params, arrival in items]
+        return [self._add(*item) for item in checked]
+
+    def _add(self, prompt: list[int], params: SamplingParams, arrival: float | None) -> Request:
         req = Request(self._next_rid, prompt, params, self.clock.now() if arrival is None else arrival,
                       detokenize=None if self.tokenizer is None else self.tokenizer.decode)
         self.scheduler.add(req)
@@ -138,9 +146,7 @@ class Engine:
 
     def check_request(self, prompt, params: SamplingParams) -> list[int]:
         """Every check ``add_request`` makes, adding nothing: the prompt as token ids, or a ValueError
-        (TypeError for a prompt that is not token ids) naming the field, the value and the range.
-        It reads only settings fixed at construction, so another thread may call it while the engine
-        runs."""
+        (TypeError for a prompt that is not token ids) naming the field, the value and the range."""
         return self._checked(prompt, params)[0]
 
     def _checked(self, prompt, params: SamplingParams) -> tuple[list[int], SamplingParams]:

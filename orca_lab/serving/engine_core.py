@@ -142,19 +142,15 @@ class EngineLoop:
             return msgs
 
     def _add(self, key, items):
-        """All of a completion's prompts or none: each is checked before any is added."""
-        engine = self.engine
+        """All of a completion's prompts or none (``Engine.add_requests``)."""
         try:
-            prompts = [engine.check_request(prompt, params) for _, prompt, params, _ in items]
+            reqs = self.engine.add_requests([(prompt, params, arrival) for _, prompt, params, arrival in items])
         except (ValueError, TypeError) as e:
             self._send(("added", key, e))
             return
-        rids = []
-        for (sid, _, params, arrival), prompt in zip(items, prompts):
-            rid = engine.add_request(prompt, params, arrival=arrival).rid
-            self.rids[sid], self.sids[rid] = rid, sid
-            rids.append(rid)
-        self._send(("added", key, rids))
+        for (sid, *_), req in zip(items, reqs):
+            self.rids[sid], self.sids[req.rid] = req.rid, sid
+        self._send(("added", key, [req.rid for req in reqs]))
 
     def _abort(self, sids):
         out = []
