@@ -27,11 +27,11 @@ class SimExecutor:
     """Returns each batch's tokens after the time its cost model gives, on a ``VirtualClock``.
 
     ``cost.iteration(batch) -> IterationCost``; ``cost.n_stages`` is the pipeline depth, which is
-    Algorithm 1's ``n_workers``. ``speed(now, idle) -> factor``, if given, scales an iteration started
-    at ``now``, ``idle`` when the engine had nothing in flight for more than ``IDLE_GAP`` before it
-    (a machine slower at some moments than others, and after a sleep: ``fitted.SpeedProfile``); an
-    idle start also waits ``speed.wake`` seconds, where the profile has one (the engine's Python
-    between waking and launching).
+    Algorithm 1's ``n_workers``. ``speed``, if given, is a ``fitted.SpeedProfile`` (a machine slower
+    at some moments than others, and after a sleep): ``speed(now, idle)`` scales an iteration
+    started at ``now``, ``idle`` when the engine had nothing in flight for more than ``IDLE_GAP``
+    before it, and an idle start also waits ``speed.wake`` seconds (the engine's Python between
+    waking and launching).
     Tokens are placeholders (the paper's workload ignores EOS); with ``eos_after(request) -> int |
     None`` a request emits ``eos_token_id`` after that many tokens.
     """
@@ -48,8 +48,7 @@ class SimExecutor:
         now = self.clock.now()
         cost = self.cost.iteration(batch)
         idle = not self.in_flight and self.last_ready is not None and now - self.last_ready > IDLE_GAP
-        k = 1.0 if self.speed is None else self.speed(now, idle)
-        wake = getattr(self.speed, "wake", 0.0) if idle else 0.0
+        k, wake = (1.0, 0.0) if self.speed is None else (self.speed(now, idle), self.speed.wake if idle else 0.0)
         t, stages = now + wake + k * cost.dispatch, []
         for s, busy in enumerate(cost.stages):
             start = max(t, self.stage_free[s])

@@ -84,7 +84,7 @@ class SimBackend:
     pipeline_parallel: int | None = None
     block_size: int = 16
     max_num_batched_tokens: int = 512
-    speed: object = None        # speed(t) -> factor on the cost at time t (SimExecutor), None: 1
+    speed: object = None        # a fitted.SpeedProfile (SimExecutor); None: the cost as it is
 
     def __post_init__(self):
         self.cfg = model_config(self.model)
