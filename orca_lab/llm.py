@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -13,7 +14,7 @@ from orca_lab.config import EngineConfig, ModelConfig, check_degrees, check_rang
 from orca_lab.engine.cuda_graphs import decode_graphs_for
 from orca_lab.engine.engine import Engine, RunResult
 from orca_lab.engine.executor import LocalExecutor, split_layers
-from orca_lab.engine.kv_manager import rank_shares, size_kv_pool
+from orca_lab.engine.kv_manager import KVPool, rank_shares, size_kv_pool
 from orca_lab.engine.model import GPT, checkpoint_config
 from orca_lab.engine.parallel import WorkerExecutor
 from orca_lab.engine.request import SamplingParams
@@ -81,6 +82,9 @@ class LLM:
         self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None) if eos_token_id is None else eos_token_id
         if self.eos_token_id is not None:
             check_range("eos_token_id", self.eos_token_id, 0, self.cfg.vocab_size - 1)
+        self._kv_pool: KVPool | None = None   # allocated on the first engine, then lent to each
+        self._graphs = None                   # CUDA graphs over that pool, captured once
+        self._engine = None                   # weak reference to the engine holding the pool
 
     @classmethod
     def from_pretrained(cls, path, engine: EngineConfig | None = None, tokenizer=None) -> "LLM":
@@ -106,21 +110,58 @@ class LLM:
 
     # -- engines --------------------------------------------------------------------------------
     def new_engine(self, system: str = "orca", mbs: int | None = None) -> Engine:
-        """A fresh engine over this model: its own K/V slot pool, scheduler and executor."""
+        """A fresh engine over this model: its own scheduler, executor and K/V accounting, over the
+        LLM's one K/V pool (allocated by the first engine, reused by every later one).
+
+        One engine serves at a time, as in vLLM: the pool is lent to the newest engine. An engine
+        that is done (nothing waiting, running or in flight) is closed when the next one is built;
+        one that still has requests is not interrupted: this raises instead, naming it."""
         if system not in SYSTEMS:
             raise ValueError(f"system={system!r} is not allowed: choose one of {SYSTEMS}")
         ec, cfg = self.engine_config, self.cfg
-        workers = uses_workers(ec)      # workers hold the K/V pools; the master keeps only the accounting
-        shape = () if workers else (cfg.n_layers, cfg.n_heads, cfg.head_dim)
         if system == "ft" and mbs is not None and not 1 <= mbs <= ec.max_bs:
             raise ValueError(f"mbs={mbs} is out of range: allowed [1, max_bs={ec.max_bs}]")
-        kv = new_kv(system, ec.n_slots, ec.block_size, *shape, device=ec.device, dtype=getattr(torch, ec.dtype))
+        self._take_pool_back()
+        workers = uses_workers(ec)      # workers hold the K/V pools; the master keeps only the accounting
+        pool = None if workers else self._pool()
+        kv = new_kv(system, ec.n_slots, ec.block_size, pool=pool)
         scheduler = new_scheduler(system, kv, ec.max_bs, cfg.max_seq_len, mbs, ec.max_num_batched_tokens)
         executor = WorkerExecutor.for_llm(self) if workers else \
-            LocalExecutor(self.model, kv, ec.n_workers, ec.device, decode_graphs_for(self.model, kv, ec))
+            LocalExecutor(self.model, kv, ec.n_workers, ec.device, self._decode_graphs(kv))
         config = {"model": cfg.name, "system": system, "mbs": mbs, **vars(ec)}
-        return Engine(scheduler, executor, cfg.vocab_size, cfg.max_seq_len, config, self.tokenizer,
-                      self.eos_token_id)
+        engine = Engine(scheduler, executor, cfg.vocab_size, cfg.max_seq_len, config, self.tokenizer,
+                        self.eos_token_id)
+        self._engine = weakref.ref(engine)
+        return engine
+
+    def _take_pool_back(self):
+        """Close the engine holding the pool if it is done; refuse if it still serves requests."""
+        holder = self._engine() if self._engine is not None else None
+        if holder is None or holder.closed is not None:
+            return
+        if holder.has_work():
+            s = holder.stats()
+            raise RuntimeError(
+                f"another engine of this LLM still serves requests ({s.waiting} waiting, {s.running} running) "
+                "and holds its K/V pool: finish them (engine.run()) or close it (engine.close()) before "
+                "building a new engine (one engine per LLM, as in vLLM)")
+        holder.close("a newer engine of its LLM took over the K/V pool (one engine per LLM)")
+
+    def _pool(self) -> KVPool:
+        if self._kv_pool is None:
+            ec, cfg = self.engine_config, self.cfg
+            self._kv_pool = KVPool(ec.n_slots, cfg.n_layers, cfg.n_heads, cfg.head_dim, ec.device,
+                                   getattr(torch, ec.dtype))
+        return self._kv_pool
+
+    def _decode_graphs(self, kv):
+        """The LLM's CUDA graphs (captured once over its pool, replayed by every engine), reserving
+        their padding slots from this engine's ``kv``; None where they do not run."""
+        if self._graphs is None:
+            self._graphs = decode_graphs_for(self.model, kv, self.engine_config) or False
+        if self._graphs:
+            self._graphs.kv = kv
+        return self._graphs or None
 
     def serve(self, trace, system: str = "orca", mbs: int | None = None, progress: bool = False) -> RunResult:
         """Serve a trace (``orca_lab.workload``) with arrivals on the real clock."""
@@ -133,7 +174,7 @@ class LLM:
     # -- generation -----------------------------------------------------------------------------
     # Per prompt: ``max_gen_tokens`` an int or a list; ``sampling`` keywords (temperature, top_k, top_p,
     # seed, ignore_eos, eos_token_id, stop_token_ids, stop) for all; or ``sampling_params``, one
-    # SamplingParams or a list of them. A sampled request without a seed draws from its rid.
+    # SamplingParams or a list of them. A sampled request without a seed draws from OS entropy.
     def generate(self, prompts, max_gen_tokens: int | list[int] | None = None, system: str = "orca", *,
                  sampling_params=None, **sampling) -> list[list[int]]:
         """Generated token ids of each prompt (token-id lists, or strings through the tokenizer)."""

@@ -115,9 +115,7 @@ class BatchTensors:
         positions = _ramp(starts - cu_q[:-1], q_lens)
         new_rows = _ramp(first + starts - cu_q[:-1], q_lens)
         kv_rows = _ramp(first - cu_k[:-1], kv_lens)
-        reserved = torch.cat(slots)
-        if reserved.device.type != "cpu":   # slot ids held on a device cost a synchronization here
-            reserved = reserved.cpu()
+        reserved = torch.cat(slots)         # host tensors: the K/V managers keep slot ids there
         slots_host = reserved.numpy()[np.concatenate([new_rows, kv_rows])]
         slot_mapping, kv_slot_ids = torch.from_numpy(slots_host).split([len(new_rows), len(kv_rows)])
         ids = torch.tensor(list(chain.from_iterable(batch.tokens)), dtype=torch.int64)

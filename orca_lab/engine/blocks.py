@@ -6,13 +6,17 @@ kernels already read, so paging needs no new attention path. The pool and its sp
 ``KVSlotManager``'s: every run taken or given back is a whole number of blocks, so every free run
 starts on a block boundary and a taken block is always whole. Unlike ORCA's reservation, nothing
 guarantees a running request its next block: the scheduler preempts when the pool runs dry.
+
+Slot ids stay on the host, as ORCA's reservation keeps them. Where a pool is read, a request's
+table lives in a host buffer sized for its ``max_tokens``: a new block writes its own slots there
+and ``req.slots`` becomes a longer view, so growing costs the new block, not the whole context.
 """
 from __future__ import annotations
 
 import torch
 
 from orca_lab.config import check_blocks
-from orca_lab.engine.kv_manager import KVSlotManager
+from orca_lab.engine.kv_manager import KVSlotManager, _held, _slot_ids
 
 
 class BlockManager(KVSlotManager):
@@ -24,6 +28,7 @@ class BlockManager(KVSlotManager):
         self.block_size = block_size
         self.n_blocks = n_slots // block_size
         self.watermark_blocks = int(watermark * self.n_blocks)
+        self._tables: dict[int, torch.Tensor] = {}     # rid -> host buffer of its slot ids
 
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
@@ -55,12 +60,27 @@ class BlockManager(KVSlotManager):
         self.n_reserved += need * self.block_size
         self._holders[req.rid] = req
         self._runs.setdefault(req.rid, []).extend(runs)
-        if self.k is None:
-            new = [i for a, b in runs for i in range(a, b)]
-            req.slots = (req.slots or []) + new
-        else:
-            new = torch.cat([torch.arange(a, b, device=self.device) for a, b in runs])
-            req.slots = new if req.slots is None else torch.cat([req.slots, new])
+        held = 0 if req.slots is None else len(req.slots)
+        new = _slot_ids(runs, self.k is not None)
+        # a new object each time: the worker executor sends a request's slots again when they change
+        req.slots = (req.slots or []) + new if self.k is None else self._extend(req, held, new)
+        self.n_used += _held(req.n_cached, len(req.slots)) - _held(req.n_cached, held)
+
+    def _extend(self, req, held: int, new: torch.Tensor) -> torch.Tensor:
+        """``req``'s slot ids with ``new`` appended, a view of its host buffer."""
+        buf = self._tables.get(req.rid)
+        if buf is None or len(buf) < held + len(new):
+            size = max(self.blocks_for(req.max_tokens) * self.block_size, held + len(new))
+            buf, old = torch.empty(size, dtype=torch.int64), buf
+            if held:
+                buf[:held] = old[:held]
+            self._tables[req.rid] = buf
+        buf[held:held + len(new)] = new
+        return buf[:held + len(new)]
+
+    def release(self, req):
+        super().release(req)
+        self._tables.pop(req.rid, None)
 
     def block_table(self, req) -> list[int]:
         """The request's blocks, in context order (block ``b`` holds slots ``[b*bs, (b+1)*bs)``)."""

@@ -52,6 +52,8 @@ def decode_graphs_for(model, kv, engine_config) -> "DecodeGraphs | None":
 
 class DecodeGraphs:
     def __init__(self, model, kv, max_bs: int, capture: bool):
+        # ``kv``: the K/V manager the padding slots are reserved from. An LLM keeps its graphs with
+        # its pool and hands each new engine's manager over (``graphs.kv = ...``): same memory.
         self.model, self.kv, self.capture = model, kv, capture
         self.max_size = padded_size(max_bs)
         self.max_kv = model.cfg.max_seq_len

@@ -3,6 +3,11 @@
 A request reserves all the slots it may ever need when it is first scheduled (Algorithm 1 reserves
 ``max_tokens``), so a running request can never run out of K/V memory: no preemption, no deadlock.
 The pool holds one K and one V row per slot and layer; slots of a request need not be contiguous.
+
+The memory (``KVPool``) and its accounting (``KVSlotManager``) are apart: an ``LLM`` allocates its
+pool once, and each engine it builds gets a fresh manager over it (free runs, holders), so a
+``generate`` call pays for no allocation. Slot ids are host data (``req.slots``, a CPU tensor): each
+iteration's metadata is built on the host and copied to the device once (``batch.py``).
 """
 from __future__ import annotations
 
@@ -24,24 +29,42 @@ class KVStats:
         return self.used + self.reserved_unused + self.free
 
 
+class KVPool:
+    """K and V memory ``[n_layers, n_slots, n_heads, head_dim]``, allocated once, here.
+
+    Zeros, not empty: the OS maps every page now, not on the first K/V write of a request while the
+    engine serves (first touches would make the first runs slow and noisy)."""
+
+    def __init__(self, n_slots: int, n_layers: int, n_heads: int, head_dim: int, device="cpu",
+                 dtype=torch.float32):
+        self.n_slots, self.device = n_slots, torch.device(device)
+        shape = (n_layers, n_slots, n_heads, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    def layer(self, i: int):
+        """One layer's ``(k_pool, v_pool)``, each ``[n_slots, n_heads, head_dim]``."""
+        return self.k[i], self.v[i]
+
+
 class KVSlotManager:
     def __init__(self, n_slots: int, n_layers: int = 0, n_heads: int = 0, head_dim: int = 0,
-                 device="cpu", dtype=torch.float32):
-        """``n_layers == 0`` keeps only the accounting (the simulator); else K and V pools
-        ``[n_layers, n_slots, n_heads, head_dim]`` are allocated once, here."""
+                 device="cpu", dtype=torch.float32, pool: KVPool | None = None):
+        """Slots of ``pool``; or, without one, of a pool ``[n_layers, n_slots, n_heads, head_dim]``
+        allocated here; ``n_layers == 0`` keeps only the accounting (the simulator)."""
+        if pool is None and n_layers:
+            pool = KVPool(n_slots, n_layers, n_heads, head_dim, device, dtype)
+        if pool is not None and pool.n_slots != n_slots:
+            raise ValueError(f"n_slots={n_slots} does not match the K/V pool's {pool.n_slots} slots")
         self.n_slots = n_slots
         self._spans: list[list[int]] = [[0, n_slots]]   # free runs [start, end), sorted, never adjacent
         self._runs: dict[int, list[tuple[int, int]]] = {}  # rid -> the runs it holds
         self._holders: dict[int, object] = {}           # rid -> Request holding a reservation
         self.n_reserved = 0                              # Algorithm 1's n_rsrv
-        self.device = torch.device(device)
-        self.k = self.v = None
-        if n_layers:
-            # zeros, not empty: the OS maps every page now, not on the first K/V write of a request
-            # while the engine serves (first touches would make the first runs slow and noisy)
-            shape = (n_layers, n_slots, n_heads, head_dim)
-            self.k = torch.zeros(shape, device=device, dtype=dtype)
-            self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.n_used = 0                                  # slots holding real K/V, kept by ``cache``
+        self.pool = pool
+        self.device = pool.device if pool is not None else torch.device(device)
+        self.k, self.v = (pool.k, pool.v) if pool is not None else (None, None)
 
     def can_reserve(self, n: int) -> bool:
         return self.n_reserved + n <= self.n_slots
@@ -58,21 +81,27 @@ class KVSlotManager:
         if not self.can_reserve(n):
             raise RuntimeError(f"cannot reserve {n} slots: {self.n_slots - self.n_reserved} left")
         runs = self._take(n)
-        if self.k is None:
-            req.slots = [i for a, b in runs for i in range(a, b)]
-        else:   # on the host: each iteration's metadata is built there and copied to the device once
-            req.slots = torch.cat([torch.arange(a, b) for a, b in runs])
+        req.slots = _slot_ids(runs, self.k is not None)
         self._runs[req.rid] = runs
         self._holders[req.rid] = req
         self.n_reserved += n
+        self.n_used += _held(req.n_cached, len(req.slots))
 
     def release(self, req):
         """Free every slot of a finished request: the scheduler said it is done."""
         del self._holders[req.rid]
+        self.n_used -= _held(req.n_cached, len(req.slots))
         for a, b in self._runs.pop(req.rid):
             self._give(a, b)
             self.n_reserved -= b - a
         req.slots = None
+
+    def cache(self, req, n_cached: int):
+        """``req`` now holds the K/V of its first ``n_cached`` tokens (the scheduler says so when its
+        iteration returns): ``n_used`` follows without a sum over the holders."""
+        if req.slots is not None:
+            self.n_used += _held(n_cached, len(req.slots)) - _held(req.n_cached, len(req.slots))
+        req.n_cached = n_cached
 
     def _take(self, n: int) -> list[tuple[int, int]]:
         for i, (a, b) in enumerate(self._spans):
@@ -112,16 +141,30 @@ class KVSlotManager:
 
     def layer(self, i: int):
         """One layer's ``(k_pool, v_pool)``, each ``[n_slots, n_heads, head_dim]``."""
-        return self.k[i], self.v[i]
+        return self.pool.layer(i)
 
     def stats(self) -> KVStats:
-        used = sum(min(r.n_cached, len(r.slots)) for r in self._holders.values())
+        """Counted from the holders (the reference ``n_used`` is checked against in the tests)."""
+        used = sum(_held(r.n_cached, len(r.slots)) for r in self._holders.values())
         return KVStats(used=used, reserved_unused=self.n_reserved - used,
                        free=self.n_slots - self.n_reserved)
 
     @property
     def n_holders(self) -> int:
         return len(self._holders)
+
+
+def _held(n_cached: int, n_slots: int) -> int:
+    """Slots of a request that hold real K/V: its cached tokens, within the slots it holds."""
+    return min(n_cached, n_slots)
+
+
+def _slot_ids(runs, on_host_tensor: bool):
+    """Slot ids of ``runs``: a CPU tensor where a pool is read (each iteration's metadata is built on
+    the host and copied to the device once), a list for the accounting alone (the simulator)."""
+    if not on_host_tensor:
+        return [i for a, b in runs for i in range(a, b)]
+    return torch.cat([torch.arange(a, b) for a, b in runs])
 
 
 # -- sizing the pool on a GPU ---------------------------------------------------------------------

@@ -27,7 +27,7 @@ from orca_lab.engine.control import (ControlError, ControlMessage, Inbox, Reset,
                                      connect, decode, decode_address, encode_address, watch_master)
 from orca_lab.engine.data_plane import DataPlane
 from orca_lab.engine.executor import StageClock, split_layers
-from orca_lab.engine.kv_manager import KVSlotManager, rank_shares, size_kv_pool
+from orca_lab.engine.kv_manager import KVPool, rank_shares, size_kv_pool
 from orca_lab.engine.model import CheckpointWeights, RandomWeights, StateDictWeights
 from orca_lab.engine.request import SamplingParams
 from orca_lab.engine.sampler import sample
@@ -112,8 +112,9 @@ class Worker:
         self.model = stage_model(weight_source(spec, self.device, self.dtype), cfg, (lo, hi), self.tp_rank, spec.tp,
                                  first=self.first, last=self.last, all_reduce=self.data.all_reduce,
                                  attention_backend=ec.attention_backend, fused_ops_backend=ec.fused_ops_backend, tf32=ec.tf32)
-        # this rank's K/V pool: its own heads, its stage's layers, all of the engine's slots
-        self.kv = KVSlotManager(n_slots, hi - lo, cfg.n_heads // spec.tp, cfg.head_dim, self.device, self.dtype)
+        # this rank's K/V pool: its own heads, its stage's layers, all of the engine's slots; allocated
+        # once for the worker's life (a new engine resets the requests it knows, not the memory)
+        self.kv = KVPool(n_slots, hi - lo, cfg.n_heads // spec.tp, cfg.head_dim, self.device, self.dtype)
 
     def _connect(self, store):
         """Connect downstream first (connecting never waits for the peer to accept), then accept

@@ -1,0 +1,101 @@
+"""One K/V pool per LLM: allocated by its first engine, lent to every later one (the allocator is
+reset, not the memory), never two at once; slot ids on the host for every system."""
+import copy
+
+import pytest
+import torch
+
+from helpers import needs_gpu, random_prompts
+from orca_lab import LLM, EngineConfig, SamplingParams
+from orca_lab.engine.batch import Batch, BatchTensors
+from orca_lab.engine.blocks import BlockManager
+from orca_lab.engine.kv_manager import KVPool
+from orca_lab.engine.policies import SYSTEMS
+from orca_lab.engine.request import Request
+from orca_lab.workload import TraceItem
+
+
+@pytest.fixture
+def llm(tiny_llm):
+    return LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=4, n_slots=2048, block_size=8,
+                                                       max_num_batched_tokens=16))
+
+
+def test_every_engine_and_system_of_an_llm_reads_one_pool(llm, tiny_llm, monkeypatch):
+    """Engines of every system, one after the other, and every entry point: one pool, allocated
+    once; and the stale K/V a run leaves in it never reaches the next run's tokens."""
+    prompts = random_prompts(3, llm.cfg.vocab_size, 5, 30, seed=2)
+    expected = [tiny_llm.generate([p], max_gen_tokens=5)[0] for p in prompts]
+    allocated = []
+    monkeypatch.setattr(KVPool, "__init__", lambda self, *a, real=KVPool.__init__, **k:
+                        allocated.append(a) or real(self, *a, **k))
+    engines = []
+    for system in SYSTEMS:
+        engine = llm.new_engine(system)
+        for p in prompts:
+            engine.add_request(p, SamplingParams(max_gen_tokens=5))
+        assert [list(r.output) for r in engine.run().requests] == expected, system
+        engines.append(engine)            # kept alive: a pool of their own would stay allocated
+    assert len({e.scheduler.kv.k.data_ptr() for e in engines}) == 1
+    assert llm.generate(prompts, max_gen_tokens=5, system="chunked") == expected
+    assert [c.token_ids for c in llm.complete(prompts, max_gen_tokens=5)] == expected
+    assert [list(r.output) for r in llm.serve([TraceItem(0.0, tuple(p), 5) for p in prompts]).requests] == expected
+    assert len(allocated) == 1
+
+
+def test_two_engines_of_one_llm_never_hold_two_pools(llm):
+    """The pool goes to the newest engine: one that is done is closed when the next is built; one
+    that still serves requests is not interrupted, the new one is refused, naming why."""
+    first = llm.new_engine()
+    req = first.add_request([1, 2, 3], SamplingParams(max_gen_tokens=3))
+    with pytest.raises(RuntimeError, match=r"another engine of this LLM still serves requests \(1 waiting, 0 running\)"):
+        llm.new_engine("paged")
+    first.step()
+    with pytest.raises(RuntimeError, match=r"\(0 waiting, 1 running\).*engine.close\(\)"):
+        llm.generate([[4, 5]], max_gen_tokens=2)
+    first.run()
+    assert len(req.output) == 3
+    second = llm.new_engine("paged")         # the first is done: it is closed, its pool lent on
+    with pytest.raises(RuntimeError, match="no longer serves: a newer engine of its LLM took over the K/V pool"):
+        first.add_request([1, 2], SamplingParams(max_gen_tokens=2))
+    second.add_request([1, 2], SamplingParams(max_gen_tokens=2))
+    second.close()                           # closed with work: the pool is free again
+    assert llm.generate([[4, 5]], max_gen_tokens=2)[0] == llm.generate([[4, 5]], max_gen_tokens=2)[0]
+    assert first.result().requests[0].n_generated == 3     # a closed engine's run can still be read
+
+
+def test_slot_ids_of_paged_requests_stay_on_the_host_and_grow_in_place():
+    """A pool on another device (meta here, a GPU in use) leaves slot ids on the host, so building an
+    iteration's metadata copies nothing back from the device; a request's table grows in one host
+    buffer (a block costs its own slots, not the whole context again)."""
+    kv = BlockManager(64, 8, 2, 2, 4, device="meta")
+    req = Request(0, list(range(1, 21)), SamplingParams(max_gen_tokens=12))
+    kv.grow(req, 20)
+    buffer = req.slots.untyped_storage().data_ptr()
+    kv.grow(req, 25)
+    assert req.slots.device.type == "cpu" and req.slots.tolist() == list(range(32))
+    assert req.slots.untyped_storage().data_ptr() == buffer
+    bt = BatchTensors.build(Batch.selective([req], [20]), "cpu")
+    assert bt.slot_mapping.tolist() == list(range(20)) and bt.kv_slot_ids.tolist() == list(range(20))
+    kv.release(req)
+    assert kv._spans == [[0, 64]] and kv.n_used == 0 and kv._tables == {}
+
+
+@needs_gpu
+def test_consecutive_calls_on_a_gpu_allocate_no_new_pool(tiny_llm):
+    """``n_slots=None`` sizes the pool to fill the GPU's free memory: the second call, and every
+    system after it, runs in the memory the first one left allocated (before, each call allocated the
+    pool again, and memory peaked at a second pool's worth)."""
+    llm = LLM(gpt=copy.deepcopy(tiny_llm.model), engine=EngineConfig(device="cuda", n_slots=None, max_bs=4,
+                                                                     gpu_memory_utilization=0.5))
+    pool_bytes = 2 * llm.cfg.n_layers * llm.engine_config.n_slots * llm.cfg.d_model * 4
+    prompt = [[1, 2, 3, 4]]
+    expected = llm.generate(prompt, max_gen_tokens=3)
+    torch.cuda.synchronize()
+    after_first = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for system in SYSTEMS:
+        assert llm.generate(prompt, max_gen_tokens=3, system=system) == expected, system
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= after_first
+    assert torch.cuda.max_memory_allocated() - after_first < max(64 << 20, pool_bytes // 100)
