@@ -120,6 +120,7 @@ class Engine:
         self._next_rid = 0
         self._iteration = 0
         self._pending: deque = deque()           # trace items not arrived yet
+        self.closed: str | None = None            # why it no longer serves, once closed
 
     @property
     def clock(self):
@@ -132,6 +133,7 @@ class Engine:
     def add_requests(self, items) -> list[Request]:
         """``(prompt, params, arrival)`` each, all or none: every one is checked before any is added
         (a completion with several prompts is refused whole)."""
+        self._check_open()
         checked = [(*self._checked(prompt, params), arrival) for prompt, params, arrival in items]
         return [self._add(*item) for item in checked]
 
@@ -197,9 +199,9 @@ class Engine:
         del self.records[:max(0, len(self.records) - keep_iterations)]
 
     def stats(self) -> EngineStats:
-        waiting = sum(r.t_scheduled is None for r in self.live.values())
-        kv = self.scheduler.kv
-        return EngineStats(waiting, len(self.live) - waiting, kv.n_reserved, kv.stats().used, kv.n_slots,
+        """O(1): counters kept as requests come and go (a server reads them every iteration)."""
+        waiting, kv = self.scheduler.n_waiting, self.scheduler.kv
+        return EngineStats(waiting, len(self.live) - waiting, kv.n_reserved, kv.n_used, kv.n_slots,
                            self.scheduler.n_finished)
 
     def _check_prompt(self, prompt) -> list[int]:
@@ -222,6 +224,7 @@ class Engine:
         """One turn of Algorithm 1's loop: schedule a batch if one can be formed; wait for a
         returning batch once n_workers are in flight (or when nothing else can be done, then for at
         most ``timeout`` seconds, or until the trace's next arrival). Returns at once when idle."""
+        self._check_open()
         self._admit_arrivals()
         now = self.clock.now()
         batch = self.scheduler.select(now)
@@ -261,8 +264,7 @@ class Engine:
 
     def _kv_snapshot(self):
         kv = self.scheduler.kv
-        stats = kv.stats()
-        return (self.n_scheduled, kv.n_reserved, stats.used)
+        return (self.n_scheduled, kv.n_reserved, kv.n_used)
 
     def _record(self, done):
         b = done.batch
@@ -301,8 +303,16 @@ class Engine:
         first = min((r.arrival for r in reqs), default=0.0)
         return RunResult(self.scheduler.name, reqs, iters, dict(self.config), end - first)
 
-    def close(self):
-        self.executor.close()
+    def close(self, reason: str = "it was closed"):
+        """Stop serving: the executor lets go of what it holds (worker processes it started; its
+        LLM's K/V pool goes to the next engine). ``result()`` still reads the run."""
+        if self.closed is None:
+            self.closed = reason
+            self.executor.close()
+
+    def _check_open(self):
+        if self.closed is not None:
+            raise RuntimeError(f"this engine no longer serves: {self.closed}; create a new engine")
 
 
 def _rel(t, start):

@@ -43,10 +43,17 @@ class PagedScheduler(OrcaScheduler):
         return self.kv.blocks_for(req.max_tokens) * self.kv.block_size
 
     def select(self, now: float = 0.0) -> Batch | None:
+        """Decodes first, then in arrival order the scheduled requests that are not decoding (a
+        prompt in chunks, a preempted request to recompute) and the head of ``waiting``. A preempted
+        request stays among the scheduled ones, at its place in arrival order: it arrived before
+        every waiting request, and is admitted again before any of them."""
         batch, q_lens, left = [], [], self.budget or float("inf")
         preempted, admitting = set(), True
-        ready = [r for r in self.pool if _decoding(r)]
-        for req in ready + [r for r in self.pool if not _decoding(r)]:
+        ready = [r for r in self.running if _decoding(r)]
+        rest = [r for r in self.running if not _decoding(r)]
+        chosen: set[int] = set()             # rids of this batch
+        victims = _Victims(list(self.running), chosen)
+        for req in _then_waiting(ready + rest, self.waiting, lambda: admitting):
             if len(batch) == self.max_bs or left == 0:
                 break
             if req.state is RequestState.RUNNING:
@@ -59,10 +66,13 @@ class PagedScheduler(OrcaScheduler):
                 if not (admitting and self.kv.can_admit(q)):
                     admitting = False     # FCFS admission: a later, smaller prompt does not overtake;
                     continue              # requests holding blocks still run (else they would deadlock)
-                req.t_scheduled = now if req.t_scheduled is None else req.t_scheduled
-            elif not self._make_room(req, req.n_cached + q, batch, preempted):
+                if req.t_scheduled is None:
+                    self._admit()         # the head of waiting joins the scheduled requests
+                    req.t_scheduled = now
+            elif not self._make_room(req, req.n_cached + q, victims, preempted):
                 continue                  # it preempted itself, or every victim is in flight
             self.kv.grow(req, req.n_cached + q)
+            chosen.add(req.rid)
             batch.append(req)
             q_lens.append(q)
             left -= q
@@ -72,16 +82,14 @@ class PagedScheduler(OrcaScheduler):
             req.state = RequestState.RUNNING
         return Batch.selective(batch, q_lens)
 
-    def _make_room(self, req: Request, n_tokens: int, batch, preempted: set) -> bool:
+    def _make_room(self, req: Request, n_tokens: int, victims: "_Victims", preempted: set) -> bool:
         """Preempt the latest arrivals holding blocks (not in flight, not in this batch) until
         ``req`` can grow to ``n_tokens``; False if ``req`` itself was the one preempted, or no
         request could give up blocks."""
         while not self.kv.can_grow(req, n_tokens):
-            victims = [r for r in self.pool if r.slots is not None and r.state is RequestState.INCREMENT
-                       and r not in batch]
-            if not victims:
+            victim = victims.next()
+            if victim is None:
                 return False
-            victim = victims[-1]          # the pool is in arrival order
             self._preempt(victim)
             preempted.add(victim.rid)
             if victim is req:
@@ -91,9 +99,37 @@ class PagedScheduler(OrcaScheduler):
     def _preempt(self, req: Request):
         """Recompute preemption: free the blocks; the generated tokens stay and are fed again."""
         self.kv.release(req)
-        req.n_cached, req.state = 0, RequestState.INITIATION
+        self.kv.cache(req, 0)
+        req.state = RequestState.INITIATION
         req.n_preemptions += 1
         self.n_preemptions += 1
+
+
+class _Victims:
+    """The requests that may give up their blocks, latest arrival first: holding blocks, between
+    iterations (not in flight) and not in the batch being formed. Within one ``select`` no request
+    becomes a victim again once passed over (one in flight stays in flight, one in the batch stays
+    there), so one walk back through the scheduled requests serves every preemption of the select."""
+
+    def __init__(self, running: list[Request], chosen: set[int]):
+        self.running, self.chosen, self.i = running, chosen, len(running)
+
+    def next(self) -> Request | None:
+        while self.i > 0:
+            self.i -= 1
+            r = self.running[self.i]
+            if r.slots is not None and r.state is RequestState.INCREMENT and r.rid not in self.chosen:
+                return r
+        return None
+
+
+def _then_waiting(scheduled: list[Request], waiting, admitting):
+    """``scheduled``, then the head of ``waiting`` while ``admitting()``: the head is either admitted
+    (it leaves ``waiting``, and the next one is the head) or stops admission, so the rest of the
+    queue, which could only be skipped, is never visited."""
+    yield from scheduled
+    while waiting and admitting():
+        yield waiting[0]
 
 
 class ChunkedScheduler(PagedScheduler):
@@ -112,7 +148,8 @@ def _decoding(req: Request) -> bool:
 # -- building a policy ----------------------------------------------------------------------------
 def new_kv(system: str, n_slots: int, block_size: int = 16, *shape, **pool) -> KVSlotManager:
     """The K/V manager of ``system``: ORCA's (and FT's) reservation, or blocks for paged policies.
-    ``shape`` = (n_layers, n_heads, head_dim) allocates the pool; none keeps only the accounting."""
+    ``pool=`` a ``KVPool`` to hand out (an LLM's: blocks are slots, so every system shares it);
+    ``shape`` = (n_layers, n_heads, head_dim) allocates one; neither keeps only the accounting."""
     if system in PAGED:
         return BlockManager(n_slots, block_size, *shape, **pool)
     return KVSlotManager(n_slots, *shape, **pool)

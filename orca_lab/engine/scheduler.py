@@ -3,15 +3,34 @@
 ``OrcaScheduler`` is Algorithm 1's ``Select`` (iteration level, FCFS); ``RequestLevelScheduler`` is the
 FasterTransformer-style baseline (a batch enters and leaves whole). Neither knows which executor runs
 its batches: the model in this process, worker processes, or a cost model.
+
+Each keeps its requests in two queues, as vLLM and nano-vllm do: ``waiting`` (never scheduled, in
+arrival order) and the requests it has scheduled. ``select`` visits the scheduled ones (at most a
+few batches of them) and the head of ``waiting``, never the whole queue: a server with 100,000
+requests waiting spends per iteration what it spends with ten.
 """
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from dataclasses import dataclass, field
 
 from orca_lab.engine.batch import Batch
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.request import Request, RequestState
+
+
+def arrival_order(req: Request) -> tuple[float, int]:
+    return req.arrival, req.rid
+
+
+def enqueue(queue, req: Request):
+    """Append ``req`` to a queue in arrival order: at the end, unless it arrived before the last
+    (a request added late with an earlier arrival time), then at its place."""
+    if queue and arrival_order(req) < arrival_order(queue[-1]):
+        bisect.insort(queue, req, key=arrival_order)
+    else:
+        queue.append(req)
 
 
 class Scheduler:
@@ -20,6 +39,7 @@ class Scheduler:
     def __init__(self, kv: KVSlotManager, max_bs: int):
         self.kv, self.max_bs = kv, max_bs
         self.n_finished = 0
+        self.waiting: deque[Request] = deque()     # never scheduled, in arrival order
 
     def reservation(self, req: Request) -> int:
         """Slots reserved for ``req`` when it is first scheduled."""
@@ -32,6 +52,15 @@ class Scheduler:
             raise ValueError(f"max_tokens={need} (prompt {len(req.prompt)} + max_gen_tokens "
                              f"{req.params.max_gen_tokens}, as reserved by {self.name}) exceeds "
                              f"n_slots={self.kv.n_slots}: allowed max_tokens <= n_slots")
+
+    def add(self, req: Request):
+        self.check_admissible(req)
+        enqueue(self.waiting, req)
+
+    @property
+    def n_waiting(self) -> int:
+        """Requests never scheduled yet."""
+        return len(self.waiting)
 
     @property
     def n_rsrv(self) -> int:
@@ -59,33 +88,28 @@ class OrcaScheduler(Scheduler):
 
     def __init__(self, kv: KVSlotManager, max_bs: int):
         super().__init__(kv, max_bs)
-        self.pool: list[Request] = []     # requests not finished, by arrival time
+        # Scheduled and not finished, in arrival order. Admission is FCFS, so every one of them
+        # arrived before every waiting request: together they are Algorithm 1's pool, in order.
+        self.running: list[Request] = []
 
     def reservation(self, req: Request) -> int:
         return req.max_tokens
 
-    def add(self, req: Request):
-        self.check_admissible(req)
-        bisect.insort(self.pool, req, key=lambda r: (r.arrival, r.rid))
-
     def has_work(self) -> bool:
-        return bool(self.pool)
+        return bool(self.waiting or self.running)
 
     def select(self, now: float = 0.0) -> Batch | None:
         """Algorithm 1's Select: earliest arrivals first, up to max_bs, reserving max_tokens slots for
         a request's first iteration. It breaks (not skips) on the first request that does not fit,
         so a later, smaller request never overtakes an earlier one."""
-        batch = []
-        for req in self.pool:
-            if len(batch) == self.max_bs:
+        batch = [r for r in self.running if r.state is RequestState.INCREMENT][:self.max_bs]
+        while len(batch) < self.max_bs and self.waiting:
+            req = self.waiting[0]
+            if not self.kv.can_reserve(req.max_tokens):
                 break
-            if req.state is RequestState.RUNNING:
-                continue
-            if req.state is RequestState.INITIATION:
-                if not self.kv.can_reserve(req.max_tokens):
-                    break
-                self.kv.reserve(req, req.max_tokens)
-                req.t_scheduled = now
+            self._admit()
+            self.kv.reserve(req, req.max_tokens)
+            req.t_scheduled = now
             batch.append(req)
         if not batch:
             return None
@@ -93,23 +117,34 @@ class OrcaScheduler(Scheduler):
             req.state = RequestState.RUNNING
         return Batch.selective(batch)
 
+    def _admit(self) -> Request:
+        """The head of ``waiting`` joins the scheduled requests."""
+        req = self.waiting.popleft()
+        enqueue(self.running, req)
+        return req
+
     def on_return(self, batch: Batch, tokens: list[int], now: float) -> list[tuple[Request, int]]:
         """A batch came back: every request got one token (all but a prefill chunk short of its
         context's end, ``policies.py``: ``batch.yields``); finished ones leave and free their slots.
         A request aborted while the batch was in flight leaves now, and its token is dropped."""
-        events = []
+        events, left = [], False
         for req, tok, kv_len, yields in zip(batch.requests, tokens, batch.kv_lens, batch.yields):
             if req.finish_reason == "abort":
-                self._leave(req, now)
+                self._finish(req, now)
+                left = True
                 continue
-            req.n_cached, req.n_iterations = kv_len, req.n_iterations + 1
+            self.kv.cache(req, kv_len)
+            req.n_iterations += 1
             req.state = RequestState.INCREMENT
             if not yields:
                 continue
             req.append(tok, now)
             events.append((req, tok))
             if req.finished:
-                self._leave(req, now)
+                self._finish(req, now)
+                left = True
+        if left:                           # one pass for all that left, not one per request
+            self.running = [r for r in self.running if r.state is not RequestState.FINISHED]
         return events
 
     def abort(self, req: Request, now: float) -> bool:
@@ -119,12 +154,9 @@ class OrcaScheduler(Scheduler):
             return False
         req.finish_reason = "abort"
         if req.state is not RequestState.RUNNING:
-            self._leave(req, now)
+            (self.waiting if req.t_scheduled is None else self.running).remove(req)
+            self._finish(req, now)
         return True
-
-    def _leave(self, req: Request, now: float):
-        self._finish(req, now)
-        self.pool.remove(req)
 
 
 @dataclass(eq=False)
@@ -151,7 +183,6 @@ class RequestLevelScheduler(Scheduler):
     def __init__(self, kv: KVSlotManager, max_bs: int, max_seq_len: int, mbs: int | None = None):
         super().__init__(kv, max_bs)
         self.max_seq_len, self.mbs = max_seq_len, mbs or max_bs
-        self.queue: list[Request] = []
         self.active: list[Request] = []
         self.micro: list[_MicroBatch] = []
         self.n_positions = 0      # positions the active batch feeds: its longest request's, less one
@@ -160,12 +191,8 @@ class RequestLevelScheduler(Scheduler):
     def reservation(self, req: Request) -> int:
         return self.max_seq_len
 
-    def add(self, req: Request):
-        self.check_admissible(req)
-        bisect.insort(self.queue, req, key=lambda r: (r.arrival, r.rid))
-
     def has_work(self) -> bool:
-        return bool(self.queue or self.active)
+        return bool(self.waiting or self.active)
 
     def select(self, now: float = 0.0) -> Batch | None:
         """The next step of the idle micro-batch that has run the fewest steps (they take turns
@@ -187,8 +214,8 @@ class RequestLevelScheduler(Scheduler):
         return batch
 
     def _form_batch(self, now: float):
-        while self.queue and len(self.active) < self.max_bs and self.kv.can_reserve(self.max_seq_len):
-            req = self.queue.pop(0)
+        while self.waiting and len(self.active) < self.max_bs and self.kv.can_reserve(self.max_seq_len):
+            req = self.waiting.popleft()
             self.kv.reserve(req, self.max_seq_len)
             req.t_scheduled = now
             self.active.append(req)
@@ -208,7 +235,7 @@ class RequestLevelScheduler(Scheduler):
             if req.finished:
                 continue                       # held (or aborted in flight): no token
             req.n_iterations += 1
-            req.n_cached = last_pos + 1
+            self.kv.cache(req, last_pos + 1)
             req.state = RequestState.INCREMENT
             if yields:                         # past its prompt: a real token, kept until the batch ends
                 req.append(tok, None)
@@ -240,7 +267,7 @@ class RequestLevelScheduler(Scheduler):
         if req.finished:
             return False
         req.finish_reason = "abort"
-        if req in self.queue:
-            self.queue.remove(req)
+        if req.t_scheduled is None:        # still waiting
+            self.waiting.remove(req)
             self._finish(req, now)
         return True
