@@ -55,6 +55,23 @@ def test_sampled_output_does_not_depend_on_batching(tiny_llm):
     assert batched != tiny_llm.generate(prompts, max_gen_tokens=6)     # not greedy after all
 
 
+def test_unseeded_sampling_draws_from_os_entropy_and_seeded_requests_beside_it_do_not_move(tiny_llm):
+    """Without a seed, two calls draw different tokens (48 tokens at temperature 1 over 257 ids:
+    equal by chance with negligible probability); seeded requests batched with unseeded ones get
+    the tokens they get alone, in every system."""
+    prompt = random_prompts(1, tiny_llm.cfg.vocab_size, 8, 8, seed=9)[0]
+    draws = [tiny_llm.generate([prompt], max_gen_tokens=48, temperature=1.0)[0] for _ in range(2)]
+    assert draws[0] != draws[1]
+    seeded = SamplingParams(max_gen_tokens=6, temperature=1.0, seed=5)
+    unseeded = SamplingParams(max_gen_tokens=6, temperature=1.0)
+    alone_seeded = tiny_llm.generate([prompt], sampling_params=[seeded])[0]
+    llm = LLM(gpt=tiny_llm.model, engine=engine_config(max_bs=4, n_slots=4096, block_size=8,
+                                                      max_num_batched_tokens=16))
+    for system in ("orca", "ft", "paged", "chunked"):
+        out = llm.generate([prompt, prompt, prompt], system=system, sampling_params=[unseeded, seeded, unseeded])
+        assert out[1] == alone_seeded, system
+
+
 def test_stream_yields_one_token_per_request_per_iteration(tiny_llm):
     prompts = random_prompts(3, tiny_llm.cfg.vocab_size, seed=4)
     events = list(tiny_llm.stream(prompts, max_gen_tokens=4))

@@ -73,6 +73,14 @@ def test_sampled_tokens_follow_each_requests_seed_on_workers(parallel_llm, tiny_
     assert parallel_llm.generate(prompts, max_gen_tokens=5, **kw) == tiny_llm.generate(prompts, max_gen_tokens=5, **kw)
 
 
+def test_unseeded_requests_on_workers_draw_from_os_entropy(parallel_llm, tiny_llm):
+    """The last stage samples: without a seed, two calls (each a new engine, its rids from 0 again)
+    draw different tokens there too."""
+    prompt = random_prompts(1, tiny_llm.cfg.vocab_size, 8, 8, seed=9)[0]
+    a, b = (parallel_llm.generate([prompt], max_gen_tokens=32, temperature=1.0)[0] for _ in range(2))
+    assert a != b
+
+
 # -- lifecycle ---------------------------------------------------------------------------------------
 def descendants(pid=None):
     """Every process below ``pid`` (this one by default), from /proc."""

@@ -1,4 +1,6 @@
 """Next-token choice from the last-token logits: greedy, or temperature / top-k / top-p under a seed."""
+import secrets
+
 import torch
 
 
@@ -30,5 +32,11 @@ def _draw(logits: torch.Tensor, req) -> int:
         outside = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p    # mass before it already reaches top_p
         probs = probs.index_fill(0, order[outside], 0.0)
     if req.generator is None:
-        req.generator = torch.Generator().manual_seed(p.seed if p.seed is not None else req.rid)
+        req.generator = torch.Generator().manual_seed(p.seed if p.seed is not None else fresh_seed())
     return int(torch.multinomial(probs.cpu(), 1, generator=req.generator))
+
+
+def fresh_seed() -> int:
+    """A seed from the OS's entropy for a request that gave none: two runs of one prompt draw
+    different tokens (vLLM's and torch's default), in this process or in a worker's."""
+    return secrets.randbits(63)
