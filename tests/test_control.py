@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -82,6 +83,65 @@ def test_the_inbox_drops_strangers_and_accepts_a_signed_hello():
         for c in (stranger, other, ours, got[0]):
             c.close()
     finally:
+        inbox.close()
+
+
+def _strangers(address):
+    """Four kinds of stranger: silent, half a frame then silent, a frame no hello is that long, and
+    a hello signed with another key."""
+    silent, half, huge = (socket.create_connection(address) for _ in range(3))
+    half.sendall((100).to_bytes(4, "big") + b"x" * 10)
+    huge.sendall((1 << 30).to_bytes(4, "big"))
+    return [silent, half, huge, connect(address, b"y" * 32, 7)]
+
+
+def test_strangers_hold_up_neither_the_peer_nor_the_deadline():
+    """Strangers connect first, the real peer last: accept hands over the peer within one deadline,
+    never waiting on a stranger (before, each could hold it 10 s, and half a frame for ever)."""
+    inbox = Inbox("127.0.0.1", SECRET)
+    conns = []
+    try:
+        conns += _strangers(inbox.address)
+        conns.append(connect(inbox.address, SECRET, 3))
+        conns[-1].send(Reset())                  # sent right after the hello: it stays for the channel
+        got = []
+        worker = threading.Thread(target=lambda: got.append(inbox.accept(5.0)), daemon=True)
+        worker.start()
+        worker.join(30)
+        assert not worker.is_alive(), "accept hung on a stranger"
+        assert got[0] is not None and got[0][1] == 3
+        assert got[0][0].recv() == Reset()
+        conns.append(got[0][0])
+        t0 = time.monotonic()
+        assert inbox.accept(0.3) is None         # only strangers left: the deadline holds
+        assert time.monotonic() - t0 < 5         # (generous: the old loop waited 10 s per stranger)
+    finally:
+        for c in conns:
+            c.close()
+        inbox.close()
+
+
+def test_a_silent_stranger_is_dropped_after_the_hello_time(monkeypatch):
+    """The deadline logic itself, on a clock the test moves: a connection that says nothing for
+    HELLO_S is closed, while accept keeps to its own deadline."""
+    now = [1000.0]
+    inbox = Inbox("127.0.0.1", SECRET)
+    inbox.clock = lambda: now[0]
+    silent = socket.create_connection(inbox.address)
+    try:
+        real_select = inbox._selector.select
+
+        def select(timeout):             # time passes by the timeout asked for, at most
+            events = real_select(0.05)
+            now[0] += 0 if events else timeout
+            return events
+        monkeypatch.setattr(inbox._selector, "select", select)
+        assert inbox.accept(3.0) is None and len(inbox._greeting) == 1     # 3 s: still greeted
+        assert inbox.accept(Inbox.HELLO_S) is None and not inbox._greeting  # past HELLO_S: dropped
+        silent.settimeout(5)
+        assert silent.recv(1) == b""                                         # closed on our side
+    finally:
+        silent.close()
         inbox.close()
 
 
