@@ -213,3 +213,28 @@ def test_timeline_and_animation_mark_chunks_and_recomputations(tiny_llm):
     lines = [frames.describe(k) for k in range(len(frames))]
     assert "B chunk 1/3" in lines[0] and any("recompute" in line for line in lines)
     assert "chunk 2/3" in frames.to_html(1)
+
+
+@pytest.mark.parametrize("system", ["paged", "chunked"])
+def test_two_batches_in_flight_do_not_livelock_a_tight_pool(system):
+    """Eight blocks, prompts of up to 51 tokens, two batches in flight. Before, a request whose later
+    neighbours were in flight gave way itself (or an earlier request gave way to a later one), and
+    three requests took each other's blocks for ever: the engine never finished. A request now only
+    preempts later arrivals, and waits, keeping its blocks, for one in flight to come back."""
+    from orca_lab.config import model_config
+    from orca_lab.workload import paper_trace
+    cfg = model_config("tiny")
+    sim = SimBackend(cfg, cost=AnalyticalCost(cfg, pipeline_parallel=2), n_slots=64, block_size=8,
+                     max_num_batched_tokens=16)
+    engine = sim.new_engine(Curve.parse(f"{system}(4)"))
+    trace = [it for it in paper_trace(40, None, 0, scale=0.1, vocab_size=cfg.vocab_size)
+             if len(it.prompt) + it.max_gen_tokens <= 64]
+    reqs = [engine.add_request(list(it.prompt), it.sampling_params(), 0.0) for it in trace]
+    for _ in range(20_000):
+        if not engine.has_work():
+            break
+        engine.step()
+    assert not engine.has_work(), f"still serving after 20,000 steps: {engine.stats()}"
+    assert [len(r.output) for r in reqs] == [it.max_gen_tokens for it in trace]
+    assert engine.scheduler.n_preemptions > 0
+    assert_no_leak(engine)

@@ -3,9 +3,10 @@
 - ``PagedScheduler`` (``system="paged"``, vLLM's PagedAttention): K/V in blocks given out as a context
   grows (``blocks.py``) instead of ``max_tokens`` reserved at admission. A waiting request is admitted
   first-come-first-served while free blocks cover its prompt plus a small watermark. When a request
-  needs a block and none is free, the most recently arrived request holding blocks is preempted: its
-  blocks are freed and it waits again, to recompute its prompt and the tokens it has generated in one
-  pass (vLLM's recompute preemption: those tokens are kept, so the output does not change).
+  needs a block and none is free, the most recently arrived request holding blocks is preempted (the
+  request itself when it is that one; never a request that arrived before it): its blocks are freed
+  and it waits again, to recompute its prompt and the tokens it has generated in one pass (vLLM's
+  recompute preemption: those tokens are kept, so the output does not change).
 - ``ChunkedScheduler`` (``system="chunked"``, Sarathi-Serve's stall-free batching, vLLM V1's default):
   paging plus a budget of ``max_num_batched_tokens`` new tokens per iteration. Decodes go first; the
   prefill chunks of the oldest waiting or partly prefilled requests fill what is left, so a long
@@ -15,8 +16,8 @@
 
 A chunk, like a recomputation, is a request whose new tokens start past position 0: the ragged
 attention already takes ``q_len < kv_len``. With ``n_workers`` batches in flight, a request in flight
-is never preempted (its blocks are being written and its token is on the way); if every request that
-could give up blocks is in flight, the one that needs a block waits for a later iteration.
+is never preempted (its blocks are being written and its token is on the way); if a later request
+holds blocks but is in flight, the one that needs a block waits for a later iteration, keeping its own.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from orca_lab.engine.batch import Batch
 from orca_lab.engine.blocks import BlockManager
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.request import Request, RequestState
-from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler
+from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler, arrival_order
 
 SYSTEMS = ("orca", "ft", "paged", "chunked")
 PAGED = ("paged", "chunked")
@@ -70,7 +71,8 @@ class PagedScheduler(OrcaScheduler):
                     self._admit()         # the head of waiting joins the scheduled requests
                     req.t_scheduled = now
             elif not self._make_room(req, req.n_cached + q, victims, preempted):
-                continue                  # it preempted itself, or every victim is in flight
+                admitting = admitting and req.rid in preempted   # waiting for room: none overtakes it
+                continue                  # it preempted itself, or waits for a later request's blocks
             self.kv.grow(req, req.n_cached + q)
             chosen.add(req.rid)
             batch.append(req)
@@ -83,13 +85,18 @@ class PagedScheduler(OrcaScheduler):
         return Batch.selective(batch, q_lens)
 
     def _make_room(self, req: Request, n_tokens: int, victims: "_Victims", preempted: set) -> bool:
-        """Preempt the latest arrivals holding blocks (not in flight, not in this batch) until
-        ``req`` can grow to ``n_tokens``; False if ``req`` itself was the one preempted, or no
-        request could give up blocks."""
+        """Preempt the latest arrivals after ``req`` holding blocks (not in flight, not in this batch)
+        until ``req`` can grow to ``n_tokens``. None left: ``req`` preempts itself if it is the latest
+        request holding blocks (vLLM's order); if a later one holds blocks it cannot give up now (in
+        flight, or in this batch), ``req`` keeps its own and waits for it. A request never gives way
+        to a later one: else two could take each other's blocks for ever (a livelock seen with two
+        batches in flight). False when ``req`` does not run this iteration."""
         while not self.kv.can_grow(req, n_tokens):
-            victim = victims.next()
+            victim = victims.next(req)
             if victim is None:
-                return False
+                if victims.held_after(req):
+                    return False
+                victim = req
             self._preempt(victim)
             preempted.add(victim.rid)
             if victim is req:
@@ -106,21 +113,31 @@ class PagedScheduler(OrcaScheduler):
 
 
 class _Victims:
-    """The requests that may give up their blocks, latest arrival first: holding blocks, between
-    iterations (not in flight) and not in the batch being formed. Within one ``select`` no request
-    becomes a victim again once passed over (one in flight stays in flight, one in the batch stays
-    there), so one walk back through the scheduled requests serves every preemption of the select."""
+    """The requests that may give up their blocks for ``req``, latest arrival first: arrived after
+    it, holding blocks, between iterations (not in flight) and not in the batch being formed.
+    Within one ``select`` no request becomes a victim again once passed over (one in flight stays in
+    flight, one in the batch stays there), so one walk back through the scheduled requests (in
+    arrival order) serves every preemption of the select."""
 
     def __init__(self, running: list[Request], chosen: set[int]):
         self.running, self.chosen, self.i = running, chosen, len(running)
 
-    def next(self) -> Request | None:
-        while self.i > 0:
+    def next(self, req: Request) -> Request | None:
+        while self.i > 0 and arrival_order(self.running[self.i - 1]) > arrival_order(req):
             self.i -= 1
             r = self.running[self.i]
             if r.slots is not None and r.state is RequestState.INCREMENT and r.rid not in self.chosen:
                 return r
         return None
+
+    def held_after(self, req: Request) -> bool:
+        """Whether a request that arrived after ``req`` holds blocks (the walk passed over it)."""
+        for r in reversed(self.running):
+            if arrival_order(r) <= arrival_order(req):
+                return False
+            if r.slots is not None:
+                return True
+        return False
 
 
 def _then_waiting(scheduled: list[Request], waiting, admitting):
