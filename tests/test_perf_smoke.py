@@ -1,4 +1,4 @@
-"""The two CPU benchmarks run end to end at a toy size and write the JSON they promise."""
+"""The CPU benchmarks run end to end at a toy size and write the JSON they promise."""
 import importlib.util
 import json
 from pathlib import Path
@@ -52,3 +52,22 @@ def test_overhead_smoke(tmp_path):
     for r in rows:   # every part is timed inside the step; bookkeeping is the rest of it
         assert all(r[f"{p}_ms"] >= 0 for p in ("select", "metadata", "sampling", "bookkeeping"))
         assert r["forward_ms"] > 0 and r["bare_forward_ms"] > 0 and 0 <= r["overhead_pct"] < 100
+
+
+def test_generate_overhead_smoke(tmp_path):
+    out = tmp_path / "generate_overhead.json"
+    load("generate_overhead").main(["--smoke", "--threads", threads(), "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert set(report["rows"]) == {"reused", "allocated per call"} and "torch" in report["environment"]
+    for r in report["rows"].values():          # the iteration is part of the call it is read from
+        assert 0 < r["iteration_ms"] <= r["call_ms"] and r["overhead_ms"] >= 0
+
+
+def test_select_scaling_smoke(tmp_path):
+    out = tmp_path / "select_scaling.json"
+    load("select_scaling").main(["--smoke", "--systems", "orca", "paged-tight", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert [(r["case"], r["waiting"] >= n) for r, n in zip(report["rows"], [10, 1000] * 2)] == \
+        [("orca", True), ("orca", True), ("paged-tight", True), ("paged-tight", True)]
+    assert all(r[c] > 0 for r in report["rows"] for c in ("select_us", "step_us", "stats_us"))
+    assert report["rows"][-1]["preemptions"] > 0 and set(report["max_over_min"]) == {"orca", "paged-tight"}
