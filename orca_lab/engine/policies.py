@@ -131,7 +131,8 @@ class _Victims:
         return None
 
     def held_after(self, req: Request) -> bool:
-        """Whether a request that arrived after ``req`` holds blocks (the walk passed over it)."""
+        """Whether a request that arrived after ``req`` holds blocks (in flight or in this batch, once
+        ``next`` found none to preempt): a scan from the latest arrival back to ``req``."""
         for r in reversed(self.running):
             if arrival_order(r) <= arrival_order(req):
                 return False
