@@ -1,5 +1,6 @@
-"""The reproduction notebooks run under papermill at small sizes, write their tables and figures,
-and stop at their first cell on a bad parameter. Notebooks run two at a time (kernels are processes)."""
+"""The reproduction notebooks run under papermill at small sizes, in each mode they offer, write their
+tables and figures, and stop at their first cell on a bad parameter. Notebooks run two at a time
+(kernels are processes)."""
 import json
 import re
 import shutil
@@ -11,6 +12,10 @@ from pathlib import Path
 import nbformat
 import pandas as pd
 import pytest
+import torch
+
+from orca_lab.sim import params as P
+from orca_lab.sim.run import CSV_COLUMNS
 
 pm = pytest.importorskip("papermill")
 
@@ -28,13 +33,26 @@ SMALL = {   # each notebook at a size that runs in seconds
     "policies": dict(models=["gpt3-13b"], traces=["paper", "sharegpt"], n_requests=16, concurrency_requests=60,
                      measured_requests=4, loads=[0.5, 1.5], formats=["html", "png", "svg", "pdf"]),
 }
-# the real engine at a toy size, on this machine's device (a GPU where there is one: bf16, Triton)
-MEASURE = dict(mode="measure", preset="tiny", batch_sizes=[1, 4], input_lens=[8], gen_len=4, formats=["html"])
+# Each notebook that offers mode="measure", there: the real engine at a toy size on this machine's device
+# ("auto": a GPU where there is one, bf16 and Triton; the CPU in CI), with the columns of the table it writes.
+# sim_fidelity measures at its SMALL size above, and policies its measured section.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MEASURE = {
+    "fig9_engine": (dict(batch_sizes=[1, 4], input_lens=[8], gen_len=4),
+                    ["model", "system", "batch_size", "input_len", "gen_len", "kv_slots_needed", "n_slots", "oom", "time_ms"]),
+    "fig_e2e": (dict(curves=["orca(4)", "ft(2,2)"], n_requests=8, loads=[0.5, 2.0], scale=0.05), CSV_COLUMNS),
+    "fig11_homogeneous": (dict(shapes=[[32, 16]], scale=0.25, curves=["orca(4)", "ft(2,2)"], n_requests=8, loads=[0.5, 2.0]),
+                          CSV_COLUMNS[:5] + ["input_len", "gen_len", "throughput_rps", "median_latency_ms",
+                                             "median_norm_latency_ms"]),
+    "kv_memory": (dict(rates=[50.0], n_requests=12, scale=0.1),
+                  ["scheme", "utilization", "mean_reserved_slots", "peak_reserved_slots", "rate"]),
+}
 BAD = {     # a bad parameter, and the message it must stop with (every check: tests/test_sim.py)
     "fig_e2e": (dict(models=["gpt3-999b"]), "unknown model 'gpt3-999b'"),
     "fig11_homogeneous": (dict(rates=[1.0, -2.0]), "rates: -2.0 is not allowed"),
     "kv_memory": (dict(rates=[]), "rates=[] is an empty sweep"),
     "policies": (dict(traces=["paper", "lmsys"]), "traces='lmsys' is not allowed"),
+    "sim_fidelity": (dict(device="a100-40gb"), "device='a100-40gb' is not allowed in measure mode: choose one of"),
 }
 
 
@@ -51,9 +69,9 @@ def _execute(name, params, out):
 def runs(tmp_path_factory):
     """Every notebook at its small size and the bad parameters, two kernels at a time."""
     root = tmp_path_factory.mktemp("reproduce")
-    small = SMALL
-    jobs = {**{(name, "small"): (params, root / f"{name}-small") for name, params in small.items()},
-            ("fig9_engine", "measure"): (MEASURE, root / "fig9_engine-measure"),
+    jobs = {**{(name, "small"): (params, root / f"{name}-small") for name, params in SMALL.items()},
+            **{(name, "measure"): ({**params, "mode": "measure", "preset": "tiny", "formats": ["html"]},
+                                   root / f"{name}-measure") for name, (params, _) in MEASURE.items()},
             **{(name, "bad"): (params, root / f"{name}-bad") for name, (params, _) in BAD.items()}}
     for _, out in jobs.values():
         out.mkdir()
@@ -119,6 +137,37 @@ def test_fig9_marks_the_baseline_out_of_memory(runs):
     _figures(out, "fig9_engine")
 
 
+@pytest.mark.parametrize("name", sorted(MEASURE))
+def test_measure_mode_runs_to_the_last_cell_on_this_device(runs, name):
+    """mode="measure", device "auto": every cell runs on the real engine here, the table has the
+    notebook's own columns, and the figure is written."""
+    error, out = runs[(name, "measure")]
+    assert error is None, f"{name} (measure) failed: {error}"
+    code = [c for c in nbformat.read(out / f"{name}.ipynb", as_version=4).cells if c.cell_type == "code"]
+    assert all(c.execution_count is not None for c in code)
+    df = pd.read_csv(out / f"{name}.csv")
+    assert list(df.columns) == MEASURE[name][1] and len(df) > 0
+    meta = json.loads((out / f"{name}.json").read_text())["meta"]
+    assert meta["mode"] == "measure" and meta["device"] == meta["measure"]["device"] == DEVICE
+    assert meta["measure"]["preset"] == "tiny"
+    assert (out / f"{name}.html").stat().st_size > 1000
+
+
+def test_fig_e2e_measured_reads_the_cost_model_of_compare_with(runs):
+    """The section on why the headline differs reads the simulated GPU named by compare_with."""
+    _, out = runs[("fig_e2e", "measure")]
+    assert json.loads((out / "headline.json").read_text())[0]["model"] == "tiny"
+    printed = json.dumps([c.get("outputs", []) for c in nbformat.read(out / "fig_e2e.ipynb", as_version=4).cells])
+    assert "the calibrated cost model of 175B on a100-40gb (compare_with), not a measurement of this run" in printed
+
+
+def test_fig11_and_kv_memory_measured_shrink_with_scale(runs):
+    f11 = pd.read_csv(runs[("fig11_homogeneous", "measure")][1] / "fig11_homogeneous.csv")
+    assert set(zip(f11["input_len"], f11["gen_len"])) == {(8, 4)}            # [32, 16] x 0.25
+    occ = pd.read_csv(runs[("kv_memory", "measure")][1] / "kv_occupancy.csv")
+    assert occ["used"].gt(0).all() and (occ["max_tokens"] == occ["true_length"]).all()   # no early stop
+
+
 def test_fig9_measures_the_real_engine_on_this_device(runs):
     error, out = runs[("fig9_engine", "measure")]
     assert error is None, f"fig9_engine (measure) failed: {error}"
@@ -156,6 +205,8 @@ def test_sim_fidelity_reports_errors_per_load(runs):
             "simulated_at_run_speed_ms", "latency_error_at_run_speed_pct", "run_load"} <= set(df.columns)
     assert len(df) == 2 and df["measured_ms"].gt(0).all() and df["simulated_ms"].gt(0).all()
     assert df["speed"].gt(0).all() and df["run_speed"].gt(0).all() and df["tries"].eq(1).all()
+    meta = json.loads((out / "sim_fidelity.json").read_text())["meta"]
+    assert meta["measure"]["tiny"]["device"] == DEVICE                    # device "auto"
     # the primary error with its spread over the repeats, the engine's own spread, the field's statistics
     lo, mid, hi = (df[f"latency_error_at_run_speed{s}_pct"] for s in ("_min", "", "_max"))
     assert (lo <= mid).all() and (mid <= hi).all() and df["measured_spread_pct"].ge(0).all()
@@ -175,6 +226,7 @@ def test_policies_compares_every_system_on_every_trace(runs):
     at = pd.read_csv(out / "policies_at_latency.csv")
     assert set(at["system"]) == {"orca", "paged", "chunked", "ft"} and len(at) == 8
     measured = pd.read_csv(out / "policies_measured.csv")
+    assert json.loads((out / "policies_measured.json").read_text())["meta"]["measure"]["device"] == DEVICE
     assert {"p99_ttft_ms", "p99_tpot_ms", "n_preemptions", "kv_real_share"} <= set(measured.columns)
     for stem in ("policies_curves", "policies_kv", "policies_preemptions"):
         _figures(out, stem)
@@ -200,3 +252,43 @@ def test_notebooks_are_saved_clean_with_a_parameters_cell(path):
     assert sum("parameters" in c.metadata.get("tags", []) for c in code) == 1
     assert all(not c.outputs and c.execution_count is None for c in code)
     assert "out_dir" in next(c.source for c in code if "parameters" in c.metadata.get("tags", []))
+
+
+@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.stem)
+def test_every_parameter_is_listed_and_device_is_auto(path):
+    """`papermill --help-notebook` lists every parameter (a comment with a second '=' hid one), and
+    every notebook's `device` is "auto" by default."""
+    nb = nbformat.read(path, as_version=4)
+    source = next(c.source for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    assigned = [line.split("=")[0].strip() for line in source.splitlines() if re.match(r"\w+ *=", line)]
+    listed = pm.inspect_notebook(str(path))
+    assert list(listed) == assigned and listed["device"]["default"] == '"auto"'
+
+
+def test_device_means_one_thing_in_every_notebook(monkeypatch):
+    """"auto" resolves per mode; a value that does not fit the mode is refused, naming the mode and
+    what it allows (compare_with, a simulated GPU, the same)."""
+    assert P.resolve_device("simulate", "auto") == "a100-40gb" and P.resolve_device("simulate", "h100") == "h100"
+    assert P.resolve_device("measure", "auto") == DEVICE and P.resolve_device("measure", "cpu") == "cpu"
+    simulated = "'auto', 'a100-40gb', 'a100-80gb', 'h100', 'h200'"
+    for mode, value, message in [
+            ("simulate", "cpu", f"device='cpu' is not allowed in simulate mode: choose one of {simulated}"),
+            ("simulate", "cuda:0", "'cpu', 'cuda', 'cuda:N' are for mode='measure'"),
+            ("measure", "a100-40gb", "device='a100-40gb' is not allowed in measure mode: choose one of 'auto', 'cpu', "
+                                     "'cuda', 'cuda:N' \\(the simulated GPUs 'a100-40gb'"),
+            ("measure", "cuda:x", "device='cuda:x' is not allowed in measure mode"),
+            ("measure", None, "device=None is not allowed in measure mode")]:
+        with pytest.raises(ValueError, match=message):
+            P.resolve_device(mode, value)
+    with pytest.raises(ValueError, match="compare_with='cpu' is not allowed in simulate mode"):
+        P.resolve_device("simulate", "cpu", "compare_with")
+    with pytest.raises(ValueError, match="mode='guess' is not allowed"):
+        P.resolve_device("guess", "auto")
+    monkeypatch.setattr(P, "_n_gpus", lambda: 2)      # what a node with two GPUs allows
+    assert P.resolve_device("measure", "auto") == "cuda" and P.resolve_device("measure", "cuda:1") == "cuda:1"
+    with pytest.raises(ValueError, match="'cuda:2' is not allowed in measure mode: this machine has 2 CUDA GPU\\(s\\), cuda:0..cuda:1"):
+        P.resolve_device("measure", "cuda:2")
+    monkeypatch.setattr(P, "_n_gpus", lambda: 0)
+    assert P.resolve_device("measure", "auto") == "cpu"
+    with pytest.raises(ValueError, match="'cuda' is not allowed in measure mode: this machine has no CUDA GPU"):
+        P.resolve_device("measure", "cuda")

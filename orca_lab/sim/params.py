@@ -3,6 +3,7 @@ first cell with a message that names the parameter, its value and what is allowe
 from __future__ import annotations
 
 import math
+import re
 
 from orca_lab.config import DTYPES, PRESETS, check_choice, check_range
 from orca_lab.sim.calibration import efficiency
@@ -13,20 +14,38 @@ MODES = ("simulate", "measure")
 FIGURE_FORMATS = ("html", "png", "svg", "pdf")
 
 
-def check_mode(mode: str, preset: str, device: str) -> str:
-    """The device, resolved for the mode: simulate, a modelled GPU (``DEVICES``; "auto": the paper's
-    a100-40gb); measure, where the real engine runs ("cpu", "cuda", "cuda:N"; "auto": cuda if present)."""
+def check_mode(mode: str, preset: str, device) -> str:
+    """``mode`` and ``preset`` checked, and ``device`` resolved for the mode (``resolve_device``)."""
     check_choice("mode", mode, MODES)
     check_choice("preset", preset, tuple(PRESETS))
+    return resolve_device(mode, device)
+
+
+def resolve_device(mode: str, device, name: str = "device") -> str:
+    """What ``device`` means in every reproduction notebook: "auto" by default, resolved per mode.
+    simulate: a modelled GPU (``DEVICES``; "auto": the paper's a100-40gb); measure: where the real
+    engine runs, "cpu", "cuda" or "cuda:N" ("auto": cuda if present, else cpu). A value that does
+    not fit the mode is refused, naming the mode and its values, before the notebook does any work.
+    ``name``: the parameter the value came from (``compare_with`` names a simulated GPU too)."""
+    check_choice("mode", mode, MODES)
+    other = dict(simulate="'cpu', 'cuda', 'cuda:N' are for mode='measure'",
+                 measure=f"the simulated GPUs {', '.join(map(repr, DEVICES))} are for mode='simulate'")[mode]
     if mode == "simulate":
-        return check_choice("device", "a100-40gb" if device == "auto" else device, tuple(DEVICES))
+        if device not in ("auto", *DEVICES):
+            raise ValueError(f"{name}={device!r} is not allowed in simulate mode: choose one of "
+                             f"{', '.join(map(repr, ('auto', *DEVICES)))} ({other})")
+        return "a100-40gb" if device == "auto" else device
+    n = _n_gpus()
     if device == "auto":
-        return "cuda" if _n_gpus() else "cpu"
-    if not isinstance(device, str) or device.split(":")[0] not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r} is not allowed in measure mode: use 'auto', 'cpu', 'cuda' or "
-                         f"'cuda:N' (the simulated GPUs {', '.join(DEVICES)} are for mode='simulate')")
-    if device.startswith("cuda") and not _n_gpus():
-        raise ValueError(f"device={device!r} but this machine has no CUDA GPU: use 'cpu' or 'auto'")
+        return "cuda" if n else "cpu"
+    m = re.fullmatch(r"cpu|cuda(?::(\d+))?", device) if isinstance(device, str) else None
+    if m is None:
+        raise ValueError(f"{name}={device!r} is not allowed in measure mode: choose one of 'auto', 'cpu', "
+                         f"'cuda', 'cuda:N' ({other})")
+    if device != "cpu" and (not n or m.group(1) and int(m.group(1)) >= n):
+        gpus = f"{n} CUDA GPU(s), cuda:0..cuda:{n - 1}" if n else "no CUDA GPU"
+        raise ValueError(f"{name}={device!r} is not allowed in measure mode: this machine has {gpus}; "
+                         "use 'cpu' or 'auto'")
     return device
 
 
