@@ -178,14 +178,18 @@ class Engine:
         """Cancel a request (a ``Request`` or its rid) wherever it is, with finish_reason "abort":
         waiting, it leaves the pool; between iterations, its K/V slots are freed now; in flight, its
         token is dropped and its slots freed when that batch returns. The request-level baseline holds
-        it in its batch, as FT would. Returns False if it had already finished."""
+        it in its batch, as FT would. Returns False if it had already finished (one finished but held
+        in the baseline's batch stays running until the batch ends)."""
         rid = request.rid if isinstance(request, Request) else request
-        req = self.live.pop(rid, None)
+        req = self.live.get(rid)
         if req is None:
             if isinstance(rid, int) and 0 <= rid < self._next_rid:
                 return False
             raise ValueError(f"rid={rid!r} names no request of this engine")
-        return self.scheduler.abort(req, self.clock.now())
+        if not self.scheduler.abort(req, self.clock.now()):
+            return False
+        del self.live[rid]
+        return True
 
     def forget(self, keep_requests: int, keep_iterations: int):
         """Bound what a long-lived engine keeps (a server runs for days): the oldest finished requests

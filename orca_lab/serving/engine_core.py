@@ -122,15 +122,23 @@ class EngineLoop:
                     self._stop(msgs)
                     return
                 for m in msgs:
-                    getattr(self, "_" + m[0])(*m[1:])
+                    self.handle(m)
                 if engine.has_work():
-                    self._deliver(engine.step(timeout=0.01))
+                    self.turn()
                 elif msgs:
                     self._send(("stats", engine.stats()))
         except BaseException:
             self._send(("failed", f"the engine failed:\n{traceback.format_exc()}"))
         finally:
             engine.close()
+
+    def handle(self, msg):
+        """One message of the endpoint's (add, abort, call), between two iterations."""
+        getattr(self, "_" + msg[0])(*msg[1:])
+
+    def turn(self):
+        """One turn of Algorithm 1's loop; its tokens go to their streams."""
+        self._deliver(self.engine.step(timeout=0.01))
 
     def _take(self, block: bool) -> list:
         msgs = []
@@ -153,12 +161,17 @@ class EngineLoop:
         self._send(("added", key, [req.rid for req in reqs]))
 
     def _abort(self, sids):
+        """The client is gone: its stream ends with "abort" whatever the engine answers. A request
+        that already finished but is held in the request-level baseline's batch (``abort`` says
+        False) computes on until the batch ends; its tokens are dropped then."""
         out = []
         for sid in sids:
             rid = self.rids.pop(sid, None)
-            if rid is not None and self.engine.abort(rid):
-                del self.sids[rid]
-                out.append((sid, None, "abort", None))
+            if rid is None:                        # delivered whole already, or never added
+                continue
+            del self.sids[rid]
+            self.engine.abort(rid)
+            out.append((sid, None, "abort", None))
         if out:
             self._send(("out", self.engine.clock.now(), out, self.engine.stats(), []))
 
@@ -170,14 +183,19 @@ class EngineLoop:
         self._send(("result", key, value))
 
     def _deliver(self, events):
+        """Each token to its stream; a request's finish reason goes with its last token only (the
+        request-level baseline hands a request all its tokens at once, when it has long finished)."""
+        last = {req.rid: i for i, (req, _) in enumerate(events)}
         out = []
-        for req, token in events:
+        for i, (req, token) in enumerate(events):
             sid = self.sids.get(req.rid)
             if sid is None:                        # aborted meanwhile: its token is dropped
                 continue
+            if not (req.finished and last[req.rid] == i):
+                out.append((sid, token, None, None))
+                continue
             out.append((sid, token, req.finish_reason, req.stop_at))
-            if req.finished:
-                del self.sids[req.rid], self.rids[sid]
+            del self.sids[req.rid], self.rids[sid]
         records = self.engine.records
         tokens = [r.n_tokens for r in records[self._n_records:] if r.stage == 0]
         self._n_records = len(records)
