@@ -17,8 +17,10 @@ peer), as pickled tuples:
                          ("stats", stats)        ("result", key, value | exception)   ("failed", why)
 
 ``sid`` is the endpoint's name for a stream: the endpoint can cancel a stream before the engine's
-answer with its rid has come back. Text is made on the endpoint's side from the token ids
-(``visible_text``): detokenizing is not the engine's work.
+answer with its rid has come back. A finish reason comes with a stream's last token only. Text is
+made on the endpoint's side from the token ids (each stream's ``Detokenizer``): detokenizing is not
+the engine's work, except for requests with stop strings, whose end it decides (``stop_at`` None
+with "stop": the last token, a stop token or EOS, is no text).
 """
 from __future__ import annotations
 

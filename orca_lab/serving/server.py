@@ -22,7 +22,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from orca_lab.engine.request import SamplingParams, visible_text
+from orca_lab.engine.detokenizer import Detokenizer
+from orca_lab.engine.request import SamplingParams
 from orca_lab.serving.engine_core import SHUTTING_DOWN, EngineProcess, EngineRecipe
 from orca_lab.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from orca_lab.serving.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, ModelCard,
@@ -43,8 +44,8 @@ class HTTPError(Exception):
 
 @dataclass(frozen=True)
 class Event:
-    """What a choice receives: a token (None when it ends without one), the text so far, and its
-    finish reason once it is done."""
+    """What a choice receives: a token (None when it ends without one), the text that became
+    visible with it, and its finish reason once it is done."""
     token: int | None
     text: str
     finish_reason: str | None = None
@@ -62,7 +63,13 @@ class Stream:
     rid: int | None = None         # the engine's, once it holds it
     last: float = 0.0              # engine clock of its last token
     output: list[int] = field(default_factory=list)
-    text: str = ""                 # the text shown so far
+    detokenizer: Detokenizer | None = None     # its text (None: the model has no tokenizer)
+
+    def text(self, tokens: list[int], finish_reason: str | None, stop_at: int | None) -> str:
+        """The text that ``tokens`` (one, or none when the request ended without one) made visible."""
+        if self.detokenizer is None:
+            return ""
+        return self.detokenizer.update(tokens, finish_reason, finish_reason == "stop" and stop_at is None)
 
 
 class EngineClient:
@@ -178,9 +185,7 @@ class EngineClient:
                 (m.ttft if not s.output else m.itl).observe(now - s.last)
                 s.last = now
                 s.output.append(token)
-                if self.decode is not None:
-                    s.text = visible_text(self.decode, s.output, reason, stop_at, s.params.stop)
-            out.append((s, Event(token, s.text, reason)))
+            out.append((s, Event(token, s.text([] if token is None else [token], reason, stop_at), reason)))
             if reason is not None:
                 del self.streams[sid]
                 m.requests.labels(reason).inc()
@@ -211,7 +216,7 @@ class EngineClient:
             _settle(fut, error=HTTPError(503, why))
         self.pending.clear()
         for s in self.streams.values():
-            s.out.put_nowait((s.index, Event(None, s.text, "abort")))
+            s.out.put_nowait((s.index, Event(None, s.text([], "abort", None), "abort")))
             self.metrics.requests.labels("abort").inc()
         self.streams.clear()
 
@@ -360,7 +365,9 @@ def _streams(state: ServerState, body: CompletionRequest, arrival: float) -> lis
                                         stop_token_ids=tuple(body.stop_token_ids or ()))
             except ValueError as e:
                 raise HTTPError(400, _http_names(str(e)), _param_of(str(e))) from None
-            out.append(Stream(len(out), ids, params, arrival, q))
+            decode = state.pool.decode
+            out.append(Stream(len(out), ids, params, arrival, q,
+                              detokenizer=None if decode is None else Detokenizer(decode, params.stop)))
     return out
 
 
@@ -409,13 +416,14 @@ def _usage(streams, outputs) -> Usage:
 
 
 async def _collect(state: ServerState, body: CompletionRequest, cid: str, streams: list[Stream]):
-    outputs, texts, reasons = [[] for _ in streams], [""] * len(streams), [None] * len(streams)
+    outputs, texts, reasons = [[] for _ in streams], [[] for _ in streams], [None] * len(streams)
     async for i, ev in _events(streams):
         if ev.token is not None:
             outputs[i].append(ev.token)
-        texts[i], reasons[i] = (ev.text if ev.token is not None else texts[i]), ev.finish_reason
+        texts[i].append(ev.text)
+        reasons[i] = ev.finish_reason
     ids = body.return_token_ids
-    choices = [CompletionChoice(index=i, text=texts[i], finish_reason=reasons[i],
+    choices = [CompletionChoice(index=i, text="".join(texts[i]), finish_reason=reasons[i],
                                 token_ids=outputs[i] if ids else None,
                                 prompt_token_ids=streams[i].prompt if ids else None) for i in range(len(streams))]
     return CompletionResponse(id=cid, model=state.model_name, choices=choices, usage=_usage(streams, outputs))
@@ -444,17 +452,15 @@ async def _sse(state: ServerState, body: CompletionRequest, cid: str, streams: l
     """Server-sent events: one chunk per token of each choice, its finish reason on its last chunk,
     the usage chunk if asked, then ``[DONE]``. A client that disconnects (the stream is cancelled)
     cancels its unfinished requests: their slots are free within one iteration."""
-    sent, outputs, done = [0] * len(streams), [[] for _ in streams], [False] * len(streams)
+    outputs, done = [[] for _ in streams], [False] * len(streams)
     head = CompletionResponse(id=cid, model=state.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
     head = json.dumps(head)[:-1] + ', "choices": ['       # every token chunk starts the same way
     try:
         async for i, ev in _events(streams):
-            text = ev.text[sent[i]:] if ev.token is not None else ""
-            sent[i] += len(text)
             if ev.token is not None:
                 outputs[i].append(ev.token)
             done[i] = ev.finish_reason is not None
-            choice = {"index": i, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}
+            choice = {"index": i, "text": ev.text, "logprobs": None, "finish_reason": ev.finish_reason}
             if body.return_token_ids:
                 choice["token_ids"] = [] if ev.token is None else [ev.token]
             # a CompletionResponse with this one choice, written by hand: a token's chunk is the
