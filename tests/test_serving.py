@@ -9,6 +9,7 @@ import random
 import signal
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -353,16 +354,22 @@ def _engine_pid(server_pid: int) -> int:
 
 
 def test_an_engine_that_dies_ends_its_streams_and_the_endpoint_says_why():
+    """A stream in flight ends with "abort"; a non-streaming request in flight gets 503 naming the
+    engine's exit code, not 200 with the text it had so far."""
     s = ServerProcess("--max-bs", "4", "--drain-s", "1").start()
+    body = {"prompt": "a", "max_tokens": 1000, "ignore_eos": True}
     try:
-        with httpx.Client(base_url=s.url, timeout=30) as http:
-            with http.stream("POST", "/v1/completions", json={"prompt": "a", "max_tokens": 1000, "stream": True,
-                                                                "ignore_eos": True}) as r:
+        with httpx.Client(base_url=s.url, timeout=30) as http, ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(http.post, "/v1/completions", json=body)
+            with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
                 lines = r.iter_lines()
                 next(lines)
+                assert wait_for(lambda: metrics(s.url)["orca_lab_requests_running"] == 2)
                 os.kill(_engine_pid(s.proc.pid), signal.SIGKILL)
                 chunks = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
             assert chunks[-1]["choices"][0]["finish_reason"] == "abort" and len(chunks) < 999
+            whole = whole.result()
+            assert whole.status_code == 503 and "engine process exited (code -9)" in whole.json()["error"]["message"]
             health = http.get("/health")
             assert health.status_code == 503 and "engine process exited (code -9)" in health.text
             r = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})

@@ -45,10 +45,11 @@ class HTTPError(Exception):
 @dataclass(frozen=True)
 class Event:
     """What a choice receives: a token (None when it ends without one), the text that became
-    visible with it, and its finish reason once it is done."""
+    visible with it, its finish reason once it is done, and why the engine failed if it did."""
     token: int | None
     text: str
     finish_reason: str | None = None
+    error: str | None = None
 
 
 @dataclass(eq=False)
@@ -216,7 +217,7 @@ class EngineClient:
             _settle(fut, error=HTTPError(503, why))
         self.pending.clear()
         for s in self.streams.values():
-            s.out.put_nowait((s.index, Event(None, s.text([], "abort", None), "abort")))
+            s.out.put_nowait((s.index, Event(None, s.text([], "abort", None), "abort", error=why)))
             self.metrics.requests.labels("abort").inc()
         self.streams.clear()
 
@@ -418,6 +419,8 @@ def _usage(streams, outputs) -> Usage:
 async def _collect(state: ServerState, body: CompletionRequest, cid: str, streams: list[Stream]):
     outputs, texts, reasons = [[] for _ in streams], [[] for _ in streams], [None] * len(streams)
     async for i, ev in _events(streams):
+        if ev.error is not None:            # the engine died: no answer, not a partial one
+            raise HTTPError(503, ev.error)
         if ev.token is not None:
             outputs[i].append(ev.token)
         texts[i].append(ev.text)
