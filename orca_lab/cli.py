@@ -58,7 +58,7 @@ def serve(args):
     engine = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots, tensor_parallel=args.tp,
                           pipeline_parallel=args.pp, device=args.device, dtype=args.dtype)
     run(EngineRecipe(args.model, args.seed, engine, args.system, args.threads), args.host, args.port,
-        args.max_queue, args.drain_s, model_name=args.model)
+        args.max_queue, args.drain_s, model_name=args.model, debug=args.debug)
 
 
 def bench(args) -> dict:
@@ -127,6 +127,8 @@ def _serve_args(s):
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", default="float32")
     s.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    s.add_argument("--debug", action="store_true",
+                   help="serve GET /debug/run: the engine's records of every request and iteration")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import pytest
 
 from orca_lab import LLM
 from orca_lab.metrics import serving_summary
-from orca_lab.serving.bench import make_trace, run_load, server_records
+from orca_lab.serving.bench import DebugRun, make_trace, run_load, server_records
 from orca_lab.serving.launch import ServerProcess
 from orca_lab.serving.metrics import parse_metrics
 
@@ -29,7 +29,7 @@ N_SLOTS = 1000          # below the model's 1024 positions, so the slot check ca
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess("--model", "tiny", "--seed", "0", "--max-bs", "16", "--n-slots", N_SLOTS).start()
+    s = ServerProcess("--model", "tiny", "--seed", "0", "--max-bs", "16", "--n-slots", N_SLOTS, "--debug").start()
     yield s
     assert s.stop() < 10
 
@@ -178,10 +178,46 @@ def test_bench_cli_sweeps_rates_and_writes_its_report(server, tmp_path, capsys):
     assert (tmp_path / "bench_sweep.html").stat().st_size > 10_000
 
 
+def test_bench_takes_the_base_url_the_openai_client_takes(server, tmp_path):
+    from orca_lab.cli import main
+    main(["bench", "--base-url", server.url + "/v1/", "--n-requests", "2", "--dataset", "fixed",
+          "--input-len", "4", "--output-len", "3", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert [(row["n_requests"], row["n_failed"]) for row in report["summary"]] == [(2, 0)]
+
+
+def test_debug_run_pages_give_new_records_only(server, client):
+    """Each page of /debug/run holds what is new since the previous one: here one completion, its
+    engine request and its iterations; then nothing."""
+    pages = DebugRun(server.url)
+    pages.fetch()                                          # everything so far
+    done = client.completions.create(model="tiny", prompt="page", max_tokens=5, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    page = pages.fetch()
+    assert list(page["completions"]) == [done.id]
+    rids = page["completions"][done.id]["rids"]
+    assert [r["rid"] for r in page["requests"]] == rids and page["requests"][0]["n_generated"] == 5
+    assert len(page["iterations"]) == 5 and all(rids[0] in it["rids"] for it in page["iterations"])
+    assert all(it["end"] > page["since"] for it in page["iterations"]) and page["now"] > page["since"]
+    empty = pages.fetch()
+    assert (empty["completions"], empty["requests"], empty["iterations"]) == ({}, [], [])
+    for bad in ("-1", "abc", "nan"):
+        r = httpx.get(server.url + "/debug/run", params={"since": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "query.since", r.text
+
+
+def assert_no_debug_run(url):
+    """Without --debug: a 404 in OpenAI's error shape saying how to turn it on, and not in the schema."""
+    r = httpx.get(url + "/debug/run")
+    assert r.status_code == 404 and "orca-lab serve --debug" in r.json()["error"]["message"]
+    assert "/debug/run" not in httpx.get(url + "/openapi.json").json()["paths"]
+
+
 # -- a second server: overload, then shutdown ------------------------------------------------------
 def test_overload_answers_503_and_loses_nothing_then_shuts_down_clean():
     s = ServerProcess("--max-bs", "1", "--max-queue", "2", "--drain-s", "1").start()
     try:
+        assert_no_debug_run(s.url)
         asyncio.run(_overload(s.url))
         _drain_on_sigterm(s)
     finally:

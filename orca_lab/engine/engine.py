@@ -293,14 +293,18 @@ class Engine:
             bar.close()
         return self.result(start)
 
-    def result(self, start: float = 0.0) -> RunResult:
+    def result(self, start: float = 0.0, since: float | None = None) -> RunResult:
+        """The run's records, times from ``start``; with ``since`` (the clock's time), only what is
+        new since then: requests not finished by then, iterations that ended after it."""
+        new = lambda t: since is None or t is None or t > since
         reqs = [RequestRecord(r.rid, r.arrival - start, len(r.prompt), len(r.output),
                               _rel(r.t_scheduled, start), _rel(r.t_first_token, start),
                               _rel(r.t_finish, start), r.n_iterations, tuple(r.output), finish_reason=r.finish_reason,
                               n_preemptions=r.n_preemptions)
-                for r in self.requests]
-        iters = [dataclasses.replace(it, start=it.start - start, end=it.end - start) for it in self.records] \
-            if start else list(self.records)     # a simulated run starts at 0: nothing to shift
+                for r in self.requests if new(r.t_finish)]
+        records = [it for it in self.records if new(it.end)]
+        iters = [dataclasses.replace(it, start=it.start - start, end=it.end - start) for it in records] \
+            if start else records                # a simulated run starts at 0: nothing to shift
         end = max((r.t_finish for r in reqs if r.t_finish is not None), default=0.0)
         first = min((r.arrival for r in reqs), default=0.0)
         return RunResult(self.scheduler.name, reqs, iters, dict(self.config), end - first)

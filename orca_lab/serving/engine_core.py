@@ -11,7 +11,7 @@ The two ends talk over two one-way pipes between this parent and its own child (
 peer), as pickled tuples:
 
     endpoint -> engine   ("add", key, [(sid, prompt, params, arrival)])   ("abort", [sid])
-                         ("call", key, name)                              ("stop",)
+                         ("call", key, name, args)                        ("stop",)
     engine -> endpoint   ("ready", EngineInfo)   ("added", key, [rid] | exception | None)
                          ("out", now, [(sid, token, finish_reason, stop_at)], stats, [n_tokens])
                          ("stats", stats)        ("result", key, value | exception)   ("failed", why)
@@ -24,6 +24,7 @@ with "stop": the last token, a stop token or EOS, is no text).
 """
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import queue
 import signal
@@ -177,9 +178,9 @@ class EngineLoop:
         if out:
             self._send(("out", self.engine.clock.now(), out, self.engine.stats(), []))
 
-    def _call(self, key, name):
+    def _call(self, key, name, args=()):
         try:
-            value = {"result": lambda e: e.result().to_json()}[name](self.engine)
+            value = {"records": records_json}[name](self.engine, *args)
         except Exception as e:
             value = e
         self._send(("result", key, value))
@@ -218,6 +219,13 @@ class EngineLoop:
             self.outbox.send(msg)
         except (BrokenPipeError, OSError):        # the endpoint is gone; the loop stops on its EOF
             pass
+
+
+def records_json(engine, since: float) -> bytes:
+    """The engine's ``RunResult`` of what is new since ``since`` (engine clock: requests not finished
+    by then, iterations ended after it) and ``now``, the ``since`` of the next page, as JSON: encoded
+    here, so the endpoint's event loop passes bytes on and never decodes thousands of records."""
+    return json.dumps({"since": since, "now": engine.clock.now(), **engine.result(since=since).to_json()}).encode()
 
 
 # -- the endpoint's side (this process) ------------------------------------------------------------

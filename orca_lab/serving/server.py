@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import json
 import logging
 import uuid
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -122,10 +121,10 @@ class EngineClient:
     def cancel(self, streams: list[Stream]):
         self._send(("abort", [s.sid for s in streams]))
 
-    def call(self, name: str) -> asyncio.Future:
-        """``name`` run by the engine between two iterations (``EngineLoop._call``)."""
+    def call(self, name: str, *args) -> asyncio.Future:
+        """``name(engine, *args)`` run by the engine between two iterations (``EngineLoop._call``)."""
         fut = self._expect([])
-        self._send(("call", fut.key, name))
+        self._send(("call", fut.key, name, args))
         return fut
 
     def stop(self):
@@ -242,11 +241,19 @@ class ServerState:
         if len(self.completions) > MAX_RECORDS:
             del self.completions[next(iter(self.completions))]
 
+    async def completions_json(self, since: float) -> bytes:
+        """The completions not finished by ``since`` (engine clock), as JSON, encoded in a thread:
+        there may be 100k, and the event loop has streams to serve."""
+        records = list(self.completions.items())           # a snapshot: the loop adds more meanwhile
+        encode = lambda: json.dumps({c: vars(r) for c, r in records if r.finish is None or r.finish > since})
+        return (await asyncio.to_thread(encode)).encode()
+
 
 @dataclass
 class HTTPRecord:
     """One completion as the endpoint served it (engine clock): arrival at the app, the first chunk
-    holding a token handed to the connection (streams only), the last byte handed over."""
+    holding a token handed to the connection (streams only), the last byte handed over (or when
+    its client left)."""
     rids: list[int]
     arrival: float
     first_token: float | None = None
@@ -254,9 +261,10 @@ class HTTPRecord:
 
 
 def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, model_name: str | None = None,
-              ready=None, stop_timeout: float = 5.0) -> FastAPI:
+              ready=None, stop_timeout: float = 5.0, debug: bool = False) -> FastAPI:
     """The FastAPI app over a started engine process; its lifespan's end stops that engine (which
-    cancels what is left and stops its workers). ``ready(app)`` is called once it serves."""
+    cancels what is left and stops its workers). ``ready(app)`` is called once it serves.
+    ``debug``: serve ``GET /debug/run``, the engine's own records."""
     metrics = ServerMetrics()
     state = ServerState(model_name or core.info.cfg.name, system, EngineClient(core, metrics, max_queue), metrics)
 
@@ -300,12 +308,16 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
     async def metrics_page():
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/debug/run")
-    async def run_records():
-        """The engine's ``RunResult`` so far (per-request and per-iteration records, engine clock),
-        and which engine requests served each completion id."""
-        result = await state.pool.call("result")
-        return {**result, "completions": {c: dataclasses.asdict(r) for c, r in state.completions.items()}}
+    @app.get("/debug/run", include_in_schema=debug)
+    async def run_records(since: float = Query(0.0, ge=0.0, allow_inf_nan=False)):
+        """The engine's ``RunResult`` of what is new since ``since`` (engine clock, seconds:
+        requests not finished by then, iterations ended after it, with their HTTP records by
+        completion id) and ``now``, the ``since`` of the next page. Only with ``--debug``."""
+        if not debug:
+            raise HTTPError(404, "GET /debug/run is off: start the server with orca-lab serve --debug")
+        engine_part = await state.pool.call("records", since)              # JSON made by the engine
+        http_part = await state.completions_json(since)
+        return Response(engine_part[:-1] + b', "completions": ' + http_part + b"}", media_type="application/json")
 
     @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest, request: Request):
@@ -320,9 +332,10 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
         state.record(cid, rec)
         if body.stream:
             return StreamingResponse(_sse(state, body, cid, streams, rec), media_type="text/event-stream")
-        resp = await _until_done_or_gone(state, request, _collect(state, body, cid, streams), streams)
-        rec.finish = state.pool.clock.now()
-        return resp
+        try:
+            return await _until_done_or_gone(state, request, _collect(state, body, cid, streams), streams)
+        finally:
+            rec.finish = state.pool.clock.now()
 
     return app
 
@@ -476,8 +489,8 @@ async def _sse(state: ServerState, body: CompletionRequest, cid: str, streams: l
             yield _chunk(CompletionResponse(id=cid, model=state.model_name, choices=[],
                                             usage=_usage(streams, outputs)))
         yield "data: [DONE]\n\n"
-        rec.finish = state.pool.clock.now()            # [DONE] has been handed to the connection
     finally:
+        rec.finish = state.pool.clock.now()            # [DONE] has been handed over, or the client left
         left = [s for s, d in zip(streams, done) if not d]
         if left:
             state.pool.cancel(left)
@@ -520,7 +533,7 @@ def listen(host: str, port: int):
 
 
 def serve(recipe: EngineRecipe, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 1024,
-          drain_s: float = 5.0, model_name: str | None = None):
+          drain_s: float = 5.0, model_name: str | None = None, debug: bool = False):
     """Serve the model of ``recipe`` until SIGINT/SIGTERM; prints its URL once it accepts requests.
     The port is taken first (a busy one fails at once), then the engine process builds the model."""
     sock = listen(host, port)
@@ -532,7 +545,7 @@ def serve(recipe: EngineRecipe, host: str = "127.0.0.1", port: int = 8000, max_q
         sock.close()
         raise
     try:
-        _Server(build_app(core, recipe.system, max_queue, model_name, ready), sock, drain_s).run()
+        _Server(build_app(core, recipe.system, max_queue, model_name, ready, debug=debug), sock, drain_s).run()
     except KeyboardInterrupt:          # uvicorn re-raises the SIGINT it drained for: we are done
         pass
     finally:
