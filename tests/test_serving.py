@@ -2,15 +2,12 @@
 driven by the official ``openai`` client, httpx, and ``orca-lab bench``. Every loop is bounded and
 every server is stopped (and checked gone) at the end of its tests."""
 import asyncio
-import contextlib
 import json
 import os
 import random
 import signal
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
@@ -23,6 +20,7 @@ from orca_lab.serving.launch import ServerProcess
 from orca_lab.serving.metrics import parse_metrics
 
 from helpers import random_prompts
+from server_helpers import assert_port_free, descendants, kill_left, metrics, running, wait_for
 
 N_SLOTS = 1000          # below the model's 1024 positions, so the slot check can refuse on its own
 
@@ -37,19 +35,6 @@ def server():
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-
-
-def metrics(url) -> dict:
-    return parse_metrics(httpx.get(url + "/metrics").text)
-
-
-def wait_for(cond, timeout=10.0, every=0.02):
-    end = time.perf_counter() + timeout
-    while time.perf_counter() < end:
-        if cond():
-            return True
-        time.sleep(every)
-    return cond()
 
 
 def test_greedy_tokens_equal_llm_generate(client):
@@ -225,15 +210,6 @@ def test_overload_answers_503_and_loses_nothing_then_shuts_down_clean():
     assert_port_free(s)
 
 
-def assert_port_free(s):
-    with pytest.raises(httpx.ConnectError):  # nothing listens on its port...
-        httpx.get(s.url + "/health")
-    with socket.socket() as sock:            # ...and a new server may take it (closed connections
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # stay in TIME_WAIT a while)
-        sock.bind(("127.0.0.1", s.port))
-        sock.listen()
-
-
 async def _overload(url):
     """One request holds the only batch place (max_bs 1), two wait (max_queue 2): the next is
     refused with 503 and Retry-After. The holder's client leaves; the two waiting still complete."""
@@ -282,43 +258,18 @@ def _drain_on_sigterm(s):
 
 
 # -- with worker processes: nothing outlives the server ---------------------------------------------
-def _stat(pid: int) -> list[str] | None:
-    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...), None once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def descendants(pid: int) -> dict[int, tuple[str, str]]:
-    """Every process under ``pid`` (from /proc: psutil is not a dependency), as pid -> (start time,
-    command line): the start time tells it from a later process given the same pid."""
-    children: dict[int, list[int]] = {}
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        if (st := _stat(int(d))) is not None:
-            children.setdefault(int(st[1]), []).append(int(d))
-    out, todo = {}, [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            with contextlib.suppress(OSError, TypeError):
-                out[child] = (_stat(child)[19], Path(f"/proc/{child}/cmdline").read_text().replace("\0", " "))
-            todo.append(child)
-    return out
-
-
-def running(tree: dict[int, tuple[str, str]]) -> dict[int, str]:
-    """Those of ``tree`` not exited yet (a zombie has: it holds no port, memory or file any more)."""
-    return {pid: cmd for pid, (start, cmd) in tree.items()
-            if (st := _stat(pid)) is not None and st[0] != "Z" and st[19] == start}
-
-
-def server_with_workers(degree: str, tmp_path) -> tuple[ServerProcess, dict]:
-    """A server over 2 worker processes that has served one request, and its process tree: the
-    engine process, the fork server, the 2 workers, multiprocessing's resource tracker."""
-    s = ServerProcess("--max-bs", "4", degree, "2", "--drain-s", "1", env={"TMPDIR": str(tmp_path)}).start()
+def server_with_workers(degree: str, tmp_path, system: str = "orca") -> tuple[ServerProcess, dict]:
+    """A server over 2 worker processes that has served one request (its greedy tokens those of
+    ``LLM.generate``, all of them), and its process tree: the engine process, the fork server, the
+    2 workers, multiprocessing's resource tracker."""
+    s = ServerProcess("--max-bs", "4", degree, "2", "--system", system, "--drain-s", "1",
+                      env={"TMPDIR": str(tmp_path)}).start()
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
-        assert client.completions.create(model="tiny", prompt="hi", max_tokens=4).usage.completion_tokens == 4
+        r = client.completions.create(model="tiny", prompt="hi", max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == LLM("tiny", seed=0).generate(["hi"], 6)[0]
+        assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
         tree = descendants(s.proc.pid)
         kinds = [next((k for k in ("spawn_main", "forkserver", "resource_tracker") if k in cmd), cmd)
                  for _, cmd in tree.values()]
@@ -331,20 +282,13 @@ def server_with_workers(degree: str, tmp_path) -> tuple[ServerProcess, dict]:
     return s, tree
 
 
-def kill_left(tree: dict):
-    """A failed test leaves nothing running behind it either."""
-    for pid in running(tree):
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-
-
-@pytest.mark.parametrize("sig, degree", [(signal.SIGTERM, "--tp"), (signal.SIGINT, "--pp")],
-                         ids=["SIGTERM-tp", "SIGINT-pp"])
-def test_workers_stop_with_the_server(sig, degree, tmp_path):
+@pytest.mark.parametrize("sig, degree, system", [(signal.SIGTERM, "--tp", "orca"), (signal.SIGINT, "--pp", "ft")],
+                         ids=["SIGTERM-tp-orca", "SIGINT-pp-ft"])
+def test_workers_stop_with_the_server(sig, degree, system, tmp_path):
     """SIGTERM or SIGINT: when the server has exited, so have its engine process, its workers and the
     fork server they came from; multiprocessing's resource tracker follows its parent; the port and
     the temporary files are gone."""
-    s, tree = server_with_workers(degree, tmp_path)
+    s, tree = server_with_workers(degree, tmp_path, system)
     try:
         t0 = time.perf_counter()
         s.proc.send_signal(sig)

@@ -452,11 +452,11 @@ async def _until_done_or_gone(state: ServerState, request: Request, work, stream
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not task.done():
+        gone.cancel()
+        if not task.done():                 # the client left first: its requests are cancelled
             task.cancel()
             state.pool.cancel(streams)
-        gone.cancel()
-    return task.result() if not task.cancelled() else Response(status_code=499)
+    return task.result() if task.done() else Response(status_code=499)   # (a cancelled task is not done yet)
 
 
 async def _disconnected(request: Request):
