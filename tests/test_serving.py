@@ -95,6 +95,9 @@ BAD = [  # (body, status, words the message must hold: the field, the value, the
     ({"prompt": "a", "max_tokens": "many"}, 400, ["max_tokens='many'", "integer"]),
     ({"prompt": 7}, 400, ["prompt", "got 7"]),
     ({"prompt": "a", "model": "gpt-5"}, 404, ["model='gpt-5'", "tiny"]),
+    ({"prompt": "a", "max_tokens": True}, 400, ["max_tokens=True", "integer"]),      # not 1, as pydantic reads it
+    ({"prompt": "a", "temperature": "0.5"}, 400, ["temperature='0.5'", "number"]),
+    ({"prompt": "a", "logprobs": 0}, 400, ["logprobs=0", "not supported"]),
 ]
 
 
@@ -109,6 +112,8 @@ def test_bad_input_is_refused_while_good_requests_complete(server, client):
             assert all(w in err["message"] for w in words), (body, err["message"])
         r = http.post("/v1/completions", content=b'{"prompt": "a", ', headers={"content-type": "application/json"})
         assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", content=b"\xff", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == 400, r.text     # OpenAI's shape, not FastAPI's
     with pytest.raises(openai.BadRequestError) as e:    # the official client reads the same body
         client.completions.create(model="tiny", prompt="a", max_tokens=0)
     assert e.value.param == "max_tokens" and "max_tokens=0" in e.value.message

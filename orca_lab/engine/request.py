@@ -8,6 +8,7 @@ from orca_lab.config import check_range
 from orca_lab.engine.detokenizer import Detokenizer
 
 FINISH_REASONS = ("length", "stop", "abort")   # OpenAI's and vLLM's names
+GREEDY_BELOW = 1e-5    # a temperature under this is greedy (vLLM's _SAMPLING_EPS): logits / 1e-300 overflow
 
 
 class RequestState(enum.Enum):
@@ -19,7 +20,8 @@ class RequestState(enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Greedy by default; EOS ignored by default, as in the paper's workload.
+    """Greedy by default (and at any temperature below ``GREEDY_BELOW``); EOS ignored by default,
+    as in the paper's workload.
 
     ``top_k`` (0 = off) and ``top_p`` (1 = off) narrow the distribution after ``temperature``;
     ``seed`` makes a sampled request draw the same tokens whatever it is batched with. A request
@@ -60,7 +62,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
 def _as_tuple(name: str, value, kind) -> tuple:

@@ -19,14 +19,15 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from orca_lab.engine.detokenizer import Detokenizer
 from orca_lab.engine.request import SamplingParams
 from orca_lab.serving.engine_core import SHUTTING_DOWN, EngineProcess, EngineRecipe
 from orca_lab.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from orca_lab.serving.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, ModelCard,
-                                       ModelList, Usage, error_body, validation_error)
+from orca_lab.serving.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, ErrorResponse,
+                                       ModelCard, ModelList, RunPage, Usage, error_body, validation_error)
 
 log = logging.getLogger("orca_lab.serve")
 RETRY_AFTER_S = 1
@@ -282,6 +283,7 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
             state.pool.close()
 
     app = FastAPI(title="orca_lab", lifespan=lifespan)
+    app.openapi = _openapi_of(app)
     app.state.orca = state
     app.add_middleware(_StampArrival, clock=state.pool.clock)
 
@@ -289,12 +291,17 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
     async def _http_error(request, e: HTTPError):
         return JSONResponse(error_body(e.status, e.message, e.param), e.status, headers=e.headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette_error(request, e: StarletteHTTPException):
+        """Starlette's own refusals (a body it cannot parse, an unknown path) in OpenAI's shape too."""
+        return JSONResponse(error_body(e.status_code, str(e.detail)), e.status_code, headers=e.headers)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
         message, param = validation_error(e.errors())
         return JSONResponse(error_body(400, message, param), 400)
 
-    @app.get("/health")
+    @app.get("/health", responses=_errors(503))
     async def health():
         if state.pool.error or not state.pool.alive:
             raise HTTPError(503, state.pool.error or "the engine is not running")
@@ -304,11 +311,11 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
     async def models():
         return ModelList(data=[_model_card(state)])
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics_page():
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/debug/run", include_in_schema=debug)
+    @app.get("/debug/run", include_in_schema=debug, response_model=RunPage, responses=_errors(400, 503))
     async def run_records(since: float = Query(0.0, ge=0.0, allow_inf_nan=False)):
         """The engine's ``RunResult`` of what is new since ``since`` (engine clock, seconds:
         requests not finished by then, iterations ended after it, with their HTTP records by
@@ -319,7 +326,9 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
         http_part = await state.completions_json(since)
         return Response(engine_part[:-1] + b', "completions": ' + http_part + b"}", media_type="application/json")
 
-    @app.post("/v1/completions", response_model=CompletionResponse)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={
+        **_errors(400, 404, 503), 200: {"content": {"text/event-stream": {"schema": SSE_EVENT}},
+                                        "description": "the completion, or with stream=true its server-sent events"}})
     async def completions(body: CompletionRequest, request: Request):
         arrival = request.scope["orca_arrival"]
         streams = _streams(state, body, arrival)
@@ -338,6 +347,32 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
             rec.finish = state.pool.clock.now()
 
     return app
+
+
+# one server-sent event of a streamed completion (Open API 3.1: an event stream's schema is each event's)
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
+    "type": "string", "description": "a CompletionResponse chunk as JSON (one token of one choice, or the usage), "
+                                     "then [DONE]"}}}
+
+
+def _errors(*codes: int) -> dict:
+    """The error answers an endpoint gives, for its OpenAPI schema: OpenAI's error body."""
+    return {code: {"model": ErrorResponse} for code in codes}
+
+
+def _openapi_of(app: FastAPI):
+    """FastAPI's schema without the 422 it documents for every route: a request that fails
+    validation is answered 400 here, as OpenAI answers it (``_invalid``)."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            for operations in schema["paths"].values():
+                for op in operations.values():
+                    op["responses"].pop("422", None)
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(unused, None)
+        return app.openapi_schema
+    return openapi
 
 
 class _StampArrival:
