@@ -91,7 +91,7 @@ def test_the_end_that_could_begin_a_stop_string_is_held_back_then_shown():
 def test_a_stop_token_is_no_text_and_an_abort_shows_what_was_held():
     d = Detokenizer(BYTES.decode, ("END",))
     assert d.update(list(b"okEN")) == "ok"
-    assert d.update([256], "stop", ended_by_token=True) == "EN" and d.ids == list(b"okEN")
+    assert d.update([256], "stop") == "EN" and d.ids == list(b"okEN")      # stop_at None: a stop token
 
 
 class CountingDecode:

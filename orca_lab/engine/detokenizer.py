@@ -50,9 +50,10 @@ class Detokenizer:
             self._n_context = self._n_window = len(window) - self._n_context
         return self.stop_at
 
-    def update(self, tokens, finish_reason: str | None = None, ended_by_token: bool = False) -> str:
-        """``tokens`` added (the last left out if ``ended_by_token``: the stop token or EOS that ended
-        the request is no text), then what became visible (``take``)."""
+    def update(self, tokens, finish_reason: str | None = None, stop_at: int | None = None) -> str:
+        """``tokens`` added, then what became visible (``take``). A request that ended with "stop"
+        and no stop string (``stop_at`` None) ended at EOS or a stop token: that last token is no text."""
+        ended_by_token = finish_reason == "stop" and stop_at is None
         for t in tokens[:len(tokens) - ended_by_token]:
             self.add(t)
         return self.take(final=finish_reason is not None)

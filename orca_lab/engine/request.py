@@ -138,11 +138,6 @@ class Request:
         return "length" if len(self.output) >= p.max_gen_tokens else None
 
     @property
-    def ended_by_token(self) -> bool:
-        """It ended at EOS or a stop token: that last token is not text."""
-        return self.finish_reason == "stop" and self.stop_at is None
-
-    @property
     def detokenizer(self) -> Detokenizer:
         """Its text, made token by token (with stop strings as each token comes, else when asked)."""
         if self._detokenizer is None:
@@ -158,5 +153,5 @@ class Request:
         last character or an end that could begin a stop string. Each call's text extends the
         previous one."""
         d = self.detokenizer
-        d.update(self.output[len(d.ids):], self.finish_reason, self.ended_by_token)
+        d.update(self.output[len(d.ids):], self.finish_reason, self.stop_at)
         return d.text

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orca_lab.engine.detokenizer import Detokenizer
 from orca_lab.engine.request import SamplingParams
@@ -70,7 +70,7 @@ class Stream:
         """The text that ``tokens`` (one, or none when the request ended without one) made visible."""
         if self.detokenizer is None:
             return ""
-        return self.detokenizer.update(tokens, finish_reason, finish_reason == "stop" and stop_at is None)
+        return self.detokenizer.update(tokens, finish_reason, stop_at)
 
 
 class EngineClient:
