@@ -18,7 +18,9 @@
    server does. Beside them: the p99 gap between the same tokens as the engine made them (what
    HTTP adds at the tail), and the same trace served in process (the iteration itself varies with
    the host, and with another request's prefill in its batch).
-Both runs use one intra-op thread per process (``--threads``), recorded with the results.
+Both runs use one intra-op thread per process (``--threads``), recorded with the results. The
+server runs with ``--debug``: its own records come from ``GET /debug/run``, a page of what is new
+since the previous read after each run.
 """
 from __future__ import annotations
 
@@ -31,18 +33,17 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import torch
 
 from orca_lab import LLM, EngineConfig
 from orca_lab.environment import environment
 from orca_lab.metrics import serving_summary
-from orca_lab.serving.bench import make_trace, run_load, server_records
+from orca_lab.serving.bench import DebugRun, make_trace, run_load, server_records
 from orca_lab.serving.launch import ServerProcess
 
 
-def saturation(args, llm, server) -> list[dict]:
+def saturation(args, llm, server, pages: DebugRun) -> list[dict]:
     """Tokens/s in process, and of the server as it served them (its own records: arrival at the
     app to the last byte handed to the connection) and as the client saw them; the client's figure
     also holds its own start-up (encoding and opening ``n_requests`` requests at once: ~0.2-0.3 s
@@ -51,10 +52,11 @@ def saturation(args, llm, server) -> list[dict]:
     rows = []
     for rep in range(args.repeats):
         local = serving_summary(llm.serve(trace))["throughput_tok_s"]
+        pages.fetch()                           # what came before this run: skipped
         run = asyncio.run(run_load(server.url, trace, args.model))
         assert run.n_failed == 0, [r.error for r in run.requests if r.error][:3]
-        ids = [r.completion_id for r in run.requests]
-        tok_s = {level: serving_summary(server_records(server.url, ids, level))["throughput_tok_s"]
+        ids, data = [r.completion_id for r in run.requests], pages.fetch()
+        tok_s = {level: serving_summary(server_records(server.url, ids, level, data))["throughput_tok_s"]
                  for level in ("http", "engine")}
         client = run.summary()["throughput_tok_s"]
         rows.append({"repeat": rep, "in_process_tok_s": local, "server_tok_s": tok_s["http"],
@@ -113,16 +115,16 @@ def host_jitter(seconds_each: float, n: int = 400) -> float:
     return float(np.percentile(times, 99) / np.median(times))
 
 
-def light_load(args, llm, server, rate: float | None) -> dict:
+def light_load(args, llm, server, pages: DebugRun, rate: float | None) -> dict:
     """At ``rate`` req/s (Poisson), or with ``rate`` None one client sending its requests one after
     the other (no two requests share an iteration, so no prefill lengthens another's)."""
     trace = make_trace("fixed", args.light_requests, rate, llm.cfg.vocab_size, args.seed,
                        input_len=16, output_len=args.light_output)
-    before = len(httpx.get(server.url + "/debug/run").json()["iterations"])
+    pages.fetch()                               # what came before this run: skipped
     run = asyncio.run(run_load(server.url, trace, args.model, max_concurrency=1 if rate is None else None))
     assert run.n_failed == 0
-    data = httpx.get(server.url + "/debug/run").json()
-    iters = data["iterations"][before:]
+    data = pages.fetch()
+    iters = data["iterations"]
     span = np.array([it["end"] - it["start"] for it in iters])
     itl, gaps = np.array(run.itl), engine_token_gaps(iters)
     own = itl_over_own_iteration(run, data, iters)
@@ -167,11 +169,12 @@ def main(argv=None):
     engine = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots, device=args.device, dtype=args.dtype)
     llm = LLM(args.model, seed=0, engine=engine)
     flags = ["--model", args.model, "--max-bs", args.max_bs, "--n-slots", args.n_slots, "--threads", args.threads,
-             "--device", args.device, "--dtype", args.dtype]
+             "--device", args.device, "--dtype", args.dtype, "--debug"]
     load_before = os.getloadavg()      # a busy machine moves these figures by tens of percent
     with ServerProcess(*flags) as server:
-        sat = saturation(args, llm, server)
-        light = [light_load(args, llm, server, rate) for rate in [None, *args.light_rates]]
+        pages = DebugRun(server.url)
+        sat = saturation(args, llm, server, pages)
+        light = [light_load(args, llm, server, pages, rate) for rate in [None, *args.light_rates]]
     load = {"before": load_before, "after": os.getloadavg()}
     print("saturation (tokens/s, same trace, all requests at t=0):")
     print(f"{'repeat':>6}{'in-process':>12}{'server':>9}{'its engine':>12}{'client':>9}{'ratio':>8}{'client ratio':>14}")

@@ -56,9 +56,10 @@ def serve(args):
     check_range("drain_s", args.drain_s, 0.0, 3600.0, kind=float)
     check_range("threads", args.threads, 1, 1024)
     engine = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots, tensor_parallel=args.tp,
-                          pipeline_parallel=args.pp, device=args.device, dtype=args.dtype)
+                          pipeline_parallel=args.pp, device=args.device, dtype=args.dtype,
+                          block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens)
     run(EngineRecipe(args.model, args.seed, engine, args.system, args.threads), args.host, args.port,
-        args.max_queue, args.drain_s, model_name=args.model)
+        args.max_queue, args.drain_s, model_name=args.model, debug=args.debug)
 
 
 def bench(args) -> dict:
@@ -120,6 +121,8 @@ def _serve_args(s):
     s.add_argument("--system", default="orca", choices=["orca", "ft", "paged", "chunked"])
     s.add_argument("--max-bs", type=int, default=32)
     s.add_argument("--n-slots", type=int, default=16384)
+    s.add_argument("--block-size", type=int, default=16, help="paged, chunked: K/V slots per block")
+    s.add_argument("--max-num-batched-tokens", type=int, default=512, help="chunked: new tokens per iteration")
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel workers")
     s.add_argument("--pp", type=int, default=1, help="pipeline-parallel workers (the paper's n_workers)")
     s.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 503")
@@ -127,6 +130,8 @@ def _serve_args(s):
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", default="float32")
     s.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    s.add_argument("--debug", action="store_true",
+                   help="serve GET /debug/run: the engine's records of every request and iteration")
 
 
 if __name__ == "__main__":

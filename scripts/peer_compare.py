@@ -6,7 +6,7 @@ over first send .. last byte).
 
     python scripts/peer_compare.py [--server URL] RUN_DIR...   # each: bench.json, aiperf/ or guidellm.json
 
-With ``--server`` (an `orca-lab serve` that served the runs), each run also gets the server's own
+With ``--server`` (an `orca-lab serve --debug` that served the runs), each run also gets the server's own
 times of the same completions (``GET /debug/run``: arrival at the app, first token chunk out, last
 byte out): ``srv_ttft_p50``/``srv_e2e_p50`` are their medians, ``+ttft``/``+e2e`` the medians of client minus
 server per completion, what the client adds to what the server did.
@@ -129,8 +129,8 @@ def rows(d: Path):
 def main(argv):
     completions = None
     if argv[:1] == ["--server"]:
-        import httpx
-        completions = httpx.get(argv[1].rstrip("/") + "/debug/run", timeout=60).json()["completions"]
+        from orca_lab.serving.bench import DebugRun
+        completions = DebugRun(argv[1]).fetch()["completions"]
         argv = argv[2:]
     cols = COLS + (SRV_COLS if completions else ())
     fmt = lambda row: " | ".join("-" if row.get(c, math.nan) != row.get(c, math.nan) else f"{row[c]:,.1f}"

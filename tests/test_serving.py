@@ -2,14 +2,12 @@
 driven by the official ``openai`` client, httpx, and ``orca-lab bench``. Every loop is bounded and
 every server is stopped (and checked gone) at the end of its tests."""
 import asyncio
-import contextlib
 import json
 import os
 import random
 import signal
-import socket
 import time
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -17,18 +15,19 @@ import pytest
 
 from orca_lab import LLM
 from orca_lab.metrics import serving_summary
-from orca_lab.serving.bench import make_trace, run_load, server_records
+from orca_lab.serving.bench import DebugRun, make_trace, run_load, server_records
 from orca_lab.serving.launch import ServerProcess
 from orca_lab.serving.metrics import parse_metrics
 
 from helpers import random_prompts
+from server_helpers import assert_port_free, descendants, kill_left, metrics, running, wait_for
 
 N_SLOTS = 1000          # below the model's 1024 positions, so the slot check can refuse on its own
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess("--model", "tiny", "--seed", "0", "--max-bs", "16", "--n-slots", N_SLOTS).start()
+    s = ServerProcess("--model", "tiny", "--seed", "0", "--max-bs", "16", "--n-slots", N_SLOTS, "--debug").start()
     yield s
     assert s.stop() < 10
 
@@ -36,19 +35,6 @@ def server():
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-
-
-def metrics(url) -> dict:
-    return parse_metrics(httpx.get(url + "/metrics").text)
-
-
-def wait_for(cond, timeout=10.0, every=0.02):
-    end = time.perf_counter() + timeout
-    while time.perf_counter() < end:
-        if cond():
-            return True
-        time.sleep(every)
-    return cond()
 
 
 def test_greedy_tokens_equal_llm_generate(client):
@@ -109,6 +95,9 @@ BAD = [  # (body, status, words the message must hold: the field, the value, the
     ({"prompt": "a", "max_tokens": "many"}, 400, ["max_tokens='many'", "integer"]),
     ({"prompt": 7}, 400, ["prompt", "got 7"]),
     ({"prompt": "a", "model": "gpt-5"}, 404, ["model='gpt-5'", "tiny"]),
+    ({"prompt": "a", "max_tokens": True}, 400, ["max_tokens=True", "integer"]),      # not 1, as pydantic reads it
+    ({"prompt": "a", "temperature": "0.5"}, 400, ["temperature='0.5'", "number"]),
+    ({"prompt": "a", "logprobs": 0}, 400, ["logprobs=0", "not supported"]),
 ]
 
 
@@ -123,6 +112,8 @@ def test_bad_input_is_refused_while_good_requests_complete(server, client):
             assert all(w in err["message"] for w in words), (body, err["message"])
         r = http.post("/v1/completions", content=b'{"prompt": "a", ', headers={"content-type": "application/json"})
         assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", content=b"\xff", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == 400, r.text     # OpenAI's shape, not FastAPI's
     with pytest.raises(openai.BadRequestError) as e:    # the official client reads the same body
         client.completions.create(model="tiny", prompt="a", max_tokens=0)
     assert e.value.param == "max_tokens" and "max_tokens=0" in e.value.message
@@ -177,24 +168,51 @@ def test_bench_cli_sweeps_rates_and_writes_its_report(server, tmp_path, capsys):
     assert (tmp_path / "bench_sweep.html").stat().st_size > 10_000
 
 
+def test_bench_takes_the_base_url_the_openai_client_takes(server, tmp_path):
+    from orca_lab.cli import main
+    main(["bench", "--base-url", server.url + "/v1/", "--n-requests", "2", "--dataset", "fixed",
+          "--input-len", "4", "--output-len", "3", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert [(row["n_requests"], row["n_failed"]) for row in report["summary"]] == [(2, 0)]
+
+
+def test_debug_run_pages_give_new_records_only(server, client):
+    """Each page of /debug/run holds what is new since the previous one: here one completion, its
+    engine request and its iterations; then nothing."""
+    pages = DebugRun(server.url)
+    pages.fetch()                                          # everything so far
+    done = client.completions.create(model="tiny", prompt="page", max_tokens=5, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    page = pages.fetch()
+    assert list(page["completions"]) == [done.id]
+    rids = page["completions"][done.id]["rids"]
+    assert [r["rid"] for r in page["requests"]] == rids and page["requests"][0]["n_generated"] == 5
+    assert len(page["iterations"]) == 5 and all(rids[0] in it["rids"] for it in page["iterations"])
+    assert all(it["end"] > page["since"] for it in page["iterations"]) and page["now"] > page["since"]
+    empty = pages.fetch()
+    assert (empty["completions"], empty["requests"], empty["iterations"]) == ({}, [], [])
+    for bad in ("-1", "abc", "nan"):
+        r = httpx.get(server.url + "/debug/run", params={"since": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "query.since", r.text
+
+
+def assert_no_debug_run(url):
+    """Without --debug: a 404 in OpenAI's error shape saying how to turn it on, and not in the schema."""
+    r = httpx.get(url + "/debug/run")
+    assert r.status_code == 404 and "orca-lab serve --debug" in r.json()["error"]["message"]
+    assert "/debug/run" not in httpx.get(url + "/openapi.json").json()["paths"]
+
+
 # -- a second server: overload, then shutdown ------------------------------------------------------
 def test_overload_answers_503_and_loses_nothing_then_shuts_down_clean():
     s = ServerProcess("--max-bs", "1", "--max-queue", "2", "--drain-s", "1").start()
     try:
+        assert_no_debug_run(s.url)
         asyncio.run(_overload(s.url))
         _drain_on_sigterm(s)
     finally:
         s.kill()
     assert_port_free(s)
-
-
-def assert_port_free(s):
-    with pytest.raises(httpx.ConnectError):  # nothing listens on its port...
-        httpx.get(s.url + "/health")
-    with socket.socket() as sock:            # ...and a new server may take it (closed connections
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # stay in TIME_WAIT a while)
-        sock.bind(("127.0.0.1", s.port))
-        sock.listen()
 
 
 async def _overload(url):
@@ -245,43 +263,18 @@ def _drain_on_sigterm(s):
 
 
 # -- with worker processes: nothing outlives the server ---------------------------------------------
-def _stat(pid: int) -> list[str] | None:
-    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...), None once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def descendants(pid: int) -> dict[int, tuple[str, str]]:
-    """Every process under ``pid`` (from /proc: psutil is not a dependency), as pid -> (start time,
-    command line): the start time tells it from a later process given the same pid."""
-    children: dict[int, list[int]] = {}
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        if (st := _stat(int(d))) is not None:
-            children.setdefault(int(st[1]), []).append(int(d))
-    out, todo = {}, [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            with contextlib.suppress(OSError, TypeError):
-                out[child] = (_stat(child)[19], Path(f"/proc/{child}/cmdline").read_text().replace("\0", " "))
-            todo.append(child)
-    return out
-
-
-def running(tree: dict[int, tuple[str, str]]) -> dict[int, str]:
-    """Those of ``tree`` not exited yet (a zombie has: it holds no port, memory or file any more)."""
-    return {pid: cmd for pid, (start, cmd) in tree.items()
-            if (st := _stat(pid)) is not None and st[0] != "Z" and st[19] == start}
-
-
-def server_with_workers(degree: str, tmp_path) -> tuple[ServerProcess, dict]:
-    """A server over 2 worker processes that has served one request, and its process tree: the
-    engine process, the fork server, the 2 workers, multiprocessing's resource tracker."""
-    s = ServerProcess("--max-bs", "4", degree, "2", "--drain-s", "1", env={"TMPDIR": str(tmp_path)}).start()
+def server_with_workers(degree: str, tmp_path, system: str = "orca") -> tuple[ServerProcess, dict]:
+    """A server over 2 worker processes that has served one request (its greedy tokens those of
+    ``LLM.generate``, all of them), and its process tree: the engine process, the fork server, the
+    2 workers, multiprocessing's resource tracker."""
+    s = ServerProcess("--max-bs", "4", degree, "2", "--system", system, "--drain-s", "1",
+                      env={"TMPDIR": str(tmp_path)}).start()
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
-        assert client.completions.create(model="tiny", prompt="hi", max_tokens=4).usage.completion_tokens == 4
+        r = client.completions.create(model="tiny", prompt="hi", max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == LLM("tiny", seed=0).generate(["hi"], 6)[0]
+        assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
         tree = descendants(s.proc.pid)
         kinds = [next((k for k in ("spawn_main", "forkserver", "resource_tracker") if k in cmd), cmd)
                  for _, cmd in tree.values()]
@@ -294,20 +287,13 @@ def server_with_workers(degree: str, tmp_path) -> tuple[ServerProcess, dict]:
     return s, tree
 
 
-def kill_left(tree: dict):
-    """A failed test leaves nothing running behind it either."""
-    for pid in running(tree):
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-
-
-@pytest.mark.parametrize("sig, degree", [(signal.SIGTERM, "--tp"), (signal.SIGINT, "--pp")],
-                         ids=["SIGTERM-tp", "SIGINT-pp"])
-def test_workers_stop_with_the_server(sig, degree, tmp_path):
+@pytest.mark.parametrize("sig, degree, system", [(signal.SIGTERM, "--tp", "orca"), (signal.SIGINT, "--pp", "ft")],
+                         ids=["SIGTERM-tp-orca", "SIGINT-pp-ft"])
+def test_workers_stop_with_the_server(sig, degree, system, tmp_path):
     """SIGTERM or SIGINT: when the server has exited, so have its engine process, its workers and the
     fork server they came from; multiprocessing's resource tracker follows its parent; the port and
     the temporary files are gone."""
-    s, tree = server_with_workers(degree, tmp_path)
+    s, tree = server_with_workers(degree, tmp_path, system)
     try:
         t0 = time.perf_counter()
         s.proc.send_signal(sig)
@@ -353,16 +339,22 @@ def _engine_pid(server_pid: int) -> int:
 
 
 def test_an_engine_that_dies_ends_its_streams_and_the_endpoint_says_why():
+    """A stream in flight ends with "abort"; a non-streaming request in flight gets 503 naming the
+    engine's exit code, not 200 with the text it had so far."""
     s = ServerProcess("--max-bs", "4", "--drain-s", "1").start()
+    body = {"prompt": "a", "max_tokens": 1000, "ignore_eos": True}
     try:
-        with httpx.Client(base_url=s.url, timeout=30) as http:
-            with http.stream("POST", "/v1/completions", json={"prompt": "a", "max_tokens": 1000, "stream": True,
-                                                                "ignore_eos": True}) as r:
+        with httpx.Client(base_url=s.url, timeout=30) as http, ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(http.post, "/v1/completions", json=body)
+            with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
                 lines = r.iter_lines()
                 next(lines)
+                assert wait_for(lambda: metrics(s.url)["orca_lab_requests_running"] == 2)
                 os.kill(_engine_pid(s.proc.pid), signal.SIGKILL)
                 chunks = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
             assert chunks[-1]["choices"][0]["finish_reason"] == "abort" and len(chunks) < 999
+            whole = whole.result()
+            assert whole.status_code == 503 and "engine process exited (code -9)" in whole.json()["error"]["message"]
             health = http.get("/health")
             assert health.status_code == 503 and "engine process exited (code -9)" in health.text
             r = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})

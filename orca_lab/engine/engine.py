@@ -180,14 +180,18 @@ class Engine:
         """Cancel a request (a ``Request`` or its rid) wherever it is, with finish_reason "abort":
         waiting, it leaves the pool; between iterations, its K/V slots are freed now; in flight, its
         token is dropped and its slots freed when that batch returns. The request-level baseline holds
-        it in its batch, as FT would. Returns False if it had already finished."""
+        it in its batch, as FT would. Returns False if it had already finished (one finished but held
+        in the baseline's batch stays running until the batch ends)."""
         rid = request.rid if isinstance(request, Request) else request
-        req = self.live.pop(rid, None)
+        req = self.live.get(rid)
         if req is None:
             if isinstance(rid, int) and 0 <= rid < self._next_rid:
                 return False
             raise ValueError(f"rid={rid!r} names no request of this engine")
-        return self.scheduler.abort(req, self.clock.now())
+        if not self.scheduler.abort(req, self.clock.now()):
+            return False
+        del self.live[rid]
+        return True
 
     def forget(self, keep_requests: int, keep_iterations: int):
         """Bound what a long-lived engine keeps (a server runs for days): the oldest finished requests
@@ -291,14 +295,18 @@ class Engine:
             bar.close()
         return self.result(start)
 
-    def result(self, start: float = 0.0) -> RunResult:
+    def result(self, start: float = 0.0, since: float | None = None) -> RunResult:
+        """The run's records, times from ``start``; with ``since`` (the clock's time), only what is
+        new since then: requests not finished by then, iterations that ended after it."""
+        new = lambda t: since is None or t is None or t > since
         reqs = [RequestRecord(r.rid, r.arrival - start, len(r.prompt), len(r.output),
                               _rel(r.t_scheduled, start), _rel(r.t_first_token, start),
                               _rel(r.t_finish, start), r.n_iterations, tuple(r.output), finish_reason=r.finish_reason,
                               n_preemptions=r.n_preemptions)
-                for r in self.requests]
-        iters = [dataclasses.replace(it, start=it.start - start, end=it.end - start) for it in self.records] \
-            if start else list(self.records)     # a simulated run starts at 0: nothing to shift
+                for r in self.requests if new(r.t_finish)]
+        records = [it for it in self.records if new(it.end)]
+        iters = [dataclasses.replace(it, start=it.start - start, end=it.end - start) for it in records] \
+            if start else records                # a simulated run starts at 0: nothing to shift
         end = max((r.t_finish for r in reqs if r.t_finish is not None), default=0.0)
         first = min((r.arrival for r in reqs), default=0.0)
         return RunResult(self.scheduler.name, reqs, iters, dict(self.config), end - first)

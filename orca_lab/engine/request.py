@@ -5,8 +5,10 @@ import enum
 from dataclasses import dataclass, field
 
 from orca_lab.config import check_range
+from orca_lab.engine.detokenizer import Detokenizer
 
 FINISH_REASONS = ("length", "stop", "abort")   # OpenAI's and vLLM's names
+GREEDY_BELOW = 1e-5    # a temperature under this is greedy (vLLM's _SAMPLING_EPS): logits / 1e-300 overflow
 
 
 class RequestState(enum.Enum):
@@ -18,7 +20,8 @@ class RequestState(enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Greedy by default; EOS ignored by default, as in the paper's workload.
+    """Greedy by default (and at any temperature below ``GREEDY_BELOW``); EOS ignored by default,
+    as in the paper's workload.
 
     ``top_k`` (0 = off) and ``top_p`` (1 = off) narrow the distribution after ``temperature``;
     ``seed`` makes a sampled request draw the same tokens whatever it is batched with. A request
@@ -59,7 +62,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
 def _as_tuple(name: str, value, kind) -> tuple:
@@ -93,6 +96,7 @@ class Request:
     n_preemptions: int = 0            # times its K/V was freed to be recomputed (paged policies)
     detokenize: object = None         # the tokenizer's decode: stop strings and ``text`` need it
     stop_at: int | None = None        # where a stop string begins in the detokenized output
+    _detokenizer: Detokenizer | None = field(default=None, repr=False)
 
     @property
     def max_tokens(self) -> int:
@@ -128,33 +132,26 @@ class Request:
         if (not p.ignore_eos and token == p.eos_token_id) or token in p.stop_token_ids:
             return "stop"
         if p.stop:
-            text = self.detokenize(self.output)
-            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
-            if hits:
-                self.stop_at = min(hits)
+            self.stop_at = self.detokenizer.add(token)
+            if self.stop_at is not None:
                 return "stop"
         return "length" if len(self.output) >= p.max_gen_tokens else None
 
     @property
+    def detokenizer(self) -> Detokenizer:
+        """Its text, made token by token (with stop strings as each token comes, else when asked)."""
+        if self._detokenizer is None:
+            if self.detokenize is None:
+                raise RuntimeError(f"request {self.rid} has no tokenizer: its output is token ids only")
+            self._detokenizer = Detokenizer(self.detokenize, self.params.stop)
+        return self._detokenizer
+
+    @property
     def text(self) -> str:
-        """The output as text a client may be shown now (``visible_text``)."""
-        if self.detokenize is None:
-            raise RuntimeError(f"request {self.rid} has no tokenizer: its output is token ids only")
-        return visible_text(self.detokenize, self.output, self.finish_reason, self.stop_at, self.params.stop)
-
-
-def visible_text(decode, output: list[int], finish_reason: str | None, stop_at: int | None,
-                 stop: tuple[str, ...]) -> str:
-    """The output as text a client may be shown now: without the stop string or the stop/EOS token
-    that ended it (as OpenAI and vLLM return it). While the request runs, a trailing incomplete
-    character is held back, and with stop strings so are the last characters that could begin one:
-    each call's text extends the previous one, so a server streams the difference."""
-    ended_by_token = finish_reason == "stop" and stop_at is None
-    text = decode(output[:-1] if ended_by_token else output)
-    if stop_at is not None:
-        return text[:stop_at]
-    if finish_reason is not None:
-        return text
-    text = text.rstrip("\ufffd")
-    hold = max((len(s) for s in stop), default=1) - 1
-    return text[:max(0, len(text) - hold)]
+        """The output as text a client may be shown now: without the stop string or the stop/EOS
+        token that ended it (as OpenAI and vLLM return it); while it runs, without an incomplete
+        last character or an end that could begin a stop string. Each call's text extends the
+        previous one."""
+        d = self.detokenizer
+        d.update(self.output[len(d.ids):], self.finish_reason, self.stop_at)
+        return d.text

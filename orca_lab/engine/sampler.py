@@ -30,6 +30,7 @@ def _draw(logits: torch.Tensor, req) -> int:
     if p.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p    # mass before it already reaches top_p
+        outside[0] = False      # (a top_p below float32's least positive number compares as 0 here)
         probs = probs.index_fill(0, order[outside], 0.0)
     if req.generator is None:
         req.generator = torch.Generator().manual_seed(p.seed if p.seed is not None else fresh_seed())

@@ -78,6 +78,13 @@ def make_trace(dataset: str, n: int, rate: float | None, vocab_size: int, seed: 
     return homogeneous_trace(n, input_len, output_len, rate, seed, vocab_size=vocab_size, cv=cv)
 
 
+def server_root(base_url: str) -> str:
+    """The server's address without a trailing ``/v1``: what the ``openai`` client takes as its
+    base URL works here too."""
+    url = base_url.rstrip("/")
+    return url[:-len("/v1")] if url.endswith("/v1") else url
+
+
 async def run_load(base_url: str, trace, model: str | None = None, max_concurrency: int | None = None,
                    progress: bool = False, timeout_s: float = 600.0) -> ClientRun:
     """Send ``trace`` at its arrival times (streaming, greedy, ``ignore_eos``) and record each answer."""
@@ -86,7 +93,7 @@ async def run_load(base_url: str, trace, model: str | None = None, max_concurren
     limit = asyncio.Semaphore(max_concurrency or len(trace))
     bar = _progress(len(trace), progress)
     limits = httpx.Limits(max_connections=max_concurrency or len(trace), max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=server_root(base_url), timeout=timeout_s, limits=limits) as client:
         start = time.perf_counter()
 
         async def one(i, item):
@@ -143,7 +150,7 @@ async def _send(client: httpx.AsyncClient, model, i: int, item, start: float) ->
 
 def server_card(base_url: str) -> dict:
     """The first model of ``GET /v1/models`` (this server adds vocab_size, system, max_bs)."""
-    resp = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30)
+    resp = httpx.get(server_root(base_url) + "/v1/models", timeout=30)
     resp.raise_for_status()
     return resp.json()["data"][0]
 
@@ -199,7 +206,7 @@ def format_summary(row: dict, title: str) -> str:
 
 
 def add_arguments(p):
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (without /v1)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, with or without /v1")
     p.add_argument("--n-requests", type=int, default=64)
     p.add_argument("--rate", type=float, default=float("inf"), help="Poisson arrivals, req/s (inf: all at once)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 Poisson, <1 bursty")
@@ -217,24 +224,40 @@ def add_arguments(p):
     p.add_argument("--out", default="results")
 
 
+class DebugRun:
+    """Pages of a server's ``GET /debug/run`` (``orca-lab serve --debug``): each ``fetch`` returns
+    the records new since the previous one (the first: all the server keeps)."""
+
+    def __init__(self, base_url: str):
+        self.url, self.since = server_root(base_url) + "/debug/run", 0.0
+
+    def fetch(self) -> dict:
+        resp = httpx.get(self.url, params={"since": self.since}, timeout=60)
+        resp.raise_for_status()
+        data = resp.json()
+        self.since = data["now"]
+        return data
+
+
 def fetch_run(base_url: str, data: dict | None = None):
-    """The server's engine ``RunResult`` so far (``GET /debug/run``), iterations included: what
-    ``orca_lab.viz.timeline_figure`` draws."""
+    """The server's engine ``RunResult`` (``GET /debug/run``: all it keeps, or the page ``data``),
+    iterations included: what ``orca_lab.viz.timeline_figure`` draws."""
     from orca_lab.engine.engine import IterationRecord, RequestRecord, RunResult
-    data = data or httpx.get(base_url.rstrip("/") + "/debug/run", timeout=60).json()
+    data = data or DebugRun(base_url).fetch()
     lists = lambda d: {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
     return RunResult(data["system"], [RequestRecord(**lists(r)) for r in data["requests"]],
                      [IterationRecord(**lists(it)) for it in data["iterations"]], data["config"], data["duration"])
 
 
-def server_records(base_url: str, completion_ids=None, level: str = "http"):
-    """This server's own records (``GET /debug/run``) as a ``RunResult``, only the requests that
-    served ``completion_ids`` if given. ``level="engine"``: the engine's per-request records (arrival
-    at the endpoint to each token leaving the engine); ``"http"``: one record per completion, from
-    its arrival at the app to its first token chunk and its last byte handed to the connection."""
+def server_records(base_url: str, completion_ids=None, level: str = "http", data: dict | None = None):
+    """This server's own records (``GET /debug/run``: all it keeps, or the page ``data``) as a
+    ``RunResult``, only the requests that served ``completion_ids`` if given. ``level="engine"``:
+    the engine's per-request records (arrival at the endpoint to each token leaving the engine);
+    ``"http"``: one record per completion, from its arrival at the app to its first token chunk and
+    its last byte handed to the connection."""
     from orca_lab.engine.engine import RunResult
     check_choice("level", level, ("http", "engine"))
-    data = httpx.get(base_url.rstrip("/") + "/debug/run", timeout=60).json()
+    data = data or DebugRun(base_url).fetch()
     cids = list(data["completions"]) if completion_ids is None else list(completion_ids)
     engine = {r.rid: r for r in fetch_run(base_url, data).requests}
     if level == "engine":

@@ -11,17 +11,20 @@ The two ends talk over two one-way pipes between this parent and its own child (
 peer), as pickled tuples:
 
     endpoint -> engine   ("add", key, [(sid, prompt, params, arrival)])   ("abort", [sid])
-                         ("call", key, name)                              ("stop",)
+                         ("call", key, name, args)                        ("stop",)
     engine -> endpoint   ("ready", EngineInfo)   ("added", key, [rid] | exception | None)
                          ("out", now, [(sid, token, finish_reason, stop_at)], stats, [n_tokens])
                          ("stats", stats)        ("result", key, value | exception)   ("failed", why)
 
 ``sid`` is the endpoint's name for a stream: the endpoint can cancel a stream before the engine's
-answer with its rid has come back. Text is made on the endpoint's side from the token ids
-(``visible_text``): detokenizing is not the engine's work.
+answer with its rid has come back. A finish reason comes with a stream's last token only. Text is
+made on the endpoint's side from the token ids (each stream's ``Detokenizer``): detokenizing is not
+the engine's work, except for requests with stop strings, whose end it decides (``stop_at`` None
+with "stop": the last token, a stop token or EOS, is no text).
 """
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import queue
 import signal
@@ -122,15 +125,23 @@ class EngineLoop:
                     self._stop(msgs)
                     return
                 for m in msgs:
-                    getattr(self, "_" + m[0])(*m[1:])
+                    self.handle(m)
                 if engine.has_work():
-                    self._deliver(engine.step(timeout=0.01))
+                    self.turn()
                 elif msgs:
                     self._send(("stats", engine.stats()))
         except BaseException:
             self._send(("failed", f"the engine failed:\n{traceback.format_exc()}"))
         finally:
             engine.close()
+
+    def handle(self, msg):
+        """One message of the endpoint's (add, abort, call), between two iterations."""
+        getattr(self, "_" + msg[0])(*msg[1:])
+
+    def turn(self):
+        """One turn of Algorithm 1's loop; its tokens go to their streams."""
+        self._deliver(self.engine.step(timeout=0.01))
 
     def _take(self, block: bool) -> list:
         msgs = []
@@ -153,31 +164,41 @@ class EngineLoop:
         self._send(("added", key, [req.rid for req in reqs]))
 
     def _abort(self, sids):
+        """The client is gone: its stream ends with "abort" whatever the engine answers. A request
+        that already finished but is held in the request-level baseline's batch (``abort`` says
+        False) computes on until the batch ends; its tokens are dropped then."""
         out = []
         for sid in sids:
             rid = self.rids.pop(sid, None)
-            if rid is not None and self.engine.abort(rid):
-                del self.sids[rid]
-                out.append((sid, None, "abort", None))
+            if rid is None:                        # delivered whole already, or never added
+                continue
+            del self.sids[rid]
+            self.engine.abort(rid)
+            out.append((sid, None, "abort", None))
         if out:
             self._send(("out", self.engine.clock.now(), out, self.engine.stats(), []))
 
-    def _call(self, key, name):
+    def _call(self, key, name, args=()):
         try:
-            value = {"result": lambda e: e.result().to_json()}[name](self.engine)
+            value = {"records": records_json}[name](self.engine, *args)
         except Exception as e:
             value = e
         self._send(("result", key, value))
 
     def _deliver(self, events):
+        """Each token to its stream; a request's finish reason goes with its last token only (the
+        request-level baseline hands a request all its tokens at once, when it has long finished)."""
+        last = {req.rid: i for i, (req, _) in enumerate(events)}
         out = []
-        for req, token in events:
+        for i, (req, token) in enumerate(events):
             sid = self.sids.get(req.rid)
             if sid is None:                        # aborted meanwhile: its token is dropped
                 continue
+            if not (req.finished and last[req.rid] == i):
+                out.append((sid, token, None, None))
+                continue
             out.append((sid, token, req.finish_reason, req.stop_at))
-            if req.finished:
-                del self.sids[req.rid], self.rids[sid]
+            del self.sids[req.rid], self.rids[sid]
         records = self.engine.records
         tokens = [r.n_tokens for r in records[self._n_records:] if r.stage == 0]
         self._n_records = len(records)
@@ -198,6 +219,13 @@ class EngineLoop:
             self.outbox.send(msg)
         except (BrokenPipeError, OSError):        # the endpoint is gone; the loop stops on its EOF
             pass
+
+
+def records_json(engine, since: float) -> bytes:
+    """The engine's ``RunResult`` of what is new since ``since`` (engine clock: requests not finished
+    by then, iterations ended after it) and ``now``, the ``since`` of the next page, as JSON: encoded
+    here, so the endpoint's event loop passes bytes on and never decodes thousands of records."""
+    return json.dumps({"since": since, "now": engine.clock.now(), **engine.result(since=since).to_json()}).encode()
 
 
 # -- the endpoint's side (this process) ------------------------------------------------------------

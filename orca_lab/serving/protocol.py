@@ -23,33 +23,57 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+def bounds(**schema) -> dict:
+    """What the schema tells a client of a field's range; the validators below enforce it (and say
+    so in their own words, naming the field, the value and the range)."""
+    return {"json_schema_extra": schema}
+
+
+FLOATS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+TEXT = {"type": "string", "minLength": 1}
+
+
 class CompletionRequest(BaseModel):
     """``POST /v1/completions``; unknown fields are ignored, as by vLLM."""
     model_config = ConfigDict(extra="ignore", validate_default=True)
 
     model: str | None = None
-    prompt: Any = Field(description="a string, a list of token ids, or a list of either")
-    max_tokens: int | None = 16
-    temperature: float | None = 1.0
-    top_p: float | None = 1.0
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = 1
+    prompt: Any = Field(description="a string, a list of token ids, or a list of either",
+                        **bounds(anyOf=[TEXT, IDS, {"type": "array", "items": {"anyOf": [TEXT, IDS]}, "minItems": 1}]))
+    max_tokens: int | None = Field(16, **bounds(minimum=1, maximum=MAX_TOKENS))
+    temperature: float | None = Field(1.0, **bounds(minimum=0.0, maximum=2.0))
+    top_p: float | None = Field(1.0, **bounds(exclusiveMinimum=0.0, maximum=1.0))
+    top_k: int | None = Field(None, **bounds(minimum=-1, maximum=1 << 24))
+    seed: int | None = Field(None, **bounds(minimum=0, maximum=2 ** 63 - 1))
+    stop: str | list[str] | None = Field(None, **bounds(anyOf=[TEXT, {"type": "array", "items": TEXT}, {"type": "null"}]))
+    stop_token_ids: list[int] | None = Field(None, **bounds(items={"type": "integer", "minimum": 0, "maximum": 1 << 24}))
+    n: int = Field(1, **bounds(minimum=1, maximum=MAX_N))
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     return_token_ids: StrictBool = False
     # OpenAI fields this server does not implement: only their neutral value is accepted
-    echo: StrictBool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict | None = None
+    echo: StrictBool = Field(False, **bounds(enum=[False]))
+    logprobs: int | None = Field(None, **bounds(enum=[None]))
+    best_of: int | None = Field(None, **bounds(enum=[None, 1]))
+    suffix: str | None = Field(None, **bounds(enum=[None]))
+    presence_penalty: float | None = Field(0.0, **bounds(enum=[None, 0.0]))
+    frequency_penalty: float | None = Field(0.0, **bounds(enum=[None, 0.0]))
+    logit_bias: dict | None = Field(None, **bounds(maxProperties=0))
     user: str | None = None
+
+    @field_validator("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "n", "logprobs",
+                     "best_of", "presence_penalty", "frequency_penalty", mode="before")
+    @classmethod
+    def _numbers(cls, v, info):
+        """A number is a JSON number: pydantic would take ``true`` as 1 and ``"5"`` as 5 (``5.0`` is
+        an integer, in JSON Schema as here)."""
+        kind = "a number" if info.field_name in FLOATS else "an integer"
+        for x in v if isinstance(v, list) else [v]:
+            if isinstance(x, (bool, str)):
+                raise ValueError(f"{info.field_name}={_short(v)}: {x!r} is not {kind}")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -108,7 +132,7 @@ class CompletionRequest(BaseModel):
     @field_validator("echo", "logprobs", "best_of", "suffix", "logit_bias")
     @classmethod
     def _unsupported(cls, v, info):
-        if v not in (None, False, {}) and not (info.field_name == "best_of" and v == 1):
+        if not (v is None or v is False or v == {} or (info.field_name == "best_of" and v == 1)):
             raise ValueError(f"{info.field_name}={v!r} is not supported by this server: "
                              f"allowed {'false' if info.field_name == 'echo' else 'null'}")
         return v
@@ -202,6 +226,31 @@ class ModelList(BaseModel):
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable",
                500: "server_error"}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body."""
+    error: ErrorDetail
+
+
+class RunPage(BaseModel):
+    """``GET /debug/run``: the engine's records new since ``since`` (``engine.RunResult.to_json``),
+    the HTTP records of the completions (by completion id), and ``now``, the next page's ``since``."""
+    since: float
+    now: float
+    system: str
+    config: dict
+    duration: float
+    requests: list[dict]
+    iterations: list[dict]
+    completions: dict[str, dict]
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:

@@ -11,22 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import json
 import logging
 import uuid
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from orca_lab.engine.request import SamplingParams, visible_text
+from orca_lab.engine.detokenizer import Detokenizer
+from orca_lab.engine.request import SamplingParams
 from orca_lab.serving.engine_core import SHUTTING_DOWN, EngineProcess, EngineRecipe
 from orca_lab.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from orca_lab.serving.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, ModelCard,
-                                       ModelList, Usage, error_body, validation_error)
+from orca_lab.serving.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, ErrorResponse,
+                                       ModelCard, ModelList, RunPage, Usage, error_body, validation_error)
 
 log = logging.getLogger("orca_lab.serve")
 RETRY_AFTER_S = 1
@@ -43,11 +44,12 @@ class HTTPError(Exception):
 
 @dataclass(frozen=True)
 class Event:
-    """What a choice receives: a token (None when it ends without one), the text so far, and its
-    finish reason once it is done."""
+    """What a choice receives: a token (None when it ends without one), the text that became
+    visible with it, its finish reason once it is done, and why the engine failed if it did."""
     token: int | None
     text: str
     finish_reason: str | None = None
+    error: str | None = None
 
 
 @dataclass(eq=False)
@@ -62,7 +64,13 @@ class Stream:
     rid: int | None = None         # the engine's, once it holds it
     last: float = 0.0              # engine clock of its last token
     output: list[int] = field(default_factory=list)
-    text: str = ""                 # the text shown so far
+    detokenizer: Detokenizer | None = None     # its text (None: the model has no tokenizer)
+
+    def text(self, tokens: list[int], finish_reason: str | None, stop_at: int | None) -> str:
+        """The text that ``tokens`` (one, or none when the request ended without one) made visible."""
+        if self.detokenizer is None:
+            return ""
+        return self.detokenizer.update(tokens, finish_reason, stop_at)
 
 
 class EngineClient:
@@ -114,10 +122,10 @@ class EngineClient:
     def cancel(self, streams: list[Stream]):
         self._send(("abort", [s.sid for s in streams]))
 
-    def call(self, name: str) -> asyncio.Future:
-        """``name`` run by the engine between two iterations (``EngineLoop._call``)."""
+    def call(self, name: str, *args) -> asyncio.Future:
+        """``name(engine, *args)`` run by the engine between two iterations (``EngineLoop._call``)."""
         fut = self._expect([])
-        self._send(("call", fut.key, name))
+        self._send(("call", fut.key, name, args))
         return fut
 
     def stop(self):
@@ -178,9 +186,7 @@ class EngineClient:
                 (m.ttft if not s.output else m.itl).observe(now - s.last)
                 s.last = now
                 s.output.append(token)
-                if self.decode is not None:
-                    s.text = visible_text(self.decode, s.output, reason, stop_at, s.params.stop)
-            out.append((s, Event(token, s.text, reason)))
+            out.append((s, Event(token, s.text([] if token is None else [token], reason, stop_at), reason)))
             if reason is not None:
                 del self.streams[sid]
                 m.requests.labels(reason).inc()
@@ -211,7 +217,7 @@ class EngineClient:
             _settle(fut, error=HTTPError(503, why))
         self.pending.clear()
         for s in self.streams.values():
-            s.out.put_nowait((s.index, Event(None, s.text, "abort")))
+            s.out.put_nowait((s.index, Event(None, s.text([], "abort", None), "abort", error=why)))
             self.metrics.requests.labels("abort").inc()
         self.streams.clear()
 
@@ -236,11 +242,19 @@ class ServerState:
         if len(self.completions) > MAX_RECORDS:
             del self.completions[next(iter(self.completions))]
 
+    async def completions_json(self, since: float) -> bytes:
+        """The completions not finished by ``since`` (engine clock), as JSON, encoded in a thread:
+        there may be 100k, and the event loop has streams to serve."""
+        records = list(self.completions.items())           # a snapshot: the loop adds more meanwhile
+        encode = lambda: json.dumps({c: vars(r) for c, r in records if r.finish is None or r.finish > since})
+        return (await asyncio.to_thread(encode)).encode()
+
 
 @dataclass
 class HTTPRecord:
     """One completion as the endpoint served it (engine clock): arrival at the app, the first chunk
-    holding a token handed to the connection (streams only), the last byte handed over."""
+    holding a token handed to the connection (streams only), the last byte handed over (or when
+    its client left)."""
     rids: list[int]
     arrival: float
     first_token: float | None = None
@@ -248,9 +262,10 @@ class HTTPRecord:
 
 
 def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, model_name: str | None = None,
-              ready=None, stop_timeout: float = 5.0) -> FastAPI:
+              ready=None, stop_timeout: float = 5.0, debug: bool = False) -> FastAPI:
     """The FastAPI app over a started engine process; its lifespan's end stops that engine (which
-    cancels what is left and stops its workers). ``ready(app)`` is called once it serves."""
+    cancels what is left and stops its workers). ``ready(app)`` is called once it serves.
+    ``debug``: serve ``GET /debug/run``, the engine's own records."""
     metrics = ServerMetrics()
     state = ServerState(model_name or core.info.cfg.name, system, EngineClient(core, metrics, max_queue), metrics)
 
@@ -268,6 +283,7 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
             state.pool.close()
 
     app = FastAPI(title="orca_lab", lifespan=lifespan)
+    app.openapi = _openapi_of(app)
     app.state.orca = state
     app.add_middleware(_StampArrival, clock=state.pool.clock)
 
@@ -275,12 +291,17 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
     async def _http_error(request, e: HTTPError):
         return JSONResponse(error_body(e.status, e.message, e.param), e.status, headers=e.headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette_error(request, e: StarletteHTTPException):
+        """Starlette's own refusals (a body it cannot parse, an unknown path) in OpenAI's shape too."""
+        return JSONResponse(error_body(e.status_code, str(e.detail)), e.status_code, headers=e.headers)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
         message, param = validation_error(e.errors())
         return JSONResponse(error_body(400, message, param), 400)
 
-    @app.get("/health")
+    @app.get("/health", responses=_errors(503))
     async def health():
         if state.pool.error or not state.pool.alive:
             raise HTTPError(503, state.pool.error or "the engine is not running")
@@ -290,18 +311,24 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
     async def models():
         return ModelList(data=[_model_card(state)])
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics_page():
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/debug/run")
-    async def run_records():
-        """The engine's ``RunResult`` so far (per-request and per-iteration records, engine clock),
-        and which engine requests served each completion id."""
-        result = await state.pool.call("result")
-        return {**result, "completions": {c: dataclasses.asdict(r) for c, r in state.completions.items()}}
+    @app.get("/debug/run", include_in_schema=debug, response_model=RunPage, responses=_errors(400, 503))
+    async def run_records(since: float = Query(0.0, ge=0.0, allow_inf_nan=False)):
+        """The engine's ``RunResult`` of what is new since ``since`` (engine clock, seconds:
+        requests not finished by then, iterations ended after it, with their HTTP records by
+        completion id) and ``now``, the ``since`` of the next page. Only with ``--debug``."""
+        if not debug:
+            raise HTTPError(404, "GET /debug/run is off: start the server with orca-lab serve --debug")
+        engine_part = await state.pool.call("records", since)              # JSON made by the engine
+        http_part = await state.completions_json(since)
+        return Response(engine_part[:-1] + b', "completions": ' + http_part + b"}", media_type="application/json")
 
-    @app.post("/v1/completions", response_model=CompletionResponse)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={
+        **_errors(400, 404, 503), 200: {"content": {"text/event-stream": {"schema": SSE_EVENT}},
+                                        "description": "the completion, or with stream=true its server-sent events"}})
     async def completions(body: CompletionRequest, request: Request):
         arrival = request.scope["orca_arrival"]
         streams = _streams(state, body, arrival)
@@ -314,11 +341,38 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
         state.record(cid, rec)
         if body.stream:
             return StreamingResponse(_sse(state, body, cid, streams, rec), media_type="text/event-stream")
-        resp = await _until_done_or_gone(state, request, _collect(state, body, cid, streams), streams)
-        rec.finish = state.pool.clock.now()
-        return resp
+        try:
+            return await _until_done_or_gone(state, request, _collect(state, body, cid, streams), streams)
+        finally:
+            rec.finish = state.pool.clock.now()
 
     return app
+
+
+# one server-sent event of a streamed completion (Open API 3.1: an event stream's schema is each event's)
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
+    "type": "string", "description": "a CompletionResponse chunk as JSON (one token of one choice, or the usage), "
+                                     "then [DONE]"}}}
+
+
+def _errors(*codes: int) -> dict:
+    """The error answers an endpoint gives, for its OpenAPI schema: OpenAI's error body."""
+    return {code: {"model": ErrorResponse} for code in codes}
+
+
+def _openapi_of(app: FastAPI):
+    """FastAPI's schema without the 422 it documents for every route: a request that fails
+    validation is answered 400 here, as OpenAI answers it (``_invalid``)."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            for operations in schema["paths"].values():
+                for op in operations.values():
+                    op["responses"].pop("422", None)
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(unused, None)
+        return app.openapi_schema
+    return openapi
 
 
 class _StampArrival:
@@ -360,7 +414,9 @@ def _streams(state: ServerState, body: CompletionRequest, arrival: float) -> lis
                                         stop_token_ids=tuple(body.stop_token_ids or ()))
             except ValueError as e:
                 raise HTTPError(400, _http_names(str(e)), _param_of(str(e))) from None
-            out.append(Stream(len(out), ids, params, arrival, q))
+            decode = state.pool.decode
+            out.append(Stream(len(out), ids, params, arrival, q,
+                              detokenizer=None if decode is None else Detokenizer(decode, params.stop)))
     return out
 
 
@@ -409,13 +465,16 @@ def _usage(streams, outputs) -> Usage:
 
 
 async def _collect(state: ServerState, body: CompletionRequest, cid: str, streams: list[Stream]):
-    outputs, texts, reasons = [[] for _ in streams], [""] * len(streams), [None] * len(streams)
+    outputs, texts, reasons = [[] for _ in streams], [[] for _ in streams], [None] * len(streams)
     async for i, ev in _events(streams):
+        if ev.error is not None:            # the engine died: no answer, not a partial one
+            raise HTTPError(503, ev.error)
         if ev.token is not None:
             outputs[i].append(ev.token)
-        texts[i], reasons[i] = (ev.text if ev.token is not None else texts[i]), ev.finish_reason
+        texts[i].append(ev.text)
+        reasons[i] = ev.finish_reason
     ids = body.return_token_ids
-    choices = [CompletionChoice(index=i, text=texts[i], finish_reason=reasons[i],
+    choices = [CompletionChoice(index=i, text="".join(texts[i]), finish_reason=reasons[i],
                                 token_ids=outputs[i] if ids else None,
                                 prompt_token_ids=streams[i].prompt if ids else None) for i in range(len(streams))]
     return CompletionResponse(id=cid, model=state.model_name, choices=choices, usage=_usage(streams, outputs))
@@ -428,11 +487,11 @@ async def _until_done_or_gone(state: ServerState, request: Request, work, stream
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not task.done():
+        gone.cancel()
+        if not task.done():                 # the client left first: its requests are cancelled
             task.cancel()
             state.pool.cancel(streams)
-        gone.cancel()
-    return task.result() if not task.cancelled() else Response(status_code=499)
+    return task.result() if task.done() else Response(status_code=499)   # (a cancelled task is not done yet)
 
 
 async def _disconnected(request: Request):
@@ -444,17 +503,15 @@ async def _sse(state: ServerState, body: CompletionRequest, cid: str, streams: l
     """Server-sent events: one chunk per token of each choice, its finish reason on its last chunk,
     the usage chunk if asked, then ``[DONE]``. A client that disconnects (the stream is cancelled)
     cancels its unfinished requests: their slots are free within one iteration."""
-    sent, outputs, done = [0] * len(streams), [[] for _ in streams], [False] * len(streams)
+    outputs, done = [[] for _ in streams], [False] * len(streams)
     head = CompletionResponse(id=cid, model=state.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
     head = json.dumps(head)[:-1] + ', "choices": ['       # every token chunk starts the same way
     try:
         async for i, ev in _events(streams):
-            text = ev.text[sent[i]:] if ev.token is not None else ""
-            sent[i] += len(text)
             if ev.token is not None:
                 outputs[i].append(ev.token)
             done[i] = ev.finish_reason is not None
-            choice = {"index": i, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}
+            choice = {"index": i, "text": ev.text, "logprobs": None, "finish_reason": ev.finish_reason}
             if body.return_token_ids:
                 choice["token_ids"] = [] if ev.token is None else [ev.token]
             # a CompletionResponse with this one choice, written by hand: a token's chunk is the
@@ -467,8 +524,8 @@ async def _sse(state: ServerState, body: CompletionRequest, cid: str, streams: l
             yield _chunk(CompletionResponse(id=cid, model=state.model_name, choices=[],
                                             usage=_usage(streams, outputs)))
         yield "data: [DONE]\n\n"
-        rec.finish = state.pool.clock.now()            # [DONE] has been handed to the connection
     finally:
+        rec.finish = state.pool.clock.now()            # [DONE] has been handed over, or the client left
         left = [s for s, d in zip(streams, done) if not d]
         if left:
             state.pool.cancel(left)
@@ -511,7 +568,7 @@ def listen(host: str, port: int):
 
 
 def serve(recipe: EngineRecipe, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 1024,
-          drain_s: float = 5.0, model_name: str | None = None):
+          drain_s: float = 5.0, model_name: str | None = None, debug: bool = False):
     """Serve the model of ``recipe`` until SIGINT/SIGTERM; prints its URL once it accepts requests.
     The port is taken first (a busy one fails at once), then the engine process builds the model."""
     sock = listen(host, port)
@@ -523,7 +580,7 @@ def serve(recipe: EngineRecipe, host: str = "127.0.0.1", port: int = 8000, max_q
         sock.close()
         raise
     try:
-        _Server(build_app(core, recipe.system, max_queue, model_name, ready), sock, drain_s).run()
+        _Server(build_app(core, recipe.system, max_queue, model_name, ready, debug=debug), sock, drain_s).run()
     except KeyboardInterrupt:          # uvicorn re-raises the SIGINT it drained for: we are done
         pass
     finally:

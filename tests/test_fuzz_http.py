@@ -1,0 +1,61 @@
+"""schemathesis drives the server through its own OpenAPI schema (``/openapi.json``): every answer
+is 2xx or 4xx (never 5xx), has a status code, content type, headers and body that the schema
+documents, and what the schema calls invalid is refused. Afterwards the server still answers
+``LLM.generate``'s greedy tokens.
+
+The checks leave out schemathesis's positive_data_acceptance: a schema-valid request may still be
+refused with 400 for what only the model knows (token ids in its vocabulary, prompt + max_tokens
+within its length and its K/V slots), as OpenAI's and vLLM's schemas leave those out too. The
+server has 64 K/V slots, so a request it accepts is short. The examples are derandomized: CI runs
+the same ones every time (``FUZZ_EXAMPLES=600`` explores further)."""
+import os
+
+import openai
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis import checks
+
+from orca_lab import LLM
+from orca_lab.serving.launch import ServerProcess
+
+CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
+          checks.response_schema_conformance, checks.response_headers_conformance, checks.negative_data_rejection]
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "60"))
+
+
+@pytest.fixture(scope="module")
+def fuzzed():
+    s = ServerProcess("--max-bs", "8", "--n-slots", "64", "--debug").start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def api(fuzzed):
+    return schemathesis.openapi.from_url(fuzzed.url + "/openapi.json")
+
+
+schema = schemathesis.pytest.from_fixture("api")
+
+
+@schema.parametrize()
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 60, suppress_health_check=list(HealthCheck))
+def test_every_answer_is_what_the_schema_says(case, fuzzed):
+    case.call_and_validate(base_url=fuzzed.url, checks=CHECKS)
+
+
+def test_the_server_still_serves_greedy_tokens_afterwards(fuzzed):
+    client = openai.OpenAI(base_url=fuzzed.url + "/v1", api_key="none", max_retries=0)
+    r = client.completions.create(model="tiny", prompt="after the fuzz", max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == LLM("tiny", seed=0).generate(["after the fuzz"], 8)[0]
+
+
+@pytest.mark.parametrize("extreme", [dict(temperature=5e-324), dict(temperature=1.0, top_p=5e-324)],
+                         ids=["temperature", "top_p"])
+def test_what_the_fuzzer_found_a_vanishing_temperature_or_top_p_is_greedy(extreme):
+    """Each killed the engine (logits / 5e-324 overflow to NaN; a top_p below float32's least number
+    dropped every token): now the most likely token, every time."""
+    llm = LLM("tiny", seed=0)
+    assert llm.generate([[1, 2, 3]], 6, seed=7, **extreme) == llm.generate([[1, 2, 3]], 6)
