@@ -23,9 +23,9 @@ import json
 from pathlib import Path
 
 from orca_lab import LLM, EngineConfig
-from orca_lab.environment import environment
 from orca_lab.config import model_config
-from orca_lab.engine.parallel import WorkerPool
+from orca_lab.distributed.pool import WorkerPool
+from orca_lab.environment import environment
 from orca_lab.metrics import summarize
 from orca_lab.viz.timeline import busy_fraction
 from orca_lab.workload import paper_trace

@@ -84,7 +84,7 @@ def compare(llm, n_requests: int = 32, seed: int = 0, scale: float = 0.25, rates
     """Warm up, probe each system's capacity (unless ``rates`` are given), then serve the trace at each
     rate with each system. ``load`` in the table is the rate over the baseline's probed capacity."""
     from orca_lab.config import uses_workers
-    from orca_lab.engine.parallel import WorkerPool
+    from orca_lab.distributed.pool import WorkerPool
     with WorkerPool(llm) if uses_workers(llm.engine_config) else contextlib.nullcontext():
         return _compare(llm, n_requests, seed, scale, rates, probe_requests, progress)
 

@@ -11,14 +11,16 @@ from typing import Iterator
 import torch
 
 from orca_lab.config import EngineConfig, ModelConfig, check_degrees, check_range, model_config, uses_workers
-from orca_lab.engine.cuda_graphs import decode_graphs_for
+from orca_lab.distributed.executor import WorkerExecutor
 from orca_lab.engine.engine import Engine, RunResult
-from orca_lab.engine.executor import LocalExecutor, split_layers
-from orca_lab.engine.kv_manager import KVPool, rank_shares, size_kv_pool
-from orca_lab.engine.model import GPT, checkpoint_config
-from orca_lab.engine.parallel import WorkerExecutor
-from orca_lab.engine.request import SamplingParams
+from orca_lab.engine.executor import split_layers
+from orca_lab.engine.kv_manager import KVPool
 from orca_lab.engine.policies import SYSTEMS, new_kv, new_scheduler
+from orca_lab.engine.request import SamplingParams
+from orca_lab.model.cuda_graphs import decode_graphs_for
+from orca_lab.model.executor import LocalExecutor
+from orca_lab.model.gpt import GPT, checkpoint_config
+from orca_lab.model.kv_sizing import rank_shares, size_kv_pool
 from orca_lab.tokenizer import default_tokenizer, load_tokenizer
 
 

@@ -14,9 +14,10 @@ import pytest
 import torch.distributed as dist
 
 from orca_lab import LLM, EngineConfig
-from orca_lab.engine.control import (ControlError, ControlMessage, Hello, Inbox, Reset, StageReport, Stop,
-                                     WorkerError, connect, decode, encode)
-from orca_lab.engine.parallel import WorkerPool
+from orca_lab.distributed.channels import Inbox, connect
+from orca_lab.distributed.messages import ControlMessage, Hello, Reset, StageReport, Stop, WorkerError
+from orca_lab.distributed.pool import WorkerPool
+from orca_lab.distributed.wire import ControlError, decode, encode
 from orca_lab.engine.request import SamplingParams
 
 SECRET = bytes(range(32))
@@ -158,12 +159,12 @@ def test_a_worker_refuses_a_tampered_control_frame(tiny_llm):
 
 # -- a rank whose master died or hung gives up within --master-timeout --------------------------------
 def start_rank(rank, port, tmp_path, *extra):
-    """``python -m orca_lab.engine.torchrun`` as one rank of a 1 x 2 world whose rendezvous store is
+    """``python -m orca_lab.torchrun`` as one rank of a 1 x 2 world whose rendezvous store is
     hosted elsewhere (as torchrun's agent hosts it), so the store outlives rank 0."""
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1",
                GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    cmd = [sys.executable, "-m", "orca_lab.engine.torchrun", "--tp", "1", "--pp", "2", "--device", "cpu",
+    cmd = [sys.executable, "-m", "orca_lab.torchrun", "--tp", "1", "--pp", "2", "--device", "cpu",
            "--systems", "orca", "--master-timeout", "3", *extra]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -35,7 +35,7 @@ IMPORT_ALL = textwrap.dedent("""
     names = sorted(m.name for m in pkgutil.walk_packages(orca_lab.__path__, "orca_lab."))
     for name in names:
         importlib.import_module(name)
-    assert "orca_lab.engine.worker" in names and "orca_lab.engine.torchrun" in names, names
+    assert "orca_lab.distributed.worker" in names and "orca_lab.torchrun" in names, names
     print(len(names))
 """)
 
@@ -88,7 +88,7 @@ def test_workers_over_nccl_on_one_gpu_give_the_in_process_tokens_and_fail_fast()
     import time
 
     from orca_lab import LLM, EngineConfig
-    from orca_lab.engine.parallel import WorkerPool
+    from orca_lab.distributed.pool import WorkerPool
     local = LLM("tiny", seed=2, engine=EngineConfig(device="cuda", n_slots=2048))
     llm = LLM("tiny", seed=2, engine=EngineConfig(device="cuda", n_slots=2048, executor="workers"))
     prompts = [[3, 4, 5], list(range(60, 90))]

@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 import torch
-
 from helpers import engine_config, on_device, random_prompts
+
 from orca_lab import LLM, EngineConfig, SamplingParams
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.request import Request, RequestState
@@ -264,7 +264,8 @@ def test_float_dtypes_give_the_fp32_logits(tiny_llm, monkeypatch, dtype, tol):
 
 def test_the_real_clock_sleeps_through_long_idle_spells_and_polls_the_last_of_them():
     import time
-    from orca_lab.engine.executor import RealClock
+
+    from orca_lab.engine.clock import RealClock
     clock = RealClock()
     target = clock.now() + RealClock.POLL + 0.15
     cpu = time.process_time()

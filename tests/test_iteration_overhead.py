@@ -10,14 +10,15 @@ import sys
 
 import pytest
 import torch
+from helpers import random_prompts
 from torch.overrides import TorchFunctionMode
 
-from helpers import random_prompts
 from orca_lab import LLM, EngineConfig, ModelConfig, SamplingParams
-from orca_lab.engine.cuda_graphs import BUCKETS, DecodeGraphs, decode_graphs_for, padded_size
-from orca_lab.engine.executor import LocalExecutor, StageClock
-from orca_lab.engine.model import GPT
-from orca_lab.engine.sampler import sample
+from orca_lab.engine.clock import StageClock
+from orca_lab.model.cuda_graphs import BUCKETS, DecodeGraphs, decode_graphs_for, padded_size
+from orca_lab.model.executor import LocalExecutor
+from orca_lab.model.gpt import GPT
+from orca_lab.model.sampler import sample
 from orca_lab.workload import paper_trace
 
 # Tensor methods that copy device data to the host (a synchronization on a GPU).

@@ -14,7 +14,7 @@ def gpu(monkeypatch):
     """A CUDA device that reports ``gpu.free`` of ``gpu.total`` bytes (no CUDA call is made)."""
     class Fake:
         free, total = 10 * GiB, 16 * GiB
-    monkeypatch.setattr("orca_lab.engine.kv_manager.gpu_memory", lambda device: (Fake.free, Fake.total))
+    monkeypatch.setattr("orca_lab.model.kv_sizing.gpu_memory", lambda device: (Fake.free, Fake.total))
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 8)
     return Fake
@@ -57,7 +57,7 @@ def test_a_model_that_cannot_fit_is_refused_before_any_allocation(gpu):
 def test_a_worker_that_fails_at_start_up_names_its_error(tiny_llm, monkeypatch):
     """Start-up errors come before a worker's report channel exists: the master reads them from the
     store when it sees the process exit."""
-    from orca_lab.engine.parallel import WorkerPool
+    from orca_lab.distributed.pool import WorkerPool
     llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=2, n_slots=256, pipeline_parallel=2))
     monkeypatch.setattr(WorkerPool, "_weights_for_workers", lambda self, llm: ("/nonexistent/weights.pt", 0))
     with pytest.raises(RuntimeError, match=r"worker rank \d .* exited with code 1: FileNotFoundError: .*/nonexistent"):

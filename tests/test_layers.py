@@ -1,5 +1,6 @@
 """The code matches the house plan: every import inside the package follows the layer order that
-docs/design.md lists (a module imports from its own layer or the ones before it)."""
+docs/design.md lists (a module imports from its own layer or the ones before it), every module is on
+that list, and no two modules import each other, even through an import inside a function."""
 import ast
 import re
 import subprocess
@@ -62,7 +63,8 @@ def imports(source: str, rel: str):
 def test_design_lists_the_layers():
     plan = layers()
     assert plan["orca_lab/config.py"] == 1 and plan["orca_lab/engine/"] < plan["orca_lab/llm.py"]
-    assert plan["orca_lab/engine/torchrun.py"] == plan["orca_lab/cli.py"]
+    assert plan["orca_lab/torchrun.py"] == plan["orca_lab/cli.py"]
+    assert plan["orca_lab/engine/"] < plan["orca_lab/model/"] < plan["orca_lab/distributed/"] < plan["orca_lab/llm.py"]
 
 
 def upward(source: str, rel: str, plan: dict[str, int]) -> list[str]:
@@ -76,11 +78,51 @@ def upward(source: str, rel: str, plan: dict[str, int]) -> list[str]:
     return out
 
 
+def package_files() -> dict[str, str]:
+    return {str(p.relative_to(ROOT)): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def unplaced(files, plan) -> list[str]:
+    return [rel for rel in files if layer_of(rel, plan) is None]
+
+
+def graph(files: dict[str, str]) -> dict[str, set[str]]:
+    """Module file -> the package's module files it imports (at any depth). Importing a package's
+    ``__init__`` from inside that package is left out: it is how the package is entered, not a use."""
+    out = {}
+    for rel, src in files.items():
+        targets = {module_path(name) for _, name in imports(src, rel)} - {None, rel}
+        out[rel] = {t for t in targets if not (t.endswith("__init__.py") and rel.startswith(t[:-len("__init__.py")]))}
+    return out
+
+
+def cycle(g: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``g`` (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, int] = {}                # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(g.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(g):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
 def test_every_module_is_placed_and_imports_only_from_layers_before_it():
     plan = layers()
-    files = {str(p.relative_to(ROOT)): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
-    unplaced = [rel for rel in files if layer_of(rel, plan) is None]
-    assert not unplaced, f"modules docs/design.md does not place: {unplaced}"
+    files = package_files()
+    assert not unplaced(files, plan), f"modules docs/design.md does not place: {unplaced(files, plan)}"
     bad = [msg for rel, src in files.items() for msg in upward(src, rel, plan)]
     assert not bad, "imports against the layer order of docs/design.md:\n" + "\n".join(bad)
 
@@ -91,7 +133,25 @@ def test_the_checker_catches_an_upward_import():
     src = "import torch\ndef f():\n    from orca_lab.llm import LLM\n    from ..metrics import summarize\n"
     found = upward(src, "orca_lab/engine/fake.py", plan)
     assert [m.split(" imports ")[1].split()[0] for m in found] == ["orca_lab.llm", "orca_lab.metrics"]
-    assert not upward(src, "orca_lab/engine/torchrun.py", plan)      # an entry point may
+    assert not upward(src, "orca_lab/torchrun.py", plan)      # an entry point may
+
+
+def test_no_import_cycle_even_inside_a_function():
+    found = cycle(graph(package_files()))
+    assert found is None, "import cycle: " + " -> ".join(found)
+
+
+def test_the_checker_catches_a_cycle_and_a_module_off_the_plan():
+    """Both checks above can fail: a cycle closed by an import inside a function, and a new module
+    in a folder design.md does not list."""
+    files = {"orca_lab/engine/batch.py": "from orca_lab.engine.request import Request\n",
+             "orca_lab/engine/request.py": "def f():\n    from orca_lab.engine import batch\n"}
+    assert cycle(graph(files)) == ["orca_lab/engine/batch.py", "orca_lab/engine/request.py",
+                                   "orca_lab/engine/batch.py"]
+    files["orca_lab/engine/request.py"] = "def f():\n    pass\n"
+    assert cycle(graph(files)) is None
+    assert unplaced({"orca_lab/caching/radix.py": "", "orca_lab/engine/batch.py": ""}, layers()) == \
+        ["orca_lab/caching/radix.py"]
 
 
 def test_no_file_points_outside_the_repository():

@@ -17,13 +17,12 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
-
-from orca_lab import LLM, EngineConfig, SamplingParams
-from orca_lab.engine.parallel import WorkerPool
-from orca_lab.serving.launch import ServerProcess
-
 from helpers import random_prompts
 from server_helpers import assert_port_free, descendants, metrics, running, wait_for
+
+from orca_lab import LLM, EngineConfig, SamplingParams
+from orca_lab.distributed.pool import WorkerPool
+from orca_lab.serving.launch import ServerProcess
 
 SYSTEMS = ("orca", "ft", "paged", "chunked")
 SETTINGS = dict(max_bs=4, n_slots=2048, block_size=16, max_num_batched_tokens=32)

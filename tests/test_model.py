@@ -3,10 +3,10 @@ import copy
 
 import pytest
 import torch
-
 from helpers import engine_config, random_prompts
-from orca_lab import LLM, EngineConfig, ModelConfig, PRESETS
-from orca_lab.engine.model import GPT
+
+from orca_lab import LLM, PRESETS, EngineConfig, ModelConfig
+from orca_lab.model.gpt import GPT
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,11 @@ import sys
 import time
 
 import pytest
-
 from helpers import random_prompts
+
 from orca_lab import LLM, EngineConfig
 from orca_lab.config import check_degrees
-from orca_lab.engine.parallel import WorkerPool
+from orca_lab.distributed.pool import WorkerPool
 from orca_lab.workload import TraceItem, paper_trace
 
 DEGREES = [(2, 1), (1, 2), (2, 2)]          # (tensor_parallel, pipeline_parallel)
@@ -166,7 +166,7 @@ def test_torchrun_runs_the_same_engine(tmp_path):
     # TMPDIR: torch's elastic agent leaves its run directory behind; keep it in pytest's tmp tree.
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TMPDIR=str(tmp_path))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "orca_lab.engine.torchrun", "--tp", "1", "--pp", "2", "--device", "cpu", "--systems", "orca",
+           "-m", "orca_lab.torchrun", "--tp", "1", "--pp", "2", "--device", "cpu", "--systems", "orca",
            "--n-requests", "4", "--scale", "0.05", "--seed", "3", "--out", str(tmp_path)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]

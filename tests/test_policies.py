@@ -4,11 +4,11 @@ prompt is chunked, no leaks, FCFS, the simulator's batches, a pipeline of worker
 refusals of bad settings."""
 import pytest
 import torch
-
 from helpers import random_prompts
+
 from orca_lab import LLM, EngineConfig, SamplingParams
+from orca_lab.distributed.pool import WorkerPool
 from orca_lab.engine.blocks import BlockManager
-from orca_lab.engine.parallel import WorkerPool
 from orca_lab.engine.request import Request
 from orca_lab.sim.cost import AnalyticalCost
 from orca_lab.sim.run import Curve, SimBackend

@@ -1,7 +1,7 @@
 """Per-request life: parameters, stops, finish reasons and cancellation (the hooks a server drives)."""
 import pytest
-
 from helpers import random_prompts
+
 from orca_lab import LLM, EngineConfig, SamplingParams
 from orca_lab.engine.request import RequestState
 
@@ -329,7 +329,8 @@ def test_per_prompt_lists_must_match_the_prompts(tiny_llm, kw, match):
 # -- the caller's model and tokenizer ---------------------------------------------------------------
 def test_llm_leaves_the_callers_model_as_it_is(tiny_llm):
     import torch
-    from orca_lab.engine.model import GPT
+
+    from orca_lab.model.gpt import GPT
     mine = GPT.random(tiny_llm.cfg, seed=1)
     before = {k: v.clone() for k, v in mine.state_dict().items()}
     assert LLM(gpt=mine).model is mine                                    # nothing to change: shared

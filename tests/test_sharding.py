@@ -6,8 +6,8 @@ import torch
 from orca_lab import LLM, EngineConfig
 from orca_lab.config import PRESETS, ModelConfig, check_degrees
 from orca_lab.engine.executor import split_layers
-from orca_lab.engine.model import GPT, CheckpointWeights, RandomWeights, StateDictWeights
-from orca_lab.engine.tensor_parallel import stage_model
+from orca_lab.model.gpt import GPT, CheckpointWeights, RandomWeights, StateDictWeights
+from orca_lab.model.tensor_parallel import stage_model
 
 TINY = PRESETS["tiny"]
 

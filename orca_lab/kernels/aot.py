@@ -8,7 +8,7 @@ Triton's interpreter runs the kernels on a CPU, but it accepts code the GPU comp
 (sm_90) without either, and its shared memory compared with the device's limit per block.
 
 **How a kernel module declares its launches.** Every module of ``orca_lab.kernels`` that holds a
-launched ``@triton.jit`` kernel defines ``aot_launches()``, yielding one ``launch(kernel, what, **args)``
+launched ``@triton.jit`` kernel defines ``aot_launches()``, yielding one ``launches.launch(kernel, what, **args)``
 per way its wrapper can launch it on a GPU: the constexprs from the same block-size helpers the
 wrapper calls, over every size class it accepts (head sizes 1 to 256, odd ones included, each float
 dtype, decode and prefill shapes...), and example arguments: meta tensors (shape, strides and dtype,
@@ -30,9 +30,10 @@ import pkgutil
 import re
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-import torch
+from orca_lab.kernels.launches import Launch
+
 
 # Shared memory one block may use (the opt-in maximum, cudaDevAttrMaxSharedMemoryPerBlockOptin), from
 # the CUDA C++ Programming Guide's table of compute capabilities: A100 (sm_80) 163 KB, H100 (sm_90)
@@ -41,67 +42,6 @@ import torch
 SHARED_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 DEVICES = {80: "A100 (sm_80)", 86: "A10 / RTX 30xx (sm_86)", 89: "L4 / RTX 40xx (sm_89)", 90: "H100 (sm_90)"}
 DEFAULT_TARGETS = (80, 90)
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One compile: a kernel with its argument types, constexprs and divisibility hints."""
-    kernel: object                      # a triton JITFunction
-    what: str                           # for people: which wrapper case this is
-    signature: dict = field(hash=False)
-    constexprs: dict = field(hash=False)
-    attrs: dict = field(hash=False)
-    num_warps: int = 4                  # Triton's defaults for a launch that names neither
-    num_stages: int = 3
-    quick: bool = True                  # in the quick check (CI); False: only with --full
-
-    @property
-    def name(self) -> str:
-        return f"{self.kernel.fn.__module__}.{self.kernel.fn.__name__}"
-
-    @property
-    def key(self) -> tuple:
-        """Two launches with equal keys compile to the same cubin."""
-        return (self.name, tuple(self.signature.items()), tuple((k, str(v)) for k, v in self.constexprs.items()),
-                tuple(sorted(self.attrs)), self.num_warps, self.num_stages)
-
-
-def meta(*shape, dtype=torch.float32) -> torch.Tensor:
-    """An example tensor argument: shape, strides and dtype, no memory."""
-    return torch.empty(shape, dtype=dtype, device="meta")
-
-
-def strides(prefix: str, letters: str, t: torch.Tensor) -> dict:
-    """``{prefix + letter: stride}`` for each dimension of ``t``: ``strides("stride_q", "thd", q)``."""
-    return {prefix + c: s for c, s in zip(letters, t.stride(), strict=True)}
-
-
-def launch(kernel, what: str, *, num_warps: int = 4, num_stages: int = 3, quick: bool = True,
-           **args) -> Launch:
-    """``kernel`` launched with ``args`` (every parameter by name) and ``num_warps``/``num_stages`` (they
-    change the code and its shared memory), typed as Triton's launcher types it. ``quick=False``
-    leaves it to ``--full``."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.nvidia.compiler import CUDABackend
-
-    missing = [p.name for p in kernel.params if p.name not in args]
-    extra = sorted(set(args) - {p.name for p in kernel.params})
-    if missing or extra:
-        raise TypeError(f"launch of {kernel.fn.__name__}: missing arguments {missing}, unknown {extra}")
-    signature, constexprs, attrs = {}, {}, {}
-    for i, p in enumerate(kernel.params):
-        value = args[p.name]
-        if p.is_constexpr:
-            signature[p.name], constexprs[p.name] = "constexpr", value
-            continue
-        ty, spec = native_specialize_impl(CUDABackend, value, p.is_const, not p.do_not_specialize,
-                                          not p.do_not_specialize_on_alignment)
-        signature[p.name] = ty
-        if ty == "constexpr":          # an int equal to 1 becomes a constant, as at a real launch
-            constexprs[p.name] = spec
-        elif isinstance(spec, str) and CUDABackend.parse_attr(spec):
-            attrs[(i,)] = CUDABackend.parse_attr(spec)
-    return Launch(kernel, what, signature, constexprs, attrs, num_warps, num_stages, quick)
 
 
 # ------------------------------------------------------------------------------------ discovery
@@ -275,3 +215,4 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

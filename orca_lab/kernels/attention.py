@@ -610,7 +610,7 @@ def aot_launches():
     the one with the largest tiles (the most shared memory), at 40 heads of a multiple of 16;
     every launch at 40 heads of 128 in bf16 (GPT-3's). ``orca_lab.kernels.aot.ci_subset`` narrows
     this to what CI compiles; ``--full`` compiles every launch."""
-    from orca_lab.kernels.aot import launch, meta, strides
+    from orca_lab.kernels.launches import launch, meta, strides
     i32, i64 = meta(9, dtype=torch.int32), meta(9, dtype=torch.int64)
     max_splits = (1 << 20) // 256     # max_seq_len's limit over the shortest partition
     for dtype, (heads, d) in product(FLOAT_DTYPES, _head_classes()):

@@ -61,7 +61,7 @@ def bias_gelu_triton(x, bias):
 def aot_launches():
     """Every launch ``bias_gelu_triton`` can make on a GPU (``orca_lab.kernels.aot``): one block size,
     widths divisible by 16 or not, each float dtype."""
-    from orca_lab.kernels.aot import launch, meta
+    from orca_lab.kernels.launches import launch, meta
     for dtype in FLOAT_DTYPES:
         for n_cols in (3072, 1037):
             x = meta(5, n_cols, dtype=dtype)

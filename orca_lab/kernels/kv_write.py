@@ -97,7 +97,7 @@ def aot_launches():
     int64 slot ids, pools sliced out of ``[n_layers, n_slots, H, D]``. The other choices change one
     instruction, not the blocks, so GPT-3's rows (40 heads of 128) stand for the rest: int32 slot
     ids, and K/V cast into a pool of each other dtype."""
-    from orca_lab.kernels.aot import launch, meta, strides
+    from orca_lab.kernels.launches import launch, meta, strides
     cases = [(d, d, torch.int64, h, s) for d in FLOAT_DTYPES for h in (1, 40) for s in range(1, 257)]
     cases += [(kv, pool, slot, 40, 128) for kv, pool, slot in product(FLOAT_DTYPES, FLOAT_DTYPES, INDEX_DTYPES)]
     for kv_dtype, pool_dtype, slot_dtype, heads, head_size in cases:

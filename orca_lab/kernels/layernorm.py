@@ -126,7 +126,7 @@ def aot_launches():
     (rows of 1 to past MAX_BLOCK columns), with and without the residual, each float dtype. fp16
     takes widths divisible by 16 and not; fp32 and bf16 the divisible ones (vectorized loads), which
     stand for the rest: the dtype changes only the type loaded and stored."""
-    from orca_lab.kernels.aot import launch, meta
+    from orca_lab.kernels.launches import launch, meta
     widths = sorted({w for b in range(15) for w in (1 << b, (1 << b) - 1, 3 << b)} - {0})
     for dtype in FLOAT_DTYPES:
         for n_cols in (w for w in widths if w <= 2 * MAX_BLOCK and (dtype == torch.float16 or w % 16 == 0)):

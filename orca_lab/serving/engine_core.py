@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orca_lab.config import EngineConfig
-from orca_lab.engine.executor import RealClock
+from orca_lab.engine.clock import RealClock
 
 HISTORY = 10_000          # requests and iterations the engine keeps for /debug/run (twice at most)
 SHUTTING_DOWN = None      # an "added" answer: the engine is stopping and took nothing
@@ -53,7 +53,7 @@ class EngineRecipe:
     def __post_init__(self):
         """Refuse a bad model or parallel degrees here, before a process is started for it."""
         from orca_lab.config import check_degrees, model_config
-        from orca_lab.engine.model import checkpoint_config
+        from orca_lab.model.gpt import checkpoint_config
         path = Path(self.model)
         check_degrees(checkpoint_config(path) if path.is_dir() else model_config(self.model), self.engine)
 

@@ -32,6 +32,7 @@ import numpy as np
 import pandas as pd
 
 from orca_lab.config import ModelConfig, check_choice
+from orca_lab.results import save_table
 from orca_lab.sim.cost import AnalyticalCost, Efficiency
 
 FT_GUIDE = "github.com/NVIDIA/FasterTransformer docs/gpt_guide.md (commit 07fdd2f), Performance"
@@ -266,7 +267,6 @@ def main(argv=None):
     import argparse
     import time
 
-    from orca_lab.sim.run import save_table
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--out", help="directory for calibration.csv / calibration.json")
     args = ap.parse_args(argv)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-from orca_lab.engine.executor import Completion, StageTime, VirtualClock
+from orca_lab.engine.executor import Completion, StageTime
+from orca_lab.engine.clock import VirtualClock
 
 IDLE_GAP = 1e-3     # seconds between two iterations that count as the engine having idled
 

@@ -9,13 +9,11 @@ does not know which one it drives.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -32,6 +30,8 @@ from orca_lab.workload import TraceItem, homogeneous_trace, paper_trace, real_tr
 
 # Fractions of a curve's capacity: points from light load to well past saturation, denser at the knee.
 DEFAULT_LOADS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 2.0, 3.0)
+
+
 CSV_COLUMNS = ["model", "system", "max_bs", "mbs", "rate", "throughput_rps", "median_norm_latency_ms"]
 
 
@@ -364,16 +364,3 @@ def batch_time(backend, system: str, batch_size: int, input_len: int, gen_len: i
     trace = homogeneous_trace(batch_size, input_len, gen_len, None, 0, backend.cfg.vocab_size)
     return {**row, "time_ms": backend.serve(curve, trace).duration * 1e3}
 
-
-# -- results that leave the process ---------------------------------------------------------------
-def save_table(df: pd.DataFrame, out_dir, name: str, columns=None, **meta) -> list[Path]:
-    """``name.csv`` (``columns`` only, if given) and ``name.json`` (every column, ``meta`` and the
-    machine and library versions that produced it) under ``out_dir``."""
-    from orca_lab.environment import environment
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    csv, js = out / f"{name}.csv", out / f"{name}.json"
-    df.to_csv(csv, columns=columns, index=False)
-    js.write_text(json.dumps({"meta": meta, "environment": environment(),
-                              "rows": json.loads(df.to_json(orient="records"))}, indent=1, default=str))
-    return [csv, js]

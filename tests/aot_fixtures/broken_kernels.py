@@ -13,7 +13,7 @@ def _dot_k8(a_ptr, b_ptr, c_ptr, K: tl.constexpr):
 
 
 def aot_launches():
-    from orca_lab.kernels.aot import launch, meta
+    from orca_lab.kernels.launches import launch, meta
     yield launch(_dot_k8, "inner dimension 8", a_ptr=meta(128, dtype=torch.float16),
                  b_ptr=meta(128, dtype=torch.float16), c_ptr=meta(256), K=8)
 

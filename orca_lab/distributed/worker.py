@@ -23,15 +23,19 @@ import torch
 import torch.distributed as dist
 
 from orca_lab.config import EngineConfig, ModelConfig
-from orca_lab.engine.control import (ControlError, ControlMessage, Inbox, Reset, StageReport, Stop, WorkerError,
-                                     connect, decode, decode_address, encode_address, watch_master)
-from orca_lab.engine.data_plane import DataPlane
-from orca_lab.engine.executor import StageClock, split_layers
-from orca_lab.engine.kv_manager import KVPool, rank_shares, size_kv_pool
-from orca_lab.engine.model import CheckpointWeights, RandomWeights, StateDictWeights
+from orca_lab.distributed.channels import Inbox, connect, decode_address, encode_address
+from orca_lab.distributed.data_plane import DataPlane
+from orca_lab.distributed.heartbeat import watch_master
+from orca_lab.distributed.messages import ControlMessage, Reset, StageReport, Stop, WorkerError
+from orca_lab.distributed.wire import ControlError, decode
+from orca_lab.engine.clock import StageClock
+from orca_lab.engine.executor import split_layers
+from orca_lab.engine.kv_manager import KVPool
 from orca_lab.engine.request import SamplingParams
-from orca_lab.engine.sampler import sample
-from orca_lab.engine.tensor_parallel import stage_model
+from orca_lab.model.gpt import CheckpointWeights, RandomWeights, StateDictWeights
+from orca_lab.model.kv_sizing import rank_shares, size_kv_pool
+from orca_lab.model.sampler import sample
+from orca_lab.model.tensor_parallel import stage_model
 
 MASTER = -1                 # the rank the engine master announces on the control plane
 STORE_TIMEOUT = datetime.timedelta(seconds=300)

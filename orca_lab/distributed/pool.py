@@ -17,7 +17,7 @@ about a second, after stopping the others. Engines of one LLM can share a pool
 Across nodes, with torchrun (env:// rendezvous; rank 0 is the engine master and also worker 0)::
 
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank $NODE --master-addr $HOST0 --master-port 29500 \\
-        -m orca_lab.engine.torchrun --model tiny --tp 2 --pp 2 --n-requests 32 --out results/torchrun
+        -m orca_lab.torchrun --model tiny --tp 2 --pp 2 --n-requests 32 --out results/torchrun
 
 (see ``torchrun.py`` and docs/distributed.md).
 """
@@ -27,31 +27,33 @@ import contextlib
 import os
 import secrets
 import shutil
-import signal
-import sys
 import tempfile
 import threading
 import time
 import weakref
-from collections import deque
-from multiprocessing import get_context
 from multiprocessing.connection import wait as wait_any
 
 import torch
 import torch.distributed as dist
 
 from orca_lab.config import check_degrees
-from orca_lab.engine.control import (ControlError, ControlMessage, Inbox, Reset, StageReport, Stop, WorkerError,
-                                     connect, decode_address, encode, encode_address, start_heartbeat)
-from orca_lab.engine.executor import Completion, RealClock, StageTime
-from orca_lab.engine.request import RequestState
-from orca_lab.engine.worker import MASTER, STORE_TIMEOUT, Worker, WorkerSpec, worker_process
+from orca_lab.distributed.channels import Inbox, connect, decode_address, encode_address
+from orca_lab.distributed.heartbeat import start_heartbeat
+from orca_lab.distributed.messages import Reset, StageReport, Stop, WorkerError
+from orca_lab.distributed.processes import exit_text, main_hidden, process_context
+from orca_lab.distributed.wire import ControlError, encode
+from orca_lab.distributed.worker import MASTER, STORE_TIMEOUT, Worker, WorkerSpec, worker_process
 
 POLL_S = 0.25               # liveness is checked at least this often while waiting
 
 
 # -- the pool -------------------------------------------------------------------------------------
 _ATTACHED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # LLM -> WorkerPool
+
+
+def attached(llm) -> "WorkerPool | None":
+    """The pool ``WorkerPool(llm)`` attached to ``llm``, if any."""
+    return _ATTACHED.get(llm)
 
 
 class WorkerPool:
@@ -123,12 +125,12 @@ class WorkerPool:
         self._cleanup.append(self._store_box.clear)
         self._cleanup.append(start_heartbeat(store.clone()).set)     # the workers watch it (control.py)
         self._open_inbox(store, "127.0.0.1")
-        ctx = _context(self.engine.device)
+        ctx = process_context(self.engine.device)
         for rank in range(self.tp * self.pp):
             spec = WorkerSpec(self.cfg, self.engine, rank, self._secret, ("127.0.0.1", tcp.port), session,
                               weights, seed, host="127.0.0.1", local_rank=rank, threads=threads)
             proc = ctx.Process(target=worker_process, args=(spec,), name=f"orca-worker-{rank}", daemon=True)
-            with _main_hidden():
+            with main_hidden():
                 proc.start()
             self._procs.append(proc)
         return store
@@ -252,7 +254,7 @@ class WorkerPool:
     # -- liveness and shutdown -------------------------------------------------------------------
     def _check_alive(self, when: str):
         dead = [f"worker rank {r} (stage {r // self.tp}, tensor rank {r % self.tp}, pid {p.pid}) exited "
-                f"{_exit_text(p.exitcode)}{self._error_of(r)}" for r, p in enumerate(self._procs) if p.exitcode is not None]
+                f"{exit_text(p.exitcode)}{self._error_of(r)}" for r, p in enumerate(self._procs) if p.exitcode is not None]
         dead += [f"worker rank 0 (thread) ended" for th in self._thread if not th.is_alive()]
         if dead:
             self._fail("; ".join(dead) + (f" {when}" if when else ""))
@@ -320,130 +322,9 @@ def _worker_fields(ec) -> tuple:
             ec.attention_backend, ec.fused_ops_backend)
 
 
-def _exit_text(code: int) -> str:
-    if code < 0:
-        return f"on signal {signal.Signals(-code).name}"
-    return f"with code {code}"
-
-
-def _context(device: str):
-    """On CPU, workers are forked from a fork server that imported torch and this package once (a
-    clean, single-threaded process: safe to fork, unlike this one), so a pool starts in about a second
-    instead of paying every worker's imports. ``torch._dynamo`` too: building modules on the meta
-    device imports it lazily, ~3 s per worker otherwise. The server lives as long as this process
-    (``_stop_fork_server``).
-
-    On CUDA, workers are spawned: a fresh interpreter each, so nothing this process or a preloaded
-    import did to the CUDA driver can leave a worker unable to initialize it."""
-    if device.startswith("cuda"):
-        return get_context("spawn")
-    ctx = get_context("forkserver")
-    ctx.set_forkserver_preload(["orca_lab.engine.worker", "torch._dynamo"])
-    return ctx
-
-
-def _stop_fork_server():
-    """At exit, once every pool's workers are gone. Left alone, the fork server would stop when this
-    process's end closes its pipe, and then spend ~1.4 s tearing down the torch it imported: it
-    would outlive this process (and ``orca-lab serve``, which waits for its engine process). Its
-    children, the workers, are gone and it holds nothing else, so it is killed and reaped here
-    (unless this process still has children: they may be the fork server's too)."""
-    from multiprocessing import active_children, forkserver
-    server = forkserver._forkserver
-    if getattr(server, "_forkserver_pid", None) is None or active_children():
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(server._forkserver_pid, signal.SIGKILL)
-    with contextlib.suppress(OSError):       # its socket's folder may have been removed first
-        server._stop()                       # reaps it, closes its pipe, removes its socket
-
-
-# Made at import, before any pool's finalizer: at exit, finalizers run newest first, so this one runs
-# after every pool still open has stopped its workers.
-weakref.finalize(_context, _stop_fork_server)
-
-
-@contextlib.contextmanager
-def _main_hidden():
-    """A worker runs library code only, so it need not re-run the user's ``__main__`` script, as
-    multiprocessing does by default (which breaks scripts without an ``if __name__ == "__main__"``
-    guard and re-does their work in every worker). Without ``__file__`` and ``__spec__`` the child has
-    no main module to re-import."""
-    main = sys.modules["__main__"]
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__spec__ = None
-    try:
-        yield
-    finally:
-        main.__dict__.update(saved)
-
-
 def _start_thread(spec, store) -> threading.Thread:
     """Rank 0's worker under torchrun: a thread of the master's process."""
     th = threading.Thread(target=lambda: Worker(spec, store).serve(), name="orca-worker-0", daemon=True)
     th.start()
     return th
 
-
-# -- the executor ---------------------------------------------------------------------------------
-class WorkerExecutor:
-    """The executor interface over a WorkerPool (see ``executor.py``)."""
-
-    def __init__(self, pool: WorkerPool, owns_pool: bool = False):
-        self.pool, self.owns_pool = pool, owns_pool
-        self.n_workers = pool.pp
-        self.clock = RealClock()
-        self._wall0 = time.time() - self.clock.now()    # workers stamp wall-clock time
-        self.in_flight: deque = deque()                 # (iteration id, batch), oldest first
-        self.known: dict = {}                           # rid -> (Request, the slots the workers hold)
-        pool.claim(self)
-
-    @classmethod
-    def for_llm(cls, llm) -> "WorkerExecutor":
-        """The pool attached to ``llm``, or a pool of its own that ``close()`` stops."""
-        pool = _ATTACHED.get(llm)
-        if pool is not None and not pool.broken:
-            return cls(pool)
-        return cls(WorkerPool(llm, attach=False), owns_pool=True)
-
-    def submit(self, batch):
-        self._check_owner()
-        release = [rid for rid, (r, _) in self.known.items() if r.state is RequestState.FINISHED]
-        for rid in release:
-            del self.known[rid]
-        reserve = {}
-        for r in batch.requests:
-            if self.known.get(r.rid, (None, None))[1] is not r.slots:   # new, or its blocks changed
-                self.known[r.rid] = (r, r.slots)
-                reserve[r.rid] = (tuple(r.slots.tolist() if torch.is_tensor(r.slots) else r.slots), r.params)
-        iteration = self.pool.next_iteration()
-        self.pool.send(ControlMessage.of(batch, iteration, reserve, release))
-        self.in_flight.append((iteration, batch))
-
-    def wait(self, timeout: float | None = None) -> Completion | None:
-        self._check_owner()
-        iteration, batch = self.in_flight[0]
-        reports = self.pool.collect(iteration, timeout)
-        if reports is None:
-            return None
-        self.in_flight.popleft()
-        stages = [StageTime(r.stage, r.start - self._wall0, r.end - self._wall0) for r in reports]
-        return Completion(batch, reports[-1].tokens, stages)
-
-    def _check_owner(self):
-        if self.pool.owner is not self:
-            raise RuntimeError("another engine has taken over this worker pool; create a new engine")
-
-    def close(self):
-        self.in_flight.clear()
-        if self.owns_pool:
-            self.pool.close()
-        elif self.pool.owner is self:
-            self.pool.owner = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

@@ -4,12 +4,12 @@ engine master (ORCA §4.3's engine master plus worker 1, in one process: the wor
 Two nodes, a pipeline stage per node, tensor parallel inside each node (ORCA's 175B setup, scaled)::
 
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank $NODE --master-addr $HOST0 --master-port 29500 \\
-        -m orca_lab.engine.torchrun --model tiny --tp 2 --pp 2 --n-requests 32 --out results/torchrun
+        -m orca_lab.torchrun --model tiny --tp 2 --pp 2 --n-requests 32 --out results/torchrun
 
 One machine, no GPU (gloo)::
 
     OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo torchrun --standalone --nproc-per-node 4 \\
-        -m orca_lab.engine.torchrun --tp 2 --pp 2 --device cpu
+        -m orca_lab.torchrun --tp 2 --pp 2 --device cpu
 
 Ranks are stage-major (rank = stage * tp + tensor rank), so with ``--nproc-per-node tp`` each node is
 one stage. Control channels listen on ``ORCA_LAB_CONTROL_HOST`` if set, else on the local address that
@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 from orca_lab.config import EngineConfig, model_config
-from orca_lab.engine.control import start_heartbeat, watch_master
-from orca_lab.engine.model import checkpoint_config
-from orca_lab.engine.parallel import WorkerPool
-from orca_lab.engine.worker import STORE_TIMEOUT, Worker, WorkerSpec
-from orca_lab.llm import SYSTEMS, LLM
+from orca_lab.distributed.heartbeat import start_heartbeat, watch_master
+from orca_lab.distributed.pool import WorkerPool
+from orca_lab.distributed.worker import STORE_TIMEOUT, Worker, WorkerSpec
+from orca_lab.llm import LLM, SYSTEMS
+from orca_lab.model.gpt import checkpoint_config
 
 
 def control_host() -> str:
@@ -46,7 +46,7 @@ def control_host() -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="torchrun ... -m orca_lab.engine.torchrun", description=__doc__,
+    p = argparse.ArgumentParser(prog="torchrun ... -m orca_lab.torchrun", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
     p.add_argument("--checkpoint", default=None, help="GPT-2 checkpoint directory (else random weights)")

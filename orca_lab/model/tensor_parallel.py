@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from orca_lab.engine.model import GPT, Block
+from orca_lab.model.gpt import GPT, Block
 
 
 def shard_ranges(leaf: str, cfg, t: int, T: int):

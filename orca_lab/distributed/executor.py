@@ -1,0 +1,77 @@
+"""The executor interface (``engine/executor.py``) over a pool of worker processes: the engine
+master's side of ORCA's distributed execution (§4.3)."""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from orca_lab.distributed.messages import ControlMessage
+from orca_lab.distributed.pool import WorkerPool, attached
+from orca_lab.engine.clock import RealClock
+from orca_lab.engine.executor import Completion, StageTime
+from orca_lab.engine.request import RequestState
+
+
+class WorkerExecutor:
+    """The executor interface over a WorkerPool (see ``executor.py``)."""
+
+    def __init__(self, pool: WorkerPool, owns_pool: bool = False):
+        self.pool, self.owns_pool = pool, owns_pool
+        self.n_workers = pool.pp
+        self.clock = RealClock()
+        self._wall0 = time.time() - self.clock.now()    # workers stamp wall-clock time
+        self.in_flight: deque = deque()                 # (iteration id, batch), oldest first
+        self.known: dict = {}                           # rid -> (Request, the slots the workers hold)
+        pool.claim(self)
+
+    @classmethod
+    def for_llm(cls, llm) -> "WorkerExecutor":
+        """The pool attached to ``llm``, or a pool of its own that ``close()`` stops."""
+        pool = attached(llm)
+        if pool is not None and not pool.broken:
+            return cls(pool)
+        return cls(WorkerPool(llm, attach=False), owns_pool=True)
+
+    def submit(self, batch):
+        self._check_owner()
+        release = [rid for rid, (r, _) in self.known.items() if r.state is RequestState.FINISHED]
+        for rid in release:
+            del self.known[rid]
+        reserve = {}
+        for r in batch.requests:
+            if self.known.get(r.rid, (None, None))[1] is not r.slots:   # new, or its blocks changed
+                self.known[r.rid] = (r, r.slots)
+                reserve[r.rid] = (tuple(r.slots.tolist() if torch.is_tensor(r.slots) else r.slots), r.params)
+        iteration = self.pool.next_iteration()
+        self.pool.send(ControlMessage.of(batch, iteration, reserve, release))
+        self.in_flight.append((iteration, batch))
+
+    def wait(self, timeout: float | None = None) -> Completion | None:
+        self._check_owner()
+        iteration, batch = self.in_flight[0]
+        reports = self.pool.collect(iteration, timeout)
+        if reports is None:
+            return None
+        self.in_flight.popleft()
+        stages = [StageTime(r.stage, r.start - self._wall0, r.end - self._wall0) for r in reports]
+        return Completion(batch, reports[-1].tokens, stages)
+
+    def _check_owner(self):
+        if self.pool.owner is not self:
+            raise RuntimeError("another engine has taken over this worker pool; create a new engine")
+
+    def close(self):
+        self.in_flight.clear()
+        if self.owns_pool:
+            self.pool.close()
+        elif self.pool.owner is self:
+            self.pool.owner = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+

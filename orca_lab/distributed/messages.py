@@ -1,0 +1,82 @@
+"""The control plane's messages (ORCA §4.3): what the engine master and the workers tell each other.
+
+The engine master sends each iteration's ``ControlMessage`` (request ids, positions, lengths, new
+token ids, K/V slots of requests new to the workers) to the first stage's workers. Every worker
+forwards it to its successor the moment it arrives, before and independently of its own tensor work;
+the last stage sends the tokens back in a ``StageReport``. Only Python scalars and lists travel here:
+tensors go over torch.distributed (``data_plane.py``), so control never synchronizes a device. How a
+message is framed and signed is ``wire.py``; the sockets it travels on are ``channels.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from orca_lab.engine.batch import Batch
+from orca_lab.engine.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class ControlMessage:
+    """One iteration, as the workers need it: what ``BatchTensors.build`` reads, nothing more."""
+    iteration: int
+    rids: tuple[int, ...]
+    starts: tuple[int, ...]          # tokens already cached per request (positions start here)
+    q_lens: tuple[int, ...]          # new tokens per request
+    tokens: tuple[tuple[int, ...], ...]
+    phases: tuple[str, ...]
+    yields: tuple[bool, ...]         # which requests the last stage samples (``Batch.yields``)
+    padded: bool
+    # The worker side of the K/V manager: slots and sampling of requests the workers have not seen
+    # yet, and the requests the scheduler finished (their slots may be handed to new requests).
+    reserve: dict[int, tuple[tuple[int, ...], SamplingParams]] = field(default_factory=dict)
+    release: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, batch: Batch, iteration: int, reserve, release) -> "ControlMessage":
+        return cls(iteration, tuple(r.rid for r in batch.requests), tuple(batch.starts),
+                   tuple(batch.q_lens), tuple(tuple(t) for t in batch.tokens), tuple(batch.phases),
+                   tuple(batch.yields), batch.padded, reserve, tuple(release))
+
+    def batch(self, requests: dict) -> Batch:
+        """The worker's Batch over its own request records (``requests[rid].slots``)."""
+        return Batch([requests[rid] for rid in self.rids], list(self.starts), list(self.q_lens),
+                     self.padded, self.iteration, [list(t) for t in self.tokens], list(self.phases),
+                     list(self.yields))
+
+
+@dataclass(frozen=True)
+class Reset:
+    """A new engine takes the workers over: forget every request of the previous one."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Shut down: each worker forwards it, finishes its data-plane sends and exits."""
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """A stage finished an iteration: its times (wall clock, seconds) and, from the last stage, the
+    tokens. Earlier stages report only their times, for the pipeline trace."""
+    iteration: int
+    stage: int
+    start: float
+    end: float
+    tokens: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class WorkerError:
+    rank: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The first frame of every connection: who is calling (-1 = the engine master)."""
+    rank: int
+
+
+# The kinds a frame may name (``wire.decode`` builds nothing else).
+MESSAGES = {cls.__name__: cls for cls in (ControlMessage, Reset, Stop, StageReport, WorkerError, Hello)}
+

@@ -1,0 +1,22 @@
+"""Result tables that leave the process: a CSV to read and a JSON that records what produced it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from orca_lab.environment import environment
+
+
+def save_table(df: pd.DataFrame, out_dir, name: str, columns=None, **meta) -> list[Path]:
+    """``name.csv`` (``columns`` only, if given) and ``name.json`` (every column, ``meta`` and the
+    machine and library versions that produced it) under ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    csv, js = out / f"{name}.csv", out / f"{name}.json"
+    df.to_csv(csv, columns=columns, index=False)
+    js.write_text(json.dumps({"meta": meta, "environment": environment(),
+                              "rows": json.loads(df.to_json(orient="records"))}, indent=1, default=str))
+    return [csv, js]
+
