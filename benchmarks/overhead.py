@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from orca_lab import LLM, EngineConfig, SamplingParams
-from orca_lab.engine import executor as executor_mod
 from orca_lab.engine.batch import Batch
 from orca_lab.environment import environment
+from orca_lab.model import executor as executor_mod
 from orca_lab.model import gpt as model_mod
 from orca_lab.workload import paper_trace
 

@@ -207,7 +207,7 @@ def timed_run(system, llm, hf, trace, max_bs):
     norm = [lat / len(o) for lat, o in zip(latencies, outputs)]
     return outputs, {"duration_s": duration, "cpu_s": cpu, "tokens_per_s": n_gen / duration,
                      "tokens_per_cpu_s": n_gen / cpu, "requests_per_s": len(trace) / duration,
-                     "median_norm_latency_ms": 1e3 * statistics.median(norm)}
+                     "norm_latency_median_ms": 1e3 * statistics.median(norm)}
 
 
 def check_tokens(trace, runs) -> dict:
@@ -325,7 +325,7 @@ def print_summary(preset, summary, ratios, cpu_ratios, floor):
     for s in SYSTEMS:
         m = summary[s]
         print(f"  {s:12s} {m['tokens_per_s']:9.1f} {m['requests_per_s']:8.2f} "
-              f"{m['median_norm_latency_ms']:16.1f} {ratios[s]:14.2f}x {cpu_ratios[s]:18.2f}x "
+              f"{m['norm_latency_median_ms']:16.1f} {ratios[s]:14.2f}x {cpu_ratios[s]:18.2f}x "
               f"{m['cpu_s'] / m['duration_s']:6.2f}")
     print(f"  matmul floor: {floor['gflops']:.1f} GFLOP of linear layers take {floor['seconds']:.2f} s bare "
           f"({floor['gflop_per_s']:.0f} GFLOP/s): at most {floor['tokens_per_s_bound']:.1f} tok/s for any "

@@ -38,7 +38,7 @@ def run(llm, trace, label, system, mbs=None) -> dict:
     s = summarize(result)
     return {"run": label, "system": system, "stages": len(busy), "tp": llm.engine_config.tensor_parallel,
             "mbs": mbs, "throughput_rps": s["throughput_rps"], "throughput_tok_s": s["throughput_tok_s"],
-            "median_norm_latency_ms": s["median_norm_latency_ms"], "n_iterations": s["n_iterations"],
+            "norm_latency_median_ms": s["norm_latency_median_ms"], "n_iterations": s["n_iterations"],
             "max_in_flight": max(it.in_flight for it in result.iterations),
             "stage_utilisation": busy, "mean_utilisation": sum(busy) / len(busy)}
 
@@ -94,7 +94,7 @@ def print_table(rows, args):
     for r in rows:
         util = " ".join(f"{u:5.0%}" for u in r["stage_utilisation"])
         print(f"{r['run']:<22}{r['stages']:>7}{r['max_in_flight']:>10}{r['throughput_rps']:>8.2f}"
-              f"{r['throughput_tok_s']:>9.1f}{r['median_norm_latency_ms']:>10.1f}  {util}  (mean {r['mean_utilisation']:.0%})")
+              f"{r['throughput_tok_s']:>9.1f}{r['norm_latency_median_ms']:>10.1f}  {util}  (mean {r['mean_utilisation']:.0%})")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import torch
 
 from orca_lab import LLM, EngineConfig
 from orca_lab.environment import environment
-from orca_lab.metrics import serving_summary
+from orca_lab.metrics import summarize
 from orca_lab.serving.bench import DebugRun, make_trace, run_load, server_records
 from orca_lab.serving.launch import ServerProcess
 
@@ -51,12 +51,12 @@ def saturation(args, llm, server, pages: DebugRun) -> list[dict]:
     trace = make_trace("paper", args.n_requests, None, llm.cfg.vocab_size, args.seed, scale=args.scale)
     rows = []
     for rep in range(args.repeats):
-        local = serving_summary(llm.serve(trace))["throughput_tok_s"]
+        local = summarize(llm.serve(trace))["throughput_tok_s"]
         pages.fetch()                           # what came before this run: skipped
         run = asyncio.run(run_load(server.url, trace, args.model))
         assert run.n_failed == 0, [r.error for r in run.requests if r.error][:3]
         ids, data = [r.completion_id for r in run.requests], pages.fetch()
-        tok_s = {level: serving_summary(server_records(server.url, ids, level, data))["throughput_tok_s"]
+        tok_s = {level: summarize(server_records(server.url, ids, level, data))["throughput_tok_s"]
                  for level in ("http", "engine")}
         client = run.summary()["throughput_tok_s"]
         rows.append({"repeat": rep, "in_process_tok_s": local, "server_tok_s": tok_s["http"],

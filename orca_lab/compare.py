@@ -17,8 +17,8 @@ from orca_lab.workload import paper_trace
 SYSTEMS = ("orca", "ft")
 BASELINE_LOADS = (0.4, 1.0, 2.5)   # fractions of the baseline's capacity: light, at it, well past it
 ORCA_LOAD = 0.8                    # one more point at this fraction of ORCA's capacity, when beyond them
-COLUMNS = ["load", "throughput_rps", "throughput_tok_s", "median_norm_latency_ms", "p90_norm_latency_ms",
-           "median_ttft_ms", "tokens_per_iteration", "wasted_rows_per_iteration"]
+COLUMNS = ["load", "throughput_rps", "throughput_tok_s", "norm_latency_median_ms", "norm_latency_p90_ms",
+           "ttft_median_ms", "tokens_per_iteration", "wasted_rows_per_iteration"]
 
 
 @dataclasses.dataclass
@@ -43,8 +43,8 @@ class Comparison:
             o, f = (t[(t["system"] == s) & (t["rate"] == rate)].iloc[0] for s in ("orca", "ft"))
             lines.append(f"{label} ({rate:.2f} req/s offered): ORCA {o.throughput_rps:.2f} vs baseline "
                          f"{f.throughput_rps:.2f} req/s ({o.throughput_rps / f.throughput_rps:.2f}x); "
-                         f"median normalized latency {o.median_norm_latency_ms:.1f} vs "
-                         f"{f.median_norm_latency_ms:.1f} ms/token")
+                         f"median normalized latency {o.norm_latency_median_ms:.1f} vs "
+                         f"{f.norm_latency_median_ms:.1f} ms/token")
         return "\n".join(lines)
 
 

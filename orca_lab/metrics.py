@@ -21,32 +21,29 @@ def per_request(result) -> pd.DataFrame:
     return df
 
 
-def summarize(result, slo_norm_latency: float | None = None) -> dict:
-    """One row of numbers for a run. Latencies in ms; throughput over first arrival..last finish."""
+def summarize(result, itl=None, slo_norm_latency_ms: float | None = None, slo_ttft_ms: float | None = None,
+              slo_tpot_ms: float | None = None) -> dict:
+    """One row of numbers for a run: the one reader of a per-request frame, for ``compare``, ``bench``,
+    the simulator, the fidelity check and the notebooks. ``result`` is the engine's ``RunResult`` or a
+    client's records (anything with ``requests_df()`` and ``duration``). Each quantity of
+    ``QUANTITIES`` gets ``{name}_{mean,median,p90,p95,p99}_ms``; ITL too where the gaps between
+    tokens are known (``itl``, seconds); throughput is over first arrival..last finish; goodput counts
+    the requests that met every SLO given (all of them when none is)."""
     df = per_request(result)
-    it = result.iterations_df()
-    last_stage = it[it["stage"] == it["stage"].max()] if len(it) else it
     duration = max(result.duration, 1e-12)
-    ms = lambda s, q=50: float(np.percentile(s.dropna(), q) * 1e3) if s.notna().any() else float("nan")
-    row = {
-        "system": result.system,
-        "n_requests": int(len(df)),
-        "duration_s": float(result.duration),
-        "throughput_rps": len(df) / duration,
-        "throughput_tok_s": float(df["n_generated"].sum()) / duration,
-        "median_norm_latency_ms": ms(df["norm_latency"]),
-        "p90_norm_latency_ms": ms(df["norm_latency"], 90),
-        "p99_norm_latency_ms": ms(df["norm_latency"], 99),
-        "p50_latency_ms": ms(df["latency"]),
-        "p90_latency_ms": ms(df["latency"], 90),
-        "p99_latency_ms": ms(df["latency"], 99),
-        "median_ttft_ms": ms(df["ttft"]),
-        "median_tpot_ms": ms(df["tpot"]),
-        "n_iterations": int(len(last_stage)),
-        **_rows_per_iteration(last_stage),
-    }
-    if slo_norm_latency is not None:   # goodput: requests/s that met the normalized-latency SLO
-        row["goodput_rps"] = float((df["norm_latency"] <= slo_norm_latency).sum()) / duration
+    row = {"system": getattr(result, "system", None), "n_requests": int(len(df)),
+           "duration_s": float(result.duration), "throughput_rps": len(df) / duration,
+           "throughput_tok_s": float(df["n_generated"].sum()) / duration}
+    for name, col in QUANTITIES.items():
+        row.update(distribution(df[col], name))
+    if itl is not None:
+        row.update(distribution(itl, "itl"))
+    if hasattr(result, "iterations_df"):
+        it = result.iterations_df()
+        last_stage = it[it["stage"] == it["stage"].max()] if len(it) else it
+        row["n_iterations"] = int(len(last_stage))
+        row.update(_rows_per_iteration(last_stage))
+    row["goodput_rps"] = goodput(df, duration, slo_norm_latency_ms, slo_ttft_ms, slo_tpot_ms)
     return row
 
 
@@ -65,13 +62,15 @@ def compare_table(results) -> pd.DataFrame:
     return pd.DataFrame([summarize(r) for r in results]).set_index("system")
 
 
-# -- serving: the numbers of a load generator (vLLM's `bench serve`) plus the paper's --------------
-PERCENTILES = (50, 90, 99)
+# -- one vocabulary: {quantity}_{statistic}_ms ----------------------------------------------------
+QUANTITIES = {"ttft": "ttft", "tpot": "tpot", "e2e": "latency", "norm_latency": "norm_latency",
+              "queueing": "queueing"}          # name in a summary -> column of ``per_request``
+PERCENTILES = (50, 90, 95, 99)                  # 50 is named "median"
 
 
 def distribution(values, name: str, scale: float = 1e3, unit: str = "ms") -> dict:
-    """``{name}_mean_{unit}``, ``_median_``, ``_p90_``, ``_p99_`` of ``values`` (seconds times
-    ``scale``); NaN when there is no value."""
+    """``{name}_mean_{unit}``, ``_median_``, ``_p90_``, ``_p95_``, ``_p99_`` of ``values`` (seconds
+    times ``scale``); NaN when there is no value."""
     v = np.asarray(pd.Series(values, dtype=float).dropna()) * scale
     stats = {"mean": float(v.mean()) if len(v) else float("nan")}
     for q in PERCENTILES:
@@ -79,28 +78,14 @@ def distribution(values, name: str, scale: float = 1e3, unit: str = "ms") -> dic
     return {f"{name}_{k}_{unit}": x for k, x in stats.items()}
 
 
-def goodput(df: pd.DataFrame, duration: float, slo_ttft_ms: float | None = None,
-            slo_tpot_ms: float | None = None) -> float:
+def goodput(df: pd.DataFrame, duration: float, slo_norm_latency_ms: float | None = None,
+            slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> float:
     """Requests/s that met every SLO given (as vLLM counts it: a one-token request has TPOT 0)."""
     ok = pd.Series(True, index=df.index)
+    if slo_norm_latency_ms is not None:
+        ok &= df["norm_latency"] * 1e3 <= slo_norm_latency_ms
     if slo_ttft_ms is not None:
         ok &= df["ttft"] * 1e3 <= slo_ttft_ms
     if slo_tpot_ms is not None:
         ok &= df["tpot"].fillna(0.0) * 1e3 <= slo_tpot_ms
     return float(ok.sum()) / max(duration, 1e-12)
-
-
-def serving_summary(result, itl=None, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> dict:
-    """One row for a served run, from the engine's own ``RunResult`` or from a client's records
-    (anything with ``requests_df()`` and ``duration``): TTFT, TPOT, ITL (``itl``: the gaps between
-    tokens, where known), end-to-end and normalized latency (mean, median, p90, p99), throughput
-    and goodput."""
-    df = per_request(result)
-    duration = max(result.duration, 1e-12)
-    row = {"n_requests": int(len(df)), "duration_s": float(result.duration),
-           "throughput_rps": len(df) / duration, "throughput_tok_s": float(df["n_generated"].sum()) / duration}
-    for name, col in (("ttft", df["ttft"]), ("tpot", df["tpot"]), ("itl", [] if itl is None else itl),
-                      ("e2e", df["latency"]), ("norm_latency", df["norm_latency"])):
-        row.update(distribution(col, name))
-    row["goodput_rps"] = goodput(df, duration, slo_ttft_ms, slo_tpot_ms)
-    return row

@@ -12,7 +12,7 @@ def test_compare_prints_a_table_and_writes_json_and_html(tmp_path, capsys):
     main(["compare", "--n-requests", "6", "--rate", "50", "--scale", "0.05", "--max-bs", "4",
           "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "orca" in out and "ft" in out and "median_norm_latency_ms" in out
+    assert "orca" in out and "ft" in out and "norm_latency_median_ms" in out
     report = json.loads((tmp_path / "compare.json").read_text())
     rows = {r["system"]: r for r in report["summary"]}
     assert set(rows) == {"orca", "ft"} and all(r["rate"] == 50 for r in rows.values())

@@ -42,8 +42,8 @@ MEASURE = {
                     ["model", "system", "batch_size", "input_len", "gen_len", "kv_slots_needed", "n_slots", "oom", "time_ms"]),
     "fig_e2e": (dict(curves=["orca(4)", "ft(2,2)"], n_requests=8, loads=[0.5, 2.0], scale=0.05), CSV_COLUMNS),
     "fig11_homogeneous": (dict(shapes=[[32, 16]], scale=0.25, curves=["orca(4)", "ft(2,2)"], n_requests=8, loads=[0.5, 2.0]),
-                          CSV_COLUMNS[:5] + ["input_len", "gen_len", "throughput_rps", "median_latency_ms",
-                                             "median_norm_latency_ms"]),
+                          CSV_COLUMNS[:5] + ["input_len", "gen_len", "throughput_rps", "e2e_median_ms",
+                                             "norm_latency_median_ms"]),
     "kv_memory": (dict(rates=[50.0], n_requests=12, scale=0.1),
                   ["scheme", "utilization", "mean_reserved_slots", "peak_reserved_slots", "rate"]),
 }
@@ -117,7 +117,7 @@ def test_fig_e2e_without_chromium_writes_its_table_and_html(tmp_path):
 def test_fig_e2e_writes_the_table_the_headline_and_the_figure(runs):
     out = _ok(runs, "fig_e2e")
     df = pd.read_csv(out / "fig_e2e.csv")
-    assert list(df.columns) == ["model", "system", "max_bs", "mbs", "rate", "throughput_rps", "median_norm_latency_ms"]
+    assert list(df.columns) == ["model", "system", "max_bs", "mbs", "rate", "throughput_rps", "norm_latency_median_ms"]
     assert set(df["system"]) == {"orca", "ft"} and len(df) == 4
     assert df.loc[df["system"] == "orca", "mbs"].isna().all() and (df.loc[df["system"] == "ft", "mbs"] == 1).all()
     head = json.loads((out / "headline.json").read_text())[0]
@@ -184,7 +184,7 @@ def test_fig9_measures_the_real_engine_on_this_device(runs):
 def test_fig11_writes_unnormalized_latency(runs):
     out = _ok(runs, "fig11_homogeneous")
     df = pd.read_csv(out / "fig11_homogeneous.csv")
-    assert {"input_len", "gen_len", "median_latency_ms", "throughput_rps"} <= set(df.columns)
+    assert {"input_len", "gen_len", "e2e_median_ms", "throughput_rps"} <= set(df.columns)
     assert (df["input_len"] == 16).all() and len(df) == 4
     _figures(out, "fig11_homogeneous")
 
@@ -210,8 +210,8 @@ def test_sim_fidelity_reports_errors_per_load(runs):
     # the primary error with its spread over the repeats, the engine's own spread, the field's statistics
     lo, mid, hi = (df[f"latency_error_at_run_speed{s}_pct"] for s in ("_min", "", "_max"))
     assert (lo <= mid).all() and (mid <= hi).all() and df["measured_spread_pct"].ge(0).all()
-    assert {"norm_p95_error_pct", "ttft_mean_error_pct", "tpot_p90_error_pct", "e2e_mean_error_pct",
-            "measured_norm_p95_ms"} <= set(df.columns) and (df["repeats"] == 2).all()
+    assert {"norm_latency_p95_error_pct", "ttft_mean_error_pct", "tpot_p90_error_pct", "e2e_mean_error_pct",
+            "measured_norm_latency_p95_ms"} <= set(df.columns) and (df["repeats"] == 2).all()
     # the baseline hands a request all its tokens at once, in the simulator as in the engine: TPOT 0 in both
     assert df.set_index("curve").loc["ft(4,4)", ["measured_tpot_mean_ms", "tpot_mean_error_pct"]].eq(0).all()
     _figures(out, "sim_fidelity")
@@ -222,12 +222,12 @@ def test_policies_compares_every_system_on_every_trace(runs):
     held = pd.read_csv(out / "policies_concurrency.csv")
     assert set(held["trace"]) == {"paper", "sharegpt"} and set(held["curve"]) == {"orca(256)", "paged(256)"}
     tails = pd.read_csv(out / "policies_tails.csv").set_index("curve")
-    assert tails.loc["chunked(32)", "p99_tpot_ms"] < tails.loc["orca(32)", "p99_tpot_ms"]
+    assert tails.loc["chunked(32)", "tpot_p99_ms"] < tails.loc["orca(32)", "tpot_p99_ms"]
     at = pd.read_csv(out / "policies_at_latency.csv")
     assert set(at["system"]) == {"orca", "paged", "chunked", "ft"} and len(at) == 8
     measured = pd.read_csv(out / "policies_measured.csv")
     assert json.loads((out / "policies_measured.json").read_text())["meta"]["measure"]["device"] == DEVICE
-    assert {"p99_ttft_ms", "p99_tpot_ms", "n_preemptions", "kv_real_share"} <= set(measured.columns)
+    assert {"ttft_p99_ms", "tpot_p99_ms", "n_preemptions", "kv_real_share"} <= set(measured.columns)
     for stem in ("policies_curves", "policies_kv", "policies_preemptions"):
         _figures(out, stem)
 

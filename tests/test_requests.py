@@ -35,7 +35,7 @@ def drain(engine):
 
 def assert_no_slot_leak(engine):
     kv = engine.scheduler.kv
-    assert kv.n_reserved == 0 and kv.n_holders == 0 and sorted(kv._free) == list(range(kv.n_slots))
+    assert kv.n_reserved == 0 and kv.n_holders == 0 and kv._spans == [[0, kv.n_slots]]
     assert engine.stats().waiting == engine.stats().running == 0
 
 
@@ -166,16 +166,14 @@ def test_finish_reason_is_recorded(tiny_llm):
     ([1], dict(stop_token_ids=[257]), "stop_token_ids=257 is out of the vocabulary"),
     ([1], dict(eos_token_id=999, ignore_eos=False), "eos_token_id=999 is out of the vocabulary"),
 ])
-def test_check_request_refuses_what_add_request_refuses_and_adds_nothing(tiny_llm, prompt, kw, match):
+def test_add_request_refuses_and_adds_nothing(tiny_llm, prompt, kw, match):
     engine = engine_of(tiny_llm, n_slots=512)
-    for call in (engine.check_request, engine.add_request):
-        with pytest.raises(ValueError, match=match):
-            call(prompt, SamplingParams(**kw))
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(prompt, SamplingParams(**kw))
     # several at once: a good one before the bad one is not added either
     with pytest.raises(ValueError, match=match):
         engine.add_requests([((5, 6), SamplingParams(), None), (prompt, SamplingParams(**kw), None)])
     assert engine.requests == [] and not engine.has_work()
-    assert engine.check_request((5, 6), SamplingParams()) == [5, 6] and engine.requests == []
 
 
 # -- per-request parameters in the Python API: each batched == alone, token for token ---------------

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from orca_lab import LLM
-from orca_lab.metrics import serving_summary
+from orca_lab.metrics import summarize
 from orca_lab.serving.bench import DebugRun, make_trace, run_load, server_records
 from orca_lab.serving.launch import ServerProcess
 from orca_lab.serving.metrics import parse_metrics
@@ -148,8 +148,8 @@ def test_bench_agrees_with_the_servers_own_records(server):
     trace = make_trace("fixed", 16, None, 257, input_len=300, output_len=4)
     run = asyncio.run(run_load(server.url, trace, "tiny"))
     assert run.n_failed == 0 and [r.n_generated for r in run.requests] == [4] * 16
-    client_side = serving_summary(run, run.itl)
-    server_side = serving_summary(server_records(server.url, [r.completion_id for r in run.requests]))
+    client_side = summarize(run, run.itl)
+    server_side = summarize(server_records(server.url, [r.completion_id for r in run.requests]))
     assert server_side["n_requests"] == 16
     for key in ("ttft_median_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_median_ms", "e2e_p90_ms", "e2e_p99_ms"):
         assert server_side[key] <= client_side[key] <= 1.1 * server_side[key], (key, client_side, server_side)

@@ -288,19 +288,19 @@ def test_sweep_rows_capacity_and_parallel_runs_agree():
     assert (serial["load"].to_numpy() == pytest.approx([0.5, 1.5, 0.5, 1.5]))
     parallel = Sweep(backends, curves, spec, rates=[0.2, 0.4], n_procs=2, progress=False).run()
     again = Sweep(backends, curves, spec, rates=[0.2, 0.4], progress=False).run()
-    cols = ["system", "max_bs", "rate", "throughput_rps", "median_norm_latency_ms"]
+    cols = ["system", "max_bs", "rate", "throughput_rps", "norm_latency_median_ms"]
     pd.testing.assert_frame_equal(parallel[cols], again[cols])
     assert parallel["load"].isna().all()
 
 
 def test_throughput_at_interpolates_on_log_latency_and_headline_picks_the_best_curves():
-    pts = pd.DataFrame({"rate": [1, 2, 3], "throughput_rps": [1.0, 2.0, 2.5], "median_norm_latency_ms": [10, 100, 1000]})
+    pts = pd.DataFrame({"rate": [1, 2, 3], "throughput_rps": [1.0, 2.0, 2.5], "norm_latency_median_ms": [10, 100, 1000]})
     assert throughput_at(pts, 100) == (pytest.approx(2.0), True)
     assert throughput_at(pts, math.sqrt(10 * 100)) == (pytest.approx(1.5), True)
     assert throughput_at(pts, 5000) == (2.5, False) and math.isnan(throughput_at(pts, 5)[0])
     rows = [dict(model="m", system=s, max_bs=bs, mbs=mbs, **p) for s, bs, mbs, scale in
             [("orca", 8, None, 10), ("orca", 32, None, 20), ("ft", 1, 1, 1)] for p in
-            [dict(rate=r, throughput_rps=r * scale, median_norm_latency_ms=50 * r) for r in (1, 2, 4)]]
+            [dict(rate=r, throughput_rps=r * scale, norm_latency_median_ms=50 * r) for r in (1, 2, 4)]]
     h = headline(pd.DataFrame(rows), "m", 100.0)
     assert (h["orca_curve"], h["ft_curve"]) == ("orca(32)", "ft(1,1)") and h["ratio"] == pytest.approx(20.0)
     with pytest.raises(ValueError, match="not in the sweep"):
@@ -323,16 +323,16 @@ def test_fidelity_statistics_of_a_run_and_their_summary_as_the_field_reports_the
     run = SimBackend("gpt3-13b").serve(Curve("orca", 8), trace)
     stats, df = request_stats(run), per_request(run)
     assert set(stats) == set(STATS)
-    assert stats["norm_p95"] == pytest.approx(df["norm_latency"].quantile(0.95) * 1e3)
+    assert stats["norm_latency_p95"] == pytest.approx(df["norm_latency"].quantile(0.95) * 1e3)
     assert stats["ttft_mean"] == pytest.approx(df["ttft"].mean() * 1e3)
-    assert stats["norm_p50"] <= stats["norm_p95"] and stats["e2e_mean"] > stats["ttft_mean"] > 0
+    assert stats["norm_latency_median"] <= stats["norm_latency_p95"] and stats["e2e_mean"] > stats["ttft_mean"] > 0
     errs = {f"{k}_error_pct": [1.0, -4.0, 30.0] for k in STATS}
     table = pd.DataFrame({"load": [0.3, 0.8, 0.9], "run_load": [0.3, 0.85, 1.2],
                           "latency_error_at_run_speed_pct": [2.0, -6.0, 50.0], **errs})
     s = field_summary(table).set_index("statistic")
     assert s.loc["latency_error_at_run_speed", "max_abs_pct"] == 6.0      # the point past saturation is left out
     assert s.loc["latency_error_at_run_speed", "points"] == 2
-    assert s.loc["vidur: norm_p95 error at load 0.8", "max_abs_pct"] == 4.0
+    assert s.loc["vidur: norm_latency_p95 error at load 0.8", "max_abs_pct"] == 4.0
 # -- measure mode: the paper's Table 1, scaled to the GPUs present -----------------------------------
 @pytest.mark.parametrize("preset,n_gpus,expected", [
     ("gpt3-13b", 1, (1, 1)), ("gpt3-101b", 8, (8, 1)), ("gpt3-175b", 16, (8, 2)), ("gpt3-341b", 32, (8, 4)),

@@ -146,11 +146,6 @@ class Engine:
         self.live[req.rid] = req
         return req
 
-    def check_request(self, prompt, params: SamplingParams) -> list[int]:
-        """Every check ``add_request`` makes, adding nothing: the prompt as token ids, or a ValueError
-        (TypeError for a prompt that is not token ids) naming the field, the value and the range."""
-        return self._checked(prompt, params)[0]
-
     def _checked(self, prompt, params: SamplingParams) -> tuple[list[int], SamplingParams]:
         prompt = self._check_prompt(prompt)
         if len(prompt) + params.max_gen_tokens > self.max_seq_len:

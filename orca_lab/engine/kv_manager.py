@@ -133,11 +133,6 @@ class KVSlotManager:
         else:
             self._spans.insert(i, [a, b])
 
-    @property
-    def _free(self) -> list[int]:
-        """Every free slot id, lowest first."""
-        return [i for a, b in self._spans for i in range(a, b)]
-
     def layer(self, i: int):
         """One layer's ``(k_pool, v_pool)``, each ``[n_slots, n_heads, head_dim]``."""
         return self.pool.layer(i)

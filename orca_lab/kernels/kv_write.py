@@ -44,12 +44,6 @@ def _write_kv_kernel(
 
 
 # ------------------------------------------------------------------------------------ reference
-def write_kv_ref(k, v, k_pool, v_pool, slot_mapping):
-    slots = slot_mapping.long()
-    k_pool[slots] = k.to(k_pool.dtype)
-    v_pool[slots] = v.to(v_pool.dtype)
-
-
 def write_kv_torch(k, v, k_pool, v_pool, slot_mapping):
     """The fast path: ``index_copy_`` writes rows in place, cheaper than advanced-index assignment."""
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()

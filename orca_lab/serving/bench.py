@@ -22,7 +22,7 @@ import httpx
 from orca_lab.config import check_choice, check_range
 from orca_lab.engine.engine import _progress
 from orca_lab.environment import environment
-from orca_lab.metrics import serving_summary
+from orca_lab.metrics import summarize
 from orca_lab.workload import homogeneous_trace, paper_trace
 
 DATASETS = ("paper", "fixed")
@@ -63,7 +63,7 @@ class ClientRun:
         return sum(r.error is not None for r in self.requests)
 
     def summary(self, slo_ttft_ms=None, slo_tpot_ms=None) -> dict:
-        return {**serving_summary(self, self.itl, slo_ttft_ms, slo_tpot_ms), "n_failed": self.n_failed}
+        return {**summarize(self, self.itl, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms), "n_failed": self.n_failed}
 
 
 def make_trace(dataset: str, n: int, rate: float | None, vocab_size: int, seed: int = 0, burstiness: float = 1.0,

@@ -17,10 +17,7 @@ def run_row(result) -> dict:
     batch = np.array([len(it.rids) for it in first])
     used = np.array([it.kv_used for it in first], dtype=float)
     held = np.array([it.kv_reserved for it in first], dtype=float)
-    ms = lambda s, q: float(np.nanpercentile(s, q) * 1e3) if s.notna().any() else float("nan")
     return {**summarize(result),
-            "p50_ttft_ms": ms(df["ttft"], 50), "p99_ttft_ms": ms(df["ttft"], 99),
-            "p50_tpot_ms": ms(df["tpot"], 50), "p99_tpot_ms": ms(df["tpot"], 99),
             "n_preemptions": int(df["n_preemptions"].sum()),
             "max_batch": int(batch.max()), "mean_batch": float(batch.mean()),
             "kv_real_share": float(used.sum() / max(held.sum(), 1.0)),   # of the slots held, iteration-weighted

@@ -39,11 +39,10 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pandas as pd
 
 from orca_lab.config import check_range
-from orca_lab.metrics import per_request
+from orca_lab.metrics import summarize
 from orca_lab.sim.fitted import FittedCost
 from orca_lab.sim.run import Curve, SimBackend, TraceSpec, serve_point
 
@@ -114,19 +113,14 @@ def calibrate(real, curves, trace, max_tries: int | None = None):
 # The field's statistics, each for the real run and the simulator at that run's speed: Vidur's (the
 # P95 of normalized end-to-end latency, reported at 85% of capacity) and LLMServingSim's (mean and
 # percentile TTFT, TPOT and end-to-end latency), beside the median normalized latency.
-STATS = {"norm_p50": ("norm_latency", 50), "norm_p95": ("norm_latency", 95),
-         "ttft_mean": ("ttft", None), "ttft_p90": ("ttft", 90), "tpot_mean": ("tpot", None),
-         "tpot_p90": ("tpot", 90), "e2e_mean": ("latency", None), "e2e_p90": ("latency", 90)}
+STATS = ("norm_latency_median", "norm_latency_p95", "ttft_mean", "ttft_p90", "tpot_mean", "tpot_p90",
+         "e2e_mean", "e2e_p90")
 
 
 def request_stats(result) -> dict:
-    """``STATS`` of one run, in ms."""
-    df = per_request(result)
-    out = {}
-    for name, (col, q) in STATS.items():
-        x = df[col].dropna().to_numpy()
-        out[name] = float((x.mean() if q is None else np.percentile(x, q)) * 1e3) if len(x) else math.nan
-    return out
+    """``STATS`` of one run, in ms (read by ``metrics.summarize``)."""
+    row = summarize(result)
+    return {name: row[f"{name}_ms"] for name in STATS}
 
 
 def compare(real, curves, spec: TraceSpec, loads, repeats: int = 1, progress: bool = True,
@@ -181,10 +175,10 @@ def _measure(real, cost, curve, spec, rate, offline) -> tuple[dict, bool]:
                                               curve, spec, rate)
     (s, _), (u, _), (w, _) = sim(cost.at_speed(speed)), sim(cost), sim(cost.at_speed(run_speed))
     r, r_run = sim(cost, cost.speed_profile(run, SPEED_WINDOW))
-    row = {"speed": speed, "run_speed": run_speed, "measured_ms": m["median_norm_latency_ms"],
-           "simulated_ms": s["median_norm_latency_ms"], "simulated_unscaled_ms": u["median_norm_latency_ms"],
-           "simulated_at_run_speed_ms": r["median_norm_latency_ms"],
-           "simulated_at_mean_run_speed_ms": w["median_norm_latency_ms"], "measured_rps": m["throughput_rps"],
+    row = {"speed": speed, "run_speed": run_speed, "measured_ms": m["norm_latency_median_ms"],
+           "simulated_ms": s["norm_latency_median_ms"], "simulated_unscaled_ms": u["norm_latency_median_ms"],
+           "simulated_at_run_speed_ms": r["norm_latency_median_ms"],
+           "simulated_at_mean_run_speed_ms": w["norm_latency_median_ms"], "measured_rps": m["throughput_rps"],
            "simulated_rps": s["throughput_rps"]}
     row["latency_error_at_run_speed_pct"] = error_pct(row["simulated_at_run_speed_ms"], row["measured_ms"])
     row["latency_error_at_mean_run_speed_pct"] = error_pct(row["simulated_at_mean_run_speed_ms"], row["measured_ms"])
@@ -213,7 +207,7 @@ def field_summary(df: pd.DataFrame, vidur_load: float = 0.85) -> pd.DataFrame:
     rows = [{"statistic": c.removesuffix("_pct"), "median_abs_pct": below[c].abs().median(),
              "max_abs_pct": below[c].abs().max(), "points": int(below[c].notna().sum())} for c in cols]
     nearest = df.loc[(df["load"] - vidur_load).abs() == (df["load"] - vidur_load).abs().min()]
-    rows.append({"statistic": f"vidur: norm_p95 error at load {nearest['load'].iloc[0]:g}",
-                 "median_abs_pct": nearest["norm_p95_error_pct"].abs().median(),
-                 "max_abs_pct": nearest["norm_p95_error_pct"].abs().max(), "points": len(nearest)})
+    rows.append({"statistic": f"vidur: norm_latency_p95 error at load {nearest['load'].iloc[0]:g}",
+                 "median_abs_pct": nearest["norm_latency_p95_error_pct"].abs().median(),
+                 "max_abs_pct": nearest["norm_latency_p95_error_pct"].abs().max(), "points": len(nearest)})
     return pd.DataFrame(rows)

@@ -22,7 +22,7 @@ from orca_lab.config import EngineConfig, ModelConfig, check_choice, check_range
 from orca_lab.engine.engine import Engine
 from orca_lab.engine.policies import PAGED, new_kv, new_scheduler
 from orca_lab.llm import LLM
-from orca_lab.metrics import per_request
+from orca_lab.metrics import summarize
 from orca_lab.sim.calibration import efficiency
 from orca_lab.sim.cost import AnalyticalCost, Efficiency
 from orca_lab.sim.executor import SimExecutor
@@ -32,7 +32,7 @@ from orca_lab.workload import TraceItem, homogeneous_trace, paper_trace, real_tr
 DEFAULT_LOADS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 2.0, 3.0)
 
 
-CSV_COLUMNS = ["model", "system", "max_bs", "mbs", "rate", "throughput_rps", "median_norm_latency_ms"]
+CSV_COLUMNS = ["model", "system", "max_bs", "mbs", "rate", "throughput_rps", "norm_latency_median_ms"]
 
 
 @dataclass(frozen=True)
@@ -200,15 +200,9 @@ def serve_point(backend, curve: Curve, spec: TraceSpec, rate: float | None):
     """``measure_point``'s row, and the ``RunResult`` it summarizes."""
     t0, c0 = time.perf_counter(), time.process_time()
     result = backend.serve(curve, spec.make(rate, backend.cfg.vocab_size, backend.cfg.max_seq_len))
-    df = per_request(result)
-    ms = lambda s: float(np.median(s) * 1e3) if len(s) else math.nan
-    return {"model": backend.name, "system": curve.system, "max_bs": curve.max_bs, "mbs": curve.mbs,
-            "rate": rate, "throughput_rps": len(df) / max(result.duration, 1e-12),
-            "median_norm_latency_ms": ms(df["norm_latency"]), "median_latency_ms": ms(df["latency"]),
-            "p90_norm_latency_ms": float(np.percentile(df["norm_latency"], 90) * 1e3) if len(df) else math.nan,
-            "n_requests": len(df), "duration_s": result.duration,
-            "n_iterations": sum(1 for it in result.iterations if it.stage == 0),
-            "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}, result
+    return {"model": backend.name, **summarize(result), "system": curve.system, "max_bs": curve.max_bs,
+            "mbs": curve.mbs, "rate": rate, "wall_s": time.perf_counter() - t0,
+            "cpu_s": time.process_time() - c0}, result
 
 
 def capacity(backend, curve: Curve, spec: TraceSpec) -> float:
@@ -315,7 +309,7 @@ class _pool:
 
 
 # -- the paper's headline -------------------------------------------------------------------------
-def throughput_at(points: pd.DataFrame, latency_ms: float, col: str = "median_norm_latency_ms") -> tuple[float, bool]:
+def throughput_at(points: pd.DataFrame, latency_ms: float, col: str = "norm_latency_median_ms") -> tuple[float, bool]:
     """Throughput of one curve where its median latency reaches ``latency_ms``: the highest-rate
     point under it, interpolated (log latency) towards the first point over it; and whether the
     curve reached it. A curve that saturates below it (within the sweep) gives its highest

@@ -32,7 +32,7 @@ def _colors(df: pd.DataFrame) -> dict:
     return out
 
 
-def latency_throughput_figure(df: pd.DataFrame, latency_col: str = "median_norm_latency_ms",
+def latency_throughput_figure(df: pd.DataFrame, latency_col: str = "norm_latency_median_ms",
                               ylabel: str = "median normalized latency (ms/token)", title: str = "",
                               headlines=(), facet: str = "model") -> go.Figure:
     """One panel per ``facet`` value; one line per curve: throughput (req/s) vs ``latency_col`` on a

@@ -13,7 +13,7 @@ COLORS = {"orca": "#1f77b4", "ft": "#d62728"}
 def compare_figure(results, title: str = "ORCA vs request-level batching", curve=None) -> go.Figure:
     """Three panels of one load: normalized-latency CDF; requests doing real work in each iteration
     (the baseline's held finishers excluded); K/V slots reserved. With ``curve`` (a table with
-    ``system``, ``rate``, ``throughput_rps``, ``median_norm_latency_ms``), a measured mini Figure 10
+    ``system``, ``rate``, ``throughput_rps``, ``norm_latency_median_ms``), a measured mini Figure 10
     comes first: median normalized latency against throughput, one line per system."""
     titles = ("normalized latency (CDF)", "requests working per iteration", "K/V slots reserved (n_rsrv)")
     first = 1 if curve is None else 2
@@ -44,7 +44,7 @@ def compare_figure(results, title: str = "ORCA vs request-level batching", curve
 def _latency_curve(fig, curve):
     for system, pts in curve.groupby("system", sort=False, observed=True):
         pts = pts.sort_values("rate")
-        fig.add_trace(go.Scatter(x=pts["throughput_rps"], y=pts["median_norm_latency_ms"], name=str(system),
+        fig.add_trace(go.Scatter(x=pts["throughput_rps"], y=pts["norm_latency_median_ms"], name=str(system),
                                  legendgroup=str(system), mode="lines+markers", line_color=COLORS.get(system),
                                  customdata=pts["rate"], hovertemplate="offered %{customdata:.2f} req/s<br>"
                                  "%{x:.2f} req/s, %{y:.3g} ms/token<extra></extra>"), 1, 1)
