@@ -154,6 +154,13 @@ def test_the_checker_catches_a_cycle_and_a_module_off_the_plan():
         ["orca_lab/caching/radix.py"]
 
 
+def test_every_module_says_what_it_is():
+    """A reader opening any module learns its job from its first line."""
+    import ast
+    bare = [rel for rel, src in package_files().items() if not ast.get_docstring(ast.parse(src))]
+    assert not bare, f"modules without a docstring: {bare}"
+
+
 def test_no_file_points_outside_the_repository():
     """The project stands on its own: no file refers to the folder beside the checkout where its
     authors kept their notes (the paper and the plan now live in docs/)."""
