@@ -1,0 +1,60 @@
+"""Where a learner's function goes into the package: it runs in place of the package's own piece,
+and the package does the rest (the engine's loop, the model, the K/V pool)."""
+from __future__ import annotations
+
+from orca_lab.engine.batch import Batch
+from orca_lab.engine.request import RequestState
+from orca_lab.engine.scheduler import OrcaScheduler, enqueue
+
+
+class PluggedSelect(OrcaScheduler):
+    """``OrcaScheduler`` whose choice is the learner's ``select(pool, n_rsrv, max_bs, n_slots) ->
+    (batch, n_rsrv)`` (Algorithm 1's Select, as notebook 03 writes it). The scheduler applies it: a
+    chosen request in INITIATION is admitted and its ``max_tokens`` reserved from the real K/V manager."""
+    name = "orca"
+
+    def __init__(self, kv, max_bs: int, select):
+        super().__init__(kv, max_bs)
+        self.learner_select = select
+
+    def select(self, now: float = 0.0) -> Batch | None:
+        pool = self.running + list(self.waiting)            # arrival order; RUNNING ones included
+        batch, n_rsrv = self.learner_select(pool, self.kv.n_reserved, self.max_bs, self.kv.n_slots)
+        for req in batch:
+            if req.state is RequestState.INITIATION:
+                if not self.kv.can_reserve(req.max_tokens):
+                    raise AssertionError(f"your select chose request {req.rid} (max_tokens {req.max_tokens}) "
+                                         f"with {self.kv.n_slots - self.kv.n_reserved} slots free")
+                self.waiting.remove(req)
+                enqueue(self.running, req)
+                self.kv.reserve(req, req.max_tokens)
+                req.t_scheduled = now
+        if n_rsrv != self.kv.n_reserved:
+            raise AssertionError(f"your select returned n_rsrv={n_rsrv}; its batch reserves {self.kv.n_reserved}")
+        if not batch:
+            return None
+        for req in batch:
+            req.state = RequestState.RUNNING
+        return Batch.selective(batch)
+
+
+def use_select(engine, select):
+    """Put the learner's ``select`` into ``engine`` (a fresh one, from ``LLM.new_engine()``)."""
+    old = engine.scheduler
+    engine.scheduler = PluggedSelect(old.kv, old.max_bs, select)
+    return engine
+
+
+class PluggedSlots:
+    """The learner's slot manager (``reserve``, ``release``, ``can_reserve``, ``n_reserved``) where the
+    scheduler expects a ``KVSlotManager``: what it does not implement (``cache``, counting the slots
+    holding K/V) is kept here."""
+
+    def __init__(self, manager):
+        self.manager, self.n_used = manager, 0
+
+    def __getattr__(self, name):
+        return getattr(self.manager, name)
+
+    def cache(self, req, n_cached: int):
+        req.n_cached = n_cached
