@@ -383,10 +383,9 @@ def check_block_slots(fn, seed: int = 0):
             filler = request(200 + n, 1, 1)
             kv.grow(filler, bs)
         table = kv.block_table(req)
-        got = [int(s) for s in fn(table, n, bs)]
-        if got != req.slots[:n].tolist():
-            differ("the slot ids", f"case {case} (table {table}, {n} tokens, block_size {bs})",
-                   req.slots[:n].tolist(), got, "token t is in block table[t // block_size], at t % block_size")
+        got, expected = [int(s) for s in fn(table, n, bs)], [int(s) for s in req.slots[:n]]
+        if got != expected:
+            differ("the slot ids", f"case {case} (table {table}, {n} tokens, block_size {bs})", expected, got, "token t is in block table[t // block_size], at t % block_size")
     correct(N_CASES, "BlockManager")
 
 

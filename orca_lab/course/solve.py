@@ -88,11 +88,15 @@ def solved(notebook: Path) -> dict:
 
 
 def until_first_exercise(nb: dict) -> dict:
-    """The learner's notebook up to its first exercise and the cell that checks it: run, it must stop
-    there with a ``NotImplementedError``."""
+    """The learner's notebook up to its first exercise: run, it must stop there with a
+    ``NotImplementedError``. An exercise that raises at its top level (an answer to fill in) stops
+    in its own cell; one that defines a function stops in the next code cell, which checks it."""
     first = exercises(nb)[0][0]
-    after = next((i for i in range(first + 1, len(nb["cells"])) if nb["cells"][i]["cell_type"] == "code"), first)
-    return {**nb, "cells": nb["cells"][:after + 1]}
+    cells = nb["cells"]
+    last = first
+    if not any(line.startswith("raise NotImplementedError") for line in "".join(cells[first]["source"]).splitlines()):
+        last = next(i for i in range(first + 1, len(cells)) if cells[i]["cell_type"] == "code")
+    return {**nb, "cells": cells[:last + 1]}
 
 
 def build(out: Path, names=None) -> list[Path]:
