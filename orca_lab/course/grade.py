@@ -254,7 +254,8 @@ def check_online_softmax(step, seed: int = 0, device=None):
     device = device or torch.get_default_device()
     cases = [(n, d, block) for n in (1, 5, 16, 37) for d in (4, 16) for block in (4, 16)]
     for case, (n, d, block) in enumerate(cases):
-        q, k, v = torch.randn(d, generator=g), torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)
+        # drawn on the CPU (notebook 06 may make CUDA the default device), then moved
+        q, k, v = (torch.randn(*shape, generator=g, device="cpu") for shape in ((d,), (n, d), (n, d)))
         k[n // 2] += 4 * q          # a score much larger than the rest, past the first block: m must grow
         q, k, v = q.to(device), k.to(device), v.to(device)
         got = attend_one_query(q, k, v, block, step)
