@@ -46,6 +46,16 @@ def request(rid: int, prompt_len: int, gen: int, arrival: float = 0.0) -> Reques
 
 
 # -- 01: attention over the K/V cache ---------------------------------------------------------
+def _one_request(n: int, device="cpu") -> torch.Tensor:
+    """``cu_seqlens`` of a batch of one request with ``n`` rows."""
+    return torch.tensor([0, n], dtype=torch.int32, device=device)
+
+
+def _requests(groups) -> list[list[Request]]:
+    """Fresh requests of ``(rid, prompt_len, gen)`` groups, group ``i`` arriving at time ``i``."""
+    return [[request(r, p, g, arrival=i) for r, p, g in grp] for i, grp in enumerate(groups)]
+
+
 def check_cached_attention(fn, seed: int = 0):
     """``fn(q_new, k_cache, v_cache, k_new, v_new) -> (out, k_cache, v_cache)``: the new tokens'
     attention over the cache and themselves, and the cache grown by their K/V; graded against
@@ -57,9 +67,8 @@ def check_cached_attention(fn, seed: int = 0):
         k_cache, v_cache = (torch.randn(n_cached, d, generator=g) for _ in range(2))
         out, k_all, v_all = fn(q, k_cache, v_cache, k_new, v_new)
         k_ref, v_ref = torch.cat([k_cache, k_new]), torch.cat([v_cache, v_new])
-        cu = lambda n: torch.tensor([0, n], dtype=torch.int32)
         ref = kernels.ragged_attention(q[:, None], k_ref[:, None], v_ref[:, None], torch.arange(len(k_ref)),
-                                       cu(n_new), cu(len(k_ref)), backend="torch")[:, 0]
+                                       _one_request(n_new), _one_request(len(k_ref)), backend="torch")[:, 0]
         label = f"case {case} ({n_cached} cached tokens, {n_new} new, d={d})"
         if not torch.equal(k_all, k_ref) or not torch.equal(v_all, v_ref):
             differ("the grown cache", label, "k_cache then k_new, rows", f"shape {tuple(k_all.shape)}")
@@ -140,9 +149,8 @@ def check_select(select, seed: int = 0):
     for case in range(N_CASES):
         max_bs, n_slots, n_workers = rng.randint(1, 4), rng.randint(24, 60), rng.randint(1, 2)
         groups = _random_arrivals(rng, n_slots)
-        make = lambda: [[request(r, p, g, arrival=i) for r, p, g in grp] for i, grp in enumerate(groups)]
-        expected = _schedule(OrcaScheduler(KVSlotManager(n_slots), max_bs), make(), n_workers)
-        got = _schedule(PluggedSelect(KVSlotManager(n_slots), max_bs, select), make(), n_workers)
+        expected = _schedule(OrcaScheduler(KVSlotManager(n_slots), max_bs), _requests(groups), n_workers)
+        got = _schedule(PluggedSelect(KVSlotManager(n_slots), max_bs, select), _requests(groups), n_workers)
         sizes = {r: p + g for grp in groups for r, p, g in grp}
         label = f"case {case} (max_bs={max_bs}, n_slots={n_slots}, n_workers={n_workers}, max_tokens by rid {sizes})"
         for i, (a, b) in enumerate(zip(expected, got)):
@@ -237,9 +245,8 @@ def _check_slots_in_scheduler(cls, rng):
     for case in range(10):
         n_slots = rng.randint(24, 60)
         groups = _random_arrivals(rng, n_slots)
-        make = lambda: [[request(r, p, g, arrival=i) for r, p, g in grp] for i, grp in enumerate(groups)]
-        expected = _schedule(OrcaScheduler(KVSlotManager(n_slots), 3), make(), 2)
-        got = _schedule(OrcaScheduler(PluggedSlots(cls(n_slots)), 3), make(), 2)
+        expected = _schedule(OrcaScheduler(KVSlotManager(n_slots), 3), _requests(groups), 2)
+        got = _schedule(OrcaScheduler(PluggedSlots(cls(n_slots)), 3), _requests(groups), 2)
         if expected != got:
             differ("the schedule with your manager in OrcaScheduler", f"case {case} (n_slots={n_slots})",
                    expected, got, "release must give back every slot and lower n_reserved")
@@ -259,9 +266,8 @@ def check_online_softmax(step, seed: int = 0, device=None):
         k[n // 2] += 4 * q          # a score much larger than the rest, past the first block: m must grow
         q, k, v = q.to(device), k.to(device), v.to(device)
         got = attend_one_query(q, k, v, block, step)
-        cu = lambda x: torch.tensor([0, x], dtype=torch.int32, device=device)
         ref = kernels.ragged_attention(q[None, None], k[:, None], v[:, None], torch.arange(n, device=device),
-                                       cu(1), cu(n), backend="torch")[0, 0]
+                                       _one_request(1, device), _one_request(n, device), backend="torch")[0, 0]
         if not torch.allclose(got, ref, atol=1e-4, rtol=1e-4):
             differ("the attention output", f"case {case} (n={n} keys, d={d}, block={block})", ref.tolist(),
                    got.tolist(), "when m grows, rescale l and acc by exp(m_old - m_new)")
@@ -404,10 +410,10 @@ def check_victim(fn, seed: int = 0):
         chosen = {r.rid for r in running if rng.random() < 0.3}
         expected = _Victims(list(running), chosen).next(req)
         got = fn(list(running), req, set(chosen))
-        show = lambda r: None if r is None else r.rid
         if got is not expected:
             pool = [(r.rid, r.state.value, r.slots is not None) for r in running]
             differ("the victim", f"case {case} (request {req.rid} needs a block; pool (rid, state, holds "
-                   f"blocks) {pool}; in this batch {sorted(chosen)})", show(expected), show(got),
+                   f"blocks) {pool}; in this batch {sorted(chosen)})", getattr(expected, "rid", None),
+                   getattr(got, "rid", None),
                    "the latest arrival after it that holds blocks, is between iterations and not in this batch")
     correct(N_CASES, "the paged scheduler's victims")

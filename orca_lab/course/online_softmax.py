@@ -16,12 +16,13 @@ import orca_lab.kernels  # noqa: F401  (sets TRITON_INTERPRET=1 where there is n
 
 
 @triton.jit
-def update(m, l, acc, s, v):
-    """One block: scores ``s [BLOCK]`` (-inf past the end), values ``v [BLOCK, D]``."""
-    m_new = tl.maximum(m, tl.max(s, 0))
-    alpha = tl.exp(m - m_new)                 # rescales what was summed under the old maximum
+def update(m_i, l_i, acc, s, v):
+    """One block: scores ``s [BLOCK]`` (-inf past the end), values ``v [BLOCK, D]``; the running
+    maximum ``m_i``, sum ``l_i`` and weighted sum ``acc [D]`` so far."""
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    alpha = tl.exp(m_i - m_new)               # rescales what was summed under the old maximum
     p = tl.exp(s - m_new)
-    return m_new, l * alpha + tl.sum(p, 0), acc * alpha + tl.sum(p[:, None] * v, 0)
+    return m_new, l_i * alpha + tl.sum(p, 0), acc * alpha + tl.sum(p[:, None] * v, 0)
 
 
 @triton.jit
@@ -29,8 +30,8 @@ def _one_query_kernel(q_ptr, k_ptr, v_ptr, out_ptr, n, scale, D: tl.constexpr, B
                       UPDATE: tl.constexpr):
     d = tl.arange(0, D)
     q = tl.load(q_ptr + d)
-    m = tl.full((), float("-inf"), tl.float32)
-    l = tl.zeros((), tl.float32)
+    m_i = tl.full((), float("-inf"), tl.float32)
+    l_i = tl.zeros((), tl.float32)
     acc = tl.zeros((D,), tl.float32)
     for start in range(0, n, BLOCK):
         j = start + tl.arange(0, BLOCK)
@@ -38,8 +39,8 @@ def _one_query_kernel(q_ptr, k_ptr, v_ptr, out_ptr, n, scale, D: tl.constexpr, B
         k = tl.load(k_ptr + j[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
         v = tl.load(v_ptr + j[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
         s = tl.where(inside, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
-        m, l, acc = UPDATE(m, l, acc, s, v)
-    tl.store(out_ptr + d, acc / l)
+        m_i, l_i, acc = UPDATE(m_i, l_i, acc, s, v)
+    tl.store(out_ptr + d, acc / l_i)
 
 
 def attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, step=update) -> torch.Tensor:
