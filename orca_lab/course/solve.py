@@ -84,7 +84,11 @@ def solved(notebook: Path) -> dict:
     nb = load(notebook)
     if not exercises(nb):
         return nb
-    return solve(nb, solutions(solution_file(notebook)), Path(notebook).name)
+    path = solution_file(notebook)
+    if not path.exists():
+        raise ValueError(f"{Path(notebook).name} has exercises {[ex for _, ex in exercises(nb)]} and no "
+                         f"solutions file: write {path.relative_to(ROOT)}, one '# %% exercise: <id>' section each")
+    return solve(nb, solutions(path), Path(notebook).name)
 
 
 def until_first_exercise(nb: dict) -> dict:
