@@ -1,8 +1,8 @@
 """A real browser: JupyterLab in headless Chromium runs 08_pipelined_schedules and plays its animation.
 
-JupyterLab serves a temporary folder holding a solved copy of the notebook (``orca_lab.course.solve``) (so autosave never writes outputs
-into the repository), on 127.0.0.1, a free port, a random token and no news pop-up; its settings and
-workspaces live in that folder too. Playwright's Python package drives Debian's Chromium
+JupyterLab serves a temporary folder holding a solved copy of the notebook (``orca_lab.course.solve``;
+autosave never writes outputs into the repository), on 127.0.0.1, a free port, a random token and no
+news pop-up; its settings and workspaces live in that folder too. Playwright's Python package drives Debian's Chromium
 (``/usr/bin/chromium``; a downloaded browser is never used). Screenshots go to ``tmp_path``, and also
 to ``$ORCA_LAB_SCREENSHOTS`` (e.g. ``docs/img``) when set. Every process the test starts carries a
 marker in its environment, so teardown finds the server and its kernels, and nothing else.
