@@ -2,7 +2,10 @@
 and the package does the rest (the engine's loop, the model, the K/V pool)."""
 from __future__ import annotations
 
-from orca_lab.engine.batch import Batch
+import numpy as np
+import torch
+
+from orca_lab.engine.batch import Batch, BatchTensors
 from orca_lab.engine.request import RequestState
 from orca_lab.engine.scheduler import OrcaScheduler, enqueue
 
@@ -58,3 +61,31 @@ class PluggedSlots:
 
     def cache(self, req, n_cached: int):
         req.n_cached = n_cached
+
+
+def tensors_from(flat: dict, device) -> BatchTensors:
+    """The learner's flattening (notebook 04: a dict of lists) as the ``BatchTensors`` the model reads."""
+    host = {name: np.asarray(values, dtype=np.int64) for name, values in flat.items()}
+    cu = torch.from_numpy(np.stack([host["cu_seqlens_q"], host["cu_seqlens_k"]]).astype(np.int32)).to(device)
+    on = {name: torch.from_numpy(host[name]).to(device)
+          for name in ("input_ids", "positions", "slot_mapping", "kv_slot_ids", "last_idx")}
+    return BatchTensors(on["input_ids"], on["positions"], on["slot_mapping"], on["kv_slot_ids"], cu[0], cu[1],
+                        on["last_idx"], False, host["cu_seqlens_q"], host["cu_seqlens_k"],
+                        np.concatenate([host["slot_mapping"], host["kv_slot_ids"]]))
+
+
+def use_flatten(engine, flatten):
+    """Every batch ``engine`` (ORCA's, in this process) selects builds its iteration's tensors with the
+    learner's ``flatten(requests)`` in place of ``BatchTensors.build``."""
+    if engine.scheduler.name != "orca":
+        raise ValueError(f"use_flatten takes an engine of system 'orca', not {engine.scheduler.name!r}")
+    select = engine.scheduler.select
+
+    def select_flattened(now: float = 0.0):
+        batch = select(now)
+        if batch is not None:
+            batch.tensors = lambda device: tensors_from(flatten(batch.requests), device)
+        return batch
+
+    engine.scheduler.select = select_flattened
+    return engine
