@@ -49,18 +49,46 @@ def use_select(engine, select):
 
 
 class PluggedSlots:
-    """The learner's slot manager (``reserve``, ``release``, ``can_reserve``, ``n_reserved``) where the
-    scheduler expects a ``KVSlotManager``: what it does not implement (``cache``, counting the slots
-    holding K/V) is kept here."""
+    """The learner's slot manager (``reserve``, ``release``, ``can_reserve``, ``n_reserved``, notebook
+    05) where the scheduler expects a ``KVSlotManager``; what it does not keep (``cache``, the slots
+    holding K/V) is kept here. ``as_tensor``: hand its slot ids to the model as the host tensor a
+    real pool is read with."""
 
-    def __init__(self, manager):
-        self.manager, self.n_used = manager, 0
+    def __init__(self, manager, as_tensor: bool = False):
+        self.manager, self.as_tensor, self.n_used = manager, as_tensor, 0
 
     def __getattr__(self, name):
         return getattr(self.manager, name)
 
+    def reserve(self, req, n: int):
+        self.manager.reserve(req, n)
+        if self.as_tensor:
+            req.slots = torch.as_tensor(req.slots, dtype=torch.int64)
+        self.n_used += min(req.n_cached, n)
+
+    def release(self, req):
+        self.n_used -= min(req.n_cached, len(req.slots))
+        if self.as_tensor:
+            req.slots = req.slots.tolist()
+        self.manager.release(req)
+
     def cache(self, req, n_cached: int):
+        self.n_used += min(n_cached, len(req.slots)) - min(req.n_cached, len(req.slots))
         req.n_cached = n_cached
+
+
+def use_slots(engine, manager_class):
+    """``engine`` (ORCA's, fresh) with a ``manager_class(n_slots)`` of the learner's handing out the
+    slots of its K/V pool. CUDA graphs reserve their padding slots from the package's manager, so this
+    engine runs without them."""
+    old = engine.scheduler
+    if old.name != "orca":
+        raise ValueError(f"use_slots takes an engine of system 'orca', not {old.name!r}")
+    kv = PluggedSlots(manager_class(old.kv.n_slots), as_tensor=old.kv.k is not None)
+    engine.scheduler = OrcaScheduler(kv, old.max_bs)
+    if getattr(engine.executor, "graphs", None) is not None:
+        engine.executor.graphs = None
+    return engine
 
 
 def tensors_from(flat: dict, device) -> BatchTensors:
