@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from orca_lab.engine.batch import Batch, BatchTensors
+from orca_lab.engine.policies import PAGED, _Victims
 from orca_lab.engine.request import RequestState
 from orca_lab.engine.scheduler import OrcaScheduler, enqueue
 
@@ -116,4 +117,23 @@ def use_flatten(engine, flatten):
         return batch
 
     engine.scheduler.select = select_flattened
+    return engine
+
+
+class LearnerVictims(_Victims):
+    """The paged scheduler's victims, chosen by the learner's ``victim(running, req, chosen)``."""
+
+    def __init__(self, victim, running, chosen):
+        super().__init__(running, chosen)
+        self.victim = victim
+
+    def next(self, req):
+        return self.victim(self.running, req, self.chosen)
+
+
+def use_victim(engine, victim):
+    """``engine`` (a paged or chunked one) preempting the request the learner's ``victim`` names."""
+    if engine.scheduler.name not in PAGED:
+        raise ValueError(f"use_victim takes an engine of system {PAGED}, not {engine.scheduler.name!r}")
+    engine.scheduler.victims = lambda running, chosen: LearnerVictims(victim, running, chosen)
     return engine
