@@ -1,4 +1,6 @@
 """Solutions of notebook 05_kv_slot_manager, merged by `python -m orca_lab.course.solve`."""
+# Each section is a notebook cell: it reads names the cells before it define.
+# ruff: noqa: F821, E402, E741
 
 
 # %% exercise: slot_manager
