@@ -1,8 +1,8 @@
 """A real browser: JupyterLab in headless Chromium runs 08_pipelined_schedules and plays its animation.
 
-JupyterLab serves a temporary folder holding a copy of the notebook (so autosave never writes outputs
-into the repository), on 127.0.0.1, a free port, a random token and no news pop-up; its settings and
-workspaces live in that folder too. Playwright's Python package drives Debian's Chromium
+JupyterLab serves a temporary folder holding a solved copy of the notebook (``orca_lab.course.solve``;
+autosave never writes outputs into the repository), on 127.0.0.1, a free port, a random token and no
+news pop-up; its settings and workspaces live in that folder too. Playwright's Python package drives Debian's Chromium
 (``/usr/bin/chromium``; a downloaded browser is never used). Screenshots go to ``tmp_path``, and also
 to ``$ORCA_LAB_SCREENSHOTS`` (e.g. ``docs/img``) when set. Every process the test starts carries a
 marker in its environment, so teardown finds the server and its kernels, and nothing else.
@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +20,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from orca_lab.course import solve
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = "08_pipelined_schedules.ipynb"
@@ -69,7 +70,7 @@ def jupyterlab(tmp_path):
         path = root / ".settings" / "@jupyterlab" / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
-    shutil.copy(ROOT / "notebooks" / NOTEBOOK, root / NOTEBOOK)
+    solve.dump(solve.solved(ROOT / "notebooks" / NOTEBOOK), root / NOTEBOOK)   # its exercises solved
     port, token, marker = _free_port(), secrets.token_hex(16), secrets.token_hex(8)
     env = {**os.environ, MARKER: marker, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "PYTHONPATH": str(ROOT)}

@@ -1,11 +1,17 @@
 """The course notebooks: each runs under nbval, is stored clean, and refuses a bad parameter.
 
-How they run: one ``python -m pytest --nbval-lax notebooks/*.ipynb`` subprocess, exactly what a reader
-runs by hand. nbval executes every cell, each notebook in a fresh kernel, and compares the outputs
-stored in cells marked ``# NBVAL_CHECK_OUTPUT`` (deterministic numbers only, never timings) with the
-new ones. A subprocess keeps the ``.ipynb`` collection out of this session (``testpaths =
-["tests"]``); its JUnit report gives each notebook its own pass/fail line here, with nbval's message.
-``--nbval-current-env`` runs the kernels on this interpreter.
+The notebooks in ``notebooks/`` are the learner's: each exercise cell raises ``NotImplementedError``
+until it is written. ``python -m orca_lab.course.solve`` merges the solutions (``notebooks/solutions``)
+into solved copies, and those are what runs here.
+
+How they run: one ``python -m pytest --nbval-lax`` subprocess over the solved notebooks, as a reader
+runs it by hand, and over each learner notebook cut after its first exercise, which must stop there.
+nbval executes every cell, each notebook in a fresh kernel, and compares the outputs stored in cells
+marked ``# NBVAL_CHECK_OUTPUT`` (deterministic numbers only, never timings) with the new ones. A
+subprocess keeps the ``.ipynb`` collection out of this session (``testpaths = ["tests"]``); its JUnit
+report gives each notebook its own pass/fail line here, with nbval's message. ``--nbval-current-env``
+runs the kernels on this interpreter; ``tests/nbval_executed.py`` keeps the outputs of the run, which
+the figure test renders to HTML.
 """
 import ast
 import json
@@ -17,9 +23,13 @@ from xml.etree import ElementTree
 
 import pytest
 
+from orca_lab.course import solve
+
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = solve.course()
 IDS = [p.stem for p in NOTEBOOKS]
+EXERCISED = [p for p in NOTEBOOKS if solve.exercises(json.loads(p.read_text()))]
+PLOTLY = "application/vnd.plotly.v1+json"
 # a value each parameter's check must refuse, by the type of its default
 BAD = {int: -10**6, float: -1.0, str: 5, list: [], bool: "yes"}
 
@@ -67,6 +77,27 @@ def test_notebook_is_stored_clean(path):
     assert any("## Exercise" in "".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
 
 
+def test_every_chapter_has_exercises_the_learner_writes():
+    """01-11 at least (a later chapter joins by tagging its exercise cells and solving them)."""
+    assert {p.stem for p in EXERCISED} >= set(IDS[:11])
+
+
+@pytest.mark.parametrize("path", EXERCISED, ids=[p.stem for p in EXERCISED])
+def test_exercises_are_the_learners_and_solutions_apart(path):
+    """Each exercise cell holds ``# YOUR CODE HERE`` and a ``NotImplementedError`` naming what to
+    write; its solution lives in ``notebooks/solutions/<notebook>.py``, within the house's 30 lines."""
+    nb = load(path)
+    for i, ex in solve.exercises(nb):
+        src = "".join(nb["cells"][i]["source"])
+        assert "# YOUR CODE HERE" in src and 'raise NotImplementedError("' in src, (ex, src)
+    answers = solve.solutions(solve.solution_file(path))
+    solved = solve.solve(nb, answers, path.name)              # one solution per exercise, both ways
+    for i, ex in solve.exercises(solved):
+        src = "".join(solved["cells"][i]["source"])
+        assert "NotImplementedError" not in src and "YOUR CODE HERE" not in src, ex
+        assert len([ln for ln in src.splitlines() if ln.strip() and not ln.strip().startswith("#")]) <= 30, ex
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_every_parameter_is_checked(path):
     """Each parameter, given a bad value, is refused by the validation cell with its name in the
@@ -95,27 +126,80 @@ def test_papermill_stops_at_the_first_cell_on_a_bad_parameter(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def nbval_report(tmp_path_factory):
-    """One nbval run over every notebook (one pytest start-up, a fresh kernel per notebook); its
-    JUnit report gives each notebook its own test below."""
-    report = tmp_path_factory.mktemp("nbval") / "report.xml"
+def nbval_run(tmp_path_factory):
+    """One nbval run (one pytest start-up, a fresh kernel per notebook) over the solved notebooks and
+    the learner notebooks cut after their first exercise; its JUnit report gives each its own test
+    below, and the executed notebooks (``tests/nbval_executed.py``) feed the figure test."""
+    tmp = tmp_path_factory.mktemp("nbval")
+    report, executed = tmp / "report.xml", tmp / "executed"
+    solved = solve.build(tmp / "solved")
+    heads = []
+    for p in EXERCISED:                 # <stem>.learner.ipynb: its name never contains a solved one's
+        heads.append(tmp / "learner" / f"{p.stem}.learner.ipynb")
+        heads[-1].parent.mkdir(exist_ok=True)
+        solve.dump(solve.until_first_exercise(load(p)), heads[-1])
     # TMPDIR: a kernel is stopped without running its exit hooks, so notebook 07's forkserver socket
     # directory would stay in /tmp; here it stays in pytest's own temporary tree.
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "TMPDIR": str(report.parent)}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TMPDIR": str(tmp),
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "pytest", "-q", "--nbval-lax", "--nbval-current-env", "--nbval-cell-timeout=300",
-           "-p", "no:cacheprovider", "-o", "addopts=", f"--junitxml={report}", *map(str, NOTEBOOKS)]
-    proc = subprocess.run(cmd, cwd=report.parent, env=env, capture_output=True, text=True, timeout=900)
+           "-p", "no:cacheprovider", "-p", "nbval_executed", f"--executed-dir={executed}", "-o", "addopts=",
+           f"--junitxml={report}", *map(str, solved + heads)]
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
     if not report.exists():
         pytest.fail(f"nbval did not run: {proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    return ElementTree.parse(report).getroot()
+    return ElementTree.parse(report).getroot(), executed
+
+
+def cells_of(report, classname: str):
+    """The nbval test cases of one notebook (JUnit's classname: ``<folder>.<file name>``), in order,
+    as (cell, [(tag, message, text)])."""
+    cases = [case for case in report.iter("testcase") if case.get("classname") == classname]
+    return [(case.get("name"), [(p.tag, p.get("message", ""), p.text or "") for p in case
+                                if p.tag in ("failure", "error")]) for case in cases]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
-def test_notebook_runs_under_nbval(nbval_report, path):
-    cells = [case for case in nbval_report.iter("testcase")
-             if path.name in case.get("classname", "") + case.get("file", "")]
+def test_notebook_runs_under_nbval(nbval_run, path):
+    """The solved notebook, every cell."""
+    cells = cells_of(nbval_run[0], f"solved.{path.name}")
     assert cells, f"nbval collected no cell of {path.name}"
-    failed = [(case.get("name"), problem.get("message", ""), problem.text or "")
-              for case in cells for problem in case if problem.tag in ("failure", "error")]
+    failed = [(name, msg, text) for name, problems in cells for _, msg, text in problems]
     assert not failed, "\n\n".join(f"{name}: {msg}\n{text[-3000:]}" for name, msg, text in failed)
+
+
+@pytest.mark.parametrize("path", EXERCISED, ids=[p.stem for p in EXERCISED])
+def test_learner_notebook_stops_at_its_first_exercise(nbval_run, path):
+    """Every cell before the first exercise runs; the exercise (or the check of the function it
+    asks for) raises the learner's ``NotImplementedError``. Solved, the same notebook passes (above)."""
+    cells = cells_of(nbval_run[0], f"learner.{path.stem}.learner.ipynb")
+    assert cells, f"nbval collected no cell of {path.stem}.learner.ipynb"
+    *before, (last, problems) = cells
+    failed = [(name, msg, text) for name, p in before for _, msg, text in p]
+    assert not failed, "\n\n".join(f"{name}: {msg}\n{text[-3000:]}" for name, msg, text in failed)
+    assert problems and "NotImplementedError" in problems[0][2], f"{last}: {problems}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_every_figure_has_its_picture_in_html(nbval_run, path):
+    """The solved notebook as it ran, rendered to HTML by nbconvert (what a static view shows): every
+    plotly figure went through ``viz.show`` (not ``fig.show()``, blank there), carries its PNG, and
+    the page shows that PNG. Without a Chromium, ``viz.show`` gives HTML instead of the PNG: that
+    part skips, saying so."""
+    nbconvert = pytest.importorskip("nbconvert")
+    nbformat = pytest.importorskip("nbformat")
+    nb = nbformat.read(str(nbval_run[1] / path.name), as_version=4)
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+               if o.get("output_type") in ("display_data", "execute_result")]
+    figures = [o["data"] for o in outputs if PLOTLY in o.get("data", {})]
+    bare = [f.get("text/plain", "?")[:80] for f in figures if not f.get("text/plain", "").startswith("<plotly figure")]
+    assert not bare, f"figures shown with fig.show(), not orca_lab.viz.show: {bare}"
+    if any("image/png" not in f for f in figures):
+        from orca_lab.viz.render import png_bytes
+        import plotly.graph_objects as go
+        if png_bytes(go.Figure()) is None:
+            pytest.skip("no Chromium here: viz.show gave HTML in place of each PNG")
+    assert all("image/png" in f for f in figures), "a figure without its PNG"
+    html, _ = nbconvert.HTMLExporter().from_notebook_node(nb)
+    pictures = html.count('src="data:image/png;base64,')
+    assert pictures >= len(figures), f"{len(figures)} figures, {pictures} pictures in the HTML"

@@ -53,7 +53,7 @@ class PagedScheduler(OrcaScheduler):
         ready = [r for r in self.running if _decoding(r)]
         rest = [r for r in self.running if not _decoding(r)]
         chosen: set[int] = set()             # rids of this batch
-        victims = _Victims(list(self.running), chosen)
+        victims = self.victims(list(self.running), chosen)
         for req in _then_waiting(ready + rest, self.waiting, lambda: admitting):
             if len(batch) == self.max_bs or left == 0:
                 break
@@ -83,6 +83,10 @@ class PagedScheduler(OrcaScheduler):
         for req in batch:
             req.state = RequestState.RUNNING
         return Batch.selective(batch, q_lens)
+
+    def victims(self, running: list[Request], chosen: set[int]) -> "_Victims":
+        """Who may be preempted during one ``select`` (a learner's choice plugs in here, notebook 11)."""
+        return _Victims(running, chosen)
 
     def _make_room(self, req: Request, n_tokens: int, victims: "_Victims", preempted: set) -> bool:
         """Preempt the latest arrivals after ``req`` holding blocks (not in flight, not in this batch)

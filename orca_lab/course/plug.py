@@ -1,0 +1,139 @@
+"""Where a learner's function goes into the package: it runs in place of the package's own piece,
+and the package does the rest (the engine's loop, the model, the K/V pool)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from orca_lab.engine.batch import Batch, BatchTensors
+from orca_lab.engine.policies import PAGED, _Victims
+from orca_lab.engine.request import RequestState
+from orca_lab.engine.scheduler import OrcaScheduler, enqueue
+
+
+class PluggedSelect(OrcaScheduler):
+    """``OrcaScheduler`` whose choice is the learner's ``select(pool, n_rsrv, max_bs, n_slots) ->
+    (batch, n_rsrv)`` (Algorithm 1's Select, as notebook 03 writes it). The scheduler applies it: a
+    chosen request in INITIATION is admitted and its ``max_tokens`` reserved from the real K/V manager."""
+    name = "orca"
+
+    def __init__(self, kv, max_bs: int, select):
+        super().__init__(kv, max_bs)
+        self.learner_select = select
+
+    def select(self, now: float = 0.0) -> Batch | None:
+        pool = self.running + list(self.waiting)            # arrival order; RUNNING ones included
+        batch, n_rsrv = self.learner_select(pool, self.kv.n_reserved, self.max_bs, self.kv.n_slots)
+        for req in batch:
+            if req.state is RequestState.INITIATION:
+                if not self.kv.can_reserve(req.max_tokens):
+                    raise AssertionError(f"your select chose request {req.rid} (max_tokens {req.max_tokens}) "
+                                         f"with {self.kv.n_slots - self.kv.n_reserved} slots free")
+                self.waiting.remove(req)
+                enqueue(self.running, req)
+                self.kv.reserve(req, req.max_tokens)
+                req.t_scheduled = now
+        if n_rsrv != self.kv.n_reserved:
+            raise AssertionError(f"your select returned n_rsrv={n_rsrv}; its batch reserves {self.kv.n_reserved}")
+        if not batch:
+            return None
+        for req in batch:
+            req.state = RequestState.RUNNING
+        return Batch.selective(batch)
+
+
+def use_select(engine, select):
+    """Put the learner's ``select`` into ``engine`` (a fresh one, from ``LLM.new_engine()``)."""
+    old = engine.scheduler
+    engine.scheduler = PluggedSelect(old.kv, old.max_bs, select)
+    return engine
+
+
+class PluggedSlots:
+    """The learner's slot manager (``reserve``, ``release``, ``can_reserve``, ``n_reserved``, notebook
+    05) where the scheduler expects a ``KVSlotManager``; what it does not keep (``cache``, the slots
+    holding K/V) is kept here. ``as_tensor``: hand its slot ids to the model as the host tensor a
+    real pool is read with."""
+
+    def __init__(self, manager, as_tensor: bool = False):
+        self.manager, self.as_tensor, self.n_used = manager, as_tensor, 0
+
+    def __getattr__(self, name):
+        return getattr(self.manager, name)
+
+    def reserve(self, req, n: int):
+        self.manager.reserve(req, n)
+        if self.as_tensor:
+            req.slots = torch.as_tensor(req.slots, dtype=torch.int64)
+        self.n_used += min(req.n_cached, n)
+
+    def release(self, req):
+        self.n_used -= min(req.n_cached, len(req.slots))
+        if self.as_tensor:
+            req.slots = req.slots.tolist()
+        self.manager.release(req)
+
+    def cache(self, req, n_cached: int):
+        self.n_used += min(n_cached, len(req.slots)) - min(req.n_cached, len(req.slots))
+        req.n_cached = n_cached
+
+
+def use_slots(engine, manager_class):
+    """``engine`` (ORCA's, fresh) with a ``manager_class(n_slots)`` of the learner's handing out the
+    slots of its K/V pool. CUDA graphs reserve their padding slots from the package's manager, so this
+    engine runs without them."""
+    old = engine.scheduler
+    if old.name != "orca":
+        raise ValueError(f"use_slots takes an engine of system 'orca', not {old.name!r}")
+    kv = PluggedSlots(manager_class(old.kv.n_slots), as_tensor=old.kv.k is not None)
+    engine.scheduler = OrcaScheduler(kv, old.max_bs)
+    if getattr(engine.executor, "graphs", None) is not None:
+        engine.executor.graphs = None
+    return engine
+
+
+def tensors_from(flat: dict, device) -> BatchTensors:
+    """The learner's flattening (notebook 04: a dict of lists) as the ``BatchTensors`` the model reads."""
+    host = {name: np.asarray(values, dtype=np.int64) for name, values in flat.items()}
+    cu = torch.from_numpy(np.stack([host["cu_seqlens_q"], host["cu_seqlens_k"]]).astype(np.int32)).to(device)
+    on = {name: torch.from_numpy(host[name]).to(device)
+          for name in ("input_ids", "positions", "slot_mapping", "kv_slot_ids", "last_idx")}
+    return BatchTensors(on["input_ids"], on["positions"], on["slot_mapping"], on["kv_slot_ids"], cu[0], cu[1],
+                        on["last_idx"], False, host["cu_seqlens_q"], host["cu_seqlens_k"],
+                        np.concatenate([host["slot_mapping"], host["kv_slot_ids"]]))
+
+
+def use_flatten(engine, flatten):
+    """Every batch ``engine`` (ORCA's, in this process) selects builds its iteration's tensors with the
+    learner's ``flatten(requests)`` in place of ``BatchTensors.build``."""
+    if engine.scheduler.name != "orca":
+        raise ValueError(f"use_flatten takes an engine of system 'orca', not {engine.scheduler.name!r}")
+    select = engine.scheduler.select
+
+    def select_flattened(now: float = 0.0):
+        batch = select(now)
+        if batch is not None:
+            batch.tensors = lambda device: tensors_from(flatten(batch.requests), device)
+        return batch
+
+    engine.scheduler.select = select_flattened
+    return engine
+
+
+class LearnerVictims(_Victims):
+    """The paged scheduler's victims, chosen by the learner's ``victim(running, req, chosen)``."""
+
+    def __init__(self, victim, running, chosen):
+        super().__init__(running, chosen)
+        self.victim = victim
+
+    def next(self, req):
+        return self.victim(self.running, req, self.chosen)
+
+
+def use_victim(engine, victim):
+    """``engine`` (a paged or chunked one) preempting the request the learner's ``victim`` names."""
+    if engine.scheduler.name not in PAGED:
+        raise ValueError(f"use_victim takes an engine of system {PAGED}, not {engine.scheduler.name!r}")
+    engine.scheduler.victims = lambda running, chosen: LearnerVictims(victim, running, chosen)
+    return engine

@@ -1,0 +1,105 @@
+"""The course's machinery without a kernel: solutions merge into the learner's notebooks one for one,
+a learner notebook is cut after its first exercise, and each grader catches a wrong answer and says
+what differs (the right answers pass in the solved notebooks, tests/test_notebooks.py)."""
+import json
+
+import pytest
+
+from orca_lab.course import grade, solve
+from orca_lab.engine.request import RequestState
+
+
+def test_solutions_merge_one_for_one(tmp_path):
+    nb = {"cells": [{"cell_type": "code", "metadata": {"tags": ["exercise:a"]}, "source": ["# YOUR CODE HERE\n",
+                                                                                         "raise NotImplementedError(\"a\")"]},
+                    {"cell_type": "code", "metadata": {}, "source": ["print(a)"]}]}
+    sols = tmp_path / "s.py"
+    sols.write_text('"""doc"""\n\n# %% exercise: a\na = 1\n\n\n')
+    solved = solve.solve(nb, solve.solutions(sols))
+    assert solved["cells"][0]["source"] == ["a = 1"] and nb["cells"][0]["source"][0] == "# YOUR CODE HERE\n"
+    with pytest.raises(ValueError, match=r"exercises without a solution \['a'\]"):
+        solve.solve(nb, {})
+    with pytest.raises(ValueError, match=r"solutions without an exercise \['b'\]"):
+        solve.solve(nb, {"a": "a = 1\n", "b": "b = 2\n"})
+    assert len(solve.until_first_exercise(nb)["cells"]) == 1       # it raises where it stands
+
+
+def test_a_function_exercise_is_cut_after_its_check():
+    nb = solve.load(solve.NOTEBOOKS / "03_iteration_level_scheduling.ipynb")
+    head = solve.until_first_exercise(nb)["cells"]
+    assert solve.exercise_id(head[-2]) == "select" and "grade.check_select(select)" in "".join(head[-1]["source"])
+
+
+def test_build_writes_every_chapter_solved(tmp_path):
+    paths = solve.build(tmp_path, ["01_generation_and_kv_cache"])
+    nb = json.loads(paths[0].read_text())
+    assert [p.name for p in paths] == ["01_generation_and_kv_cache.ipynb"]
+    code = [json.dumps(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    assert solve.exercises(nb) and not any("NotImplementedError" in c for c in code)
+
+
+def skipping_select(pool, n_rsrv, max_bs, n_slots):
+    """Select with `continue` where Algorithm 1 breaks: a later, smaller request overtakes."""
+    batch = []
+    for req in (r for r in pool if r.state is not RequestState.RUNNING):
+        if len(batch) == max_bs:
+            break
+        if req.state is RequestState.INITIATION:
+            if n_rsrv + req.max_tokens > n_slots:
+                continue
+            n_rsrv += req.max_tokens
+        batch.append(req)
+    return batch, n_rsrv
+
+
+def test_graders_say_what_differs():
+    with pytest.raises(grade.Mismatch, match="breaks \\(does not skip\\)"):
+        grade.check_select(skipping_select)
+    with pytest.raises(grade.Mismatch, match="cu_seqlens_k differs"):
+        def no_cache(reqs):            # forgets the cached tokens in cu_seqlens_k
+            out = {"input_ids": [t for r in reqs for t in r.pending_tokens()],
+                   "positions": [r.n_cached + i for r in reqs for i in range(len(r.pending_tokens()))],
+                   "slot_mapping": [int(s) for r in reqs for s in r.slots[r.n_cached:r.n_cached + len(r.pending_tokens())]],
+                   "kv_slot_ids": [int(s) for r in reqs for s in r.slots[:r.n_cached + len(r.pending_tokens())]],
+                   "cu_seqlens_q": [0], "cu_seqlens_k": [0], "last_idx": []}
+            for r in reqs:
+                out["cu_seqlens_q"].append(out["cu_seqlens_q"][-1] + len(r.pending_tokens()))
+                out["cu_seqlens_k"].append(out["cu_seqlens_k"][-1] + len(r.pending_tokens()))
+                out["last_idx"].append(out["cu_seqlens_q"][-1] - 1)
+            return out
+        grade.check_flatten(no_cache)
+    with pytest.raises(grade.Mismatch, match="the stages differs"):
+        grade.check_split_layers(lambda n, s: [(i * (n // s), (i + 1) * (n // s)) for i in range(s)])
+    with pytest.raises(grade.Mismatch, match="the finish iterations differs"):
+        grade.check_ft_finish(lambda p, g, max_bs: [max(g)] * len(g))
+
+
+def test_a_grader_lets_the_learners_not_implemented_through():
+    def select(pool, n_rsrv, max_bs, n_slots):
+        raise NotImplementedError("select")
+    with pytest.raises(NotImplementedError, match="select"):
+        grade.check_select(select)
+
+
+class LowestFirst:
+    """Hands out the lowest free slots, never looking for a contiguous run."""
+
+    def __init__(self, n_slots):
+        self.n_slots, self.n_reserved, self.free = n_slots, 0, list(range(n_slots))
+
+    def can_reserve(self, n):
+        return self.n_reserved + n <= self.n_slots
+
+    def reserve(self, req, n):
+        req.slots, self.free = self.free[:n], self.free[n:]
+        self.n_reserved += n
+
+    def release(self, req):
+        self.free = sorted(self.free + req.slots)
+        self.n_reserved -= len(req.slots)
+        req.slots = None
+
+
+def test_the_slot_grader_wants_contiguous_runs():
+    with pytest.raises(grade.Mismatch, match="one contiguous run"):
+        grade.check_slot_manager(LowestFirst)
