@@ -10,7 +10,7 @@ from typing import Iterator
 
 import torch
 
-from orca_lab.config import EngineConfig, ModelConfig, check_degrees, check_range, model_config, uses_workers
+from orca_lab.config import EngineConfig, ModelConfig, check_degrees, check_prefix_caching, check_range, model_config, uses_workers
 from orca_lab.engine.cuda_graphs import decode_graphs_for
 from orca_lab.engine.engine import Engine, RunResult
 from orca_lab.engine.executor import LocalExecutor, split_layers
@@ -121,11 +121,13 @@ class LLM:
         ec, cfg = self.engine_config, self.cfg
         if system == "ft" and mbs is not None and not 1 <= mbs <= ec.max_bs:
             raise ValueError(f"mbs={mbs} is out of range: allowed [1, max_bs={ec.max_bs}]")
+        check_prefix_caching(system, ec.prefix_caching, ec.schedule_policy)
         self._take_pool_back()
         workers = uses_workers(ec)      # workers hold the K/V pools; the master keeps only the accounting
         pool = None if workers else self._pool()
-        kv = new_kv(system, ec.n_slots, ec.block_size, pool=pool)
-        scheduler = new_scheduler(system, kv, ec.max_bs, cfg.max_seq_len, mbs, ec.max_num_batched_tokens)
+        kv = new_kv(system, ec.n_slots, ec.block_size, pool=pool, prefix_caching=ec.prefix_caching)
+        scheduler = new_scheduler(system, kv, ec.max_bs, cfg.max_seq_len, mbs, ec.max_num_batched_tokens,
+                                  ec.schedule_policy)
         executor = WorkerExecutor.for_llm(self) if workers else \
             LocalExecutor(self.model, kv, ec.n_workers, ec.device, self._decode_graphs(kv))
         config = {"model": cfg.name, "system": system, "mbs": mbs, **vars(ec)}

@@ -60,6 +60,7 @@ class RequestRecord:
     output: tuple[int, ...]
     n_preemptions: int = 0        # paged policies: times its K/V was freed and recomputed
     finish_reason: str | None = None     # "length", "stop", "abort"; None if it never finished
+    prefix_hit_tokens: int = 0    # prefix caching: prompt tokens whose K/V it found cached
 
 
 @dataclass
@@ -302,7 +303,7 @@ class Engine:
         reqs = [RequestRecord(r.rid, r.arrival - start, len(r.prompt), len(r.output),
                               _rel(r.t_scheduled, start), _rel(r.t_first_token, start),
                               _rel(r.t_finish, start), r.n_iterations, tuple(r.output), finish_reason=r.finish_reason,
-                              n_preemptions=r.n_preemptions)
+                              n_preemptions=r.n_preemptions, prefix_hit_tokens=r.n_prefix_hit)
                 for r in self.requests if new(r.t_finish)]
         records = [it for it in self.records if new(it.end)]
         iters = [dataclasses.replace(it, start=it.start - start, end=it.end - start) for it in records] \
