@@ -129,6 +129,105 @@ def homogeneous_trace(n: int, input_len: int, gen_len: int, rate: float | None =
     return _items(rng, arrivals(n, rate, rng, cv), np.full(n, input_len), np.full(n, gen_len), vocab_size)
 
 
+# -- traces that share prefixes (prefix caching, engine/prefix_cache.py) --------------------------
+# ShareGPT as tabulated by ShareChat (Yan et al., arXiv 2512.17843, Table 1): 94,145 conversations,
+# 330,239 turns, 3.51 turns per conversation on average.
+SHAREGPT_MEAN_TURNS = 3.51
+
+
+def few_shot_trace(n: int, prefix_len: int = 512, question_len=(16, 64), gen_len=(8, 32),
+                   rate: float | None = None, seed: int = 0, vocab_size: int = 50257,
+                   cv: float = 1.0) -> list[TraceItem]:
+    """Every request is one shared prefix (the same few-shot examples or system prompt) followed by
+    its own question, lengths ~ U{question_len}, max_gen_tokens ~ U{gen_len}. The defaults are
+    assumptions chosen to make the prefix dominate the prompt, not measurements."""
+    check_range("n", n, 1, 10_000_000)
+    check_range("prefix_len", prefix_len, 0, 1 << 20)
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, vocab_size, size=prefix_len).tolist()
+    q = rng.integers(question_len[0], question_len[1] + 1, size=n)
+    g = rng.integers(gen_len[0], gen_len[1] + 1, size=n)
+    times = arrivals(n, rate, rng, cv)
+    return [TraceItem(float(t), tuple(prefix + rng.integers(0, vocab_size, size=int(L)).tolist()), int(m))
+            for t, L, m in zip(times, q, g)]
+
+
+def multi_turn_trace(n_conversations: int, rate: float | None = None, mean_turns: float = SHAREGPT_MEAN_TURNS,
+                     max_turns: int = 8, scale: float = 1.0, think_s: float = 1.0, system_len: int = 0,
+                     seed: int = 0, vocab_size: int = 50257, max_len: int = 2048) -> list[TraceItem]:
+    """Conversations whose every turn re-sends the whole history: turn ``k`` is turn ``k - 1``'s
+    prompt, its answer, and a new user message (after a shared system prompt of ``system_len``).
+
+    Turns per conversation: geometric with mean ``mean_turns`` (3.51, ShareGPT's mean as tabulated by
+    ShareChat, arXiv 2512.17843, Table 1; the geometric shape is an assumption), at most ``max_turns``
+    and while the history fits ``max_len``. User messages and answers: lognormal lengths of
+    ``REAL_SHAPES["sharegpt"]`` (input and output medians 36 and 271 tokens, vLLM's Fig. 11a),
+    times ``scale``. Conversations start at ``rate`` (Poisson; None: all at 0); each next turn
+    arrives ``think_s`` (exponential mean) after the previous one. The answer written into the
+    history is the trace's own tokens (as replaying a recorded conversation does), so a cache hits
+    the previous turn's prompt; every request generates exactly its max_gen_tokens.
+    """
+    check_range("n_conversations", n_conversations, 1, 1_000_000)
+    check_range("mean_turns", mean_turns, 1.0, 1000.0, kind=float)
+    check_range("max_turns", max_turns, 1, 1000)
+    check_range("scale", scale, 1e-3, 1000.0, kind=float)
+    check_range("think_s", think_s, 0.0, 1e6, kind=float)
+    check_range("system_len", system_len, 0, max_len - 2)
+    shape, rng = REAL_SHAPES["sharegpt"], np.random.default_rng(seed)
+    length = lambda median, sigma: max(1, int(round(scale * median * rng.lognormal(0.0, sigma))))
+    tokens = lambda k: rng.integers(0, vocab_size, size=k).tolist()
+    system = tokens(system_len)
+    items = []
+    for start in arrivals(n_conversations, rate, rng):
+        history, t = list(system), float(start)
+        for _ in range(min(max_turns, int(rng.geometric(1.0 / mean_turns)))):
+            user, answer = length(shape.in_median, shape.in_sigma), length(shape.out_median, shape.out_sigma)
+            answer = min(answer, max_len // 4)
+            if len(history) + user + answer > max_len:
+                break
+            history += tokens(user)
+            items.append(TraceItem(t, tuple(history), answer))
+            history += tokens(answer)
+            t += float(rng.exponential(think_s)) if think_s else 0.0
+    return sorted(items, key=lambda it: it.arrival)
+
+
+def mooncake_trace(records, block_size: int = 512, vocab_size: int = 50257, seed: int = 0) -> list[TraceItem]:
+    """A trace in Mooncake's released format (kvcache-ai/Mooncake, FAST'25: one JSON object per
+    request, ``timestamp`` in ms, ``input_length``, ``output_length``, and ``hash_ids``, one id per
+    block of 512 tokens, equal ids meaning equal blocks) as token prompts: every hash id becomes the
+    same ``block_size`` random tokens wherever it appears, so the prefixes the trace shares are shared
+    here too. ``records``: dicts, or a path to the JSONL file."""
+    if isinstance(records, (str, Path)):
+        records = [json.loads(line) for line in Path(records).read_text().splitlines() if line.strip()]
+    blocks: dict[int, list[int]] = {}
+    block = lambda h: blocks.setdefault(h, np.random.default_rng([seed, h]).integers(0, vocab_size, block_size).tolist())
+    items = []
+    for r in records:
+        prompt = [t for h in r["hash_ids"] for t in block(int(h))][:int(r["input_length"])]
+        prompt += np.random.default_rng([seed, len(items), 1 << 30]).integers(
+            0, vocab_size, int(r["input_length"]) - len(prompt)).tolist()     # past the last listed block
+        items.append(TraceItem(float(r["timestamp"]) / 1e3, tuple(prompt), max(1, int(r["output_length"]))))
+    return sorted(items, key=lambda it: it.arrival)
+
+
+def prefix_reuse(trace, block_size: int = 16) -> float:
+    """The share of prompt tokens in full blocks that an earlier request's prompt already held: the
+    hit rate of a cache that never evicts (each prompt's last token excluded, as the engine always
+    computes it). What a trace offers; ``requests_df()["prefix_hit_tokens"]`` is what a run got."""
+    seen, hit, total = set(), 0, 0
+    for it in sorted(trace, key=lambda it: it.arrival):
+        p, parent = list(it.prompt), None
+        total += len(p)
+        found = True
+        for i in range((len(p) - 1) // block_size):
+            parent = hash((parent, tuple(p[i * block_size:(i + 1) * block_size])))
+            found = found and parent in seen
+            hit += block_size * found
+            seen.add(parent)
+    return hit / total if total else 0.0
+
+
 def _scaled(x: int, scale: float) -> int:
     return max(1, int(round(x * scale)))
 

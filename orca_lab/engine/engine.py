@@ -98,6 +98,8 @@ class EngineStats:
     kv_used: int           # slots holding real K/V
     kv_total: int          # n_slots
     n_finished: int
+    prefix_hit_tokens: int = 0     # prefix caching, since the engine started: prompt tokens found cached
+    prefix_query_tokens: int = 0   # ... and prompt tokens looked up (each request once, at admission)
 
 
 class Engine:
@@ -207,7 +209,7 @@ class Engine:
         """O(1): counters kept as requests come and go (a server reads them every iteration)."""
         waiting, kv = self.scheduler.n_waiting, self.scheduler.kv
         return EngineStats(waiting, len(self.live) - waiting, kv.n_reserved, kv.n_used, kv.n_slots,
-                           self.scheduler.n_finished)
+                           self.scheduler.n_finished, getattr(kv, "hit_tokens", 0), getattr(kv, "query_tokens", 0))
 
     def _check_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):

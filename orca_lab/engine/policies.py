@@ -27,7 +27,7 @@ from orca_lab.config import check_prefix_caching
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.prefix_cache import PrefixCachingBlockManager
 from orca_lab.engine.request import Request, RequestState
-from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler, arrival_order
+from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler, arrival_order, enqueue
 
 SYSTEMS = ("orca", "ft", "paged", "chunked")
 PAGED = ("paged", "chunked")

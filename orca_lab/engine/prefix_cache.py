@@ -36,7 +36,7 @@ def block_hash(parent: int | None, tokens) -> int:
 def chain_hashes(tokens, block_size: int, n_blocks: int, known: list[int] | None = None) -> list[int]:
     """The names of the first ``n_blocks`` full blocks of ``tokens``, extending ``known`` (the first
     few already computed: a request's hashes are computed once, as its context grows)."""
-    hashes = list(known or [])
+    hashes = list(known[:n_blocks]) if known else []
     for i in range(len(hashes), n_blocks):
         hashes.append(block_hash(hashes[-1] if hashes else None, tokens[i * block_size:(i + 1) * block_size]))
     return hashes
@@ -52,7 +52,6 @@ class PrefixCachingBlockManager(BlockManager):
         self.hash_of: dict[int, int] = {}             # block -> its hash, while registered
         self.evictable: OrderedDict[int, None] = OrderedDict()   # cached blocks with ref 0, LRU first
         self._blocks: dict[int, list[int]] = {}       # rid -> its block table
-        self._hashes: dict[int, list[int]] = {}       # rid -> hashes of its context's full blocks
         self.hit_tokens = 0                           # over first admissions: tokens found cached
         self.query_tokens = 0                         # over first admissions: prompt tokens looked up
         self.n_evictions = 0
@@ -63,7 +62,7 @@ class PrefixCachingBlockManager(BlockManager):
         short of its last token (always computed)."""
         tokens = req.prompt + req.output
         n = (len(tokens) - 1) // self.block_size
-        hashes = self._hashes[req.rid] = chain_hashes(tokens, self.block_size, n, self._hashes.get(req.rid))
+        hashes = req.block_hashes = chain_hashes(tokens, self.block_size, n, req.block_hashes)
         found = []
         for h in hashes[:n]:
             b = self.block_of.get(h)
@@ -149,7 +148,7 @@ class PrefixCachingBlockManager(BlockManager):
             lo, hi = old // bs, min(n_cached // bs, len(table))
             if hi > lo:
                 tokens = req.prompt + req.output
-                hashes = self._hashes[req.rid] = chain_hashes(tokens, bs, hi, self._hashes.get(req.rid))
+                hashes = req.block_hashes = chain_hashes(tokens, bs, hi, req.block_hashes)
                 for i in range(lo, hi):
                     h, b = hashes[i], table[i]
                     if h not in self.block_of and b not in self.hash_of:
@@ -175,8 +174,6 @@ class PrefixCachingBlockManager(BlockManager):
                 del self.ref[b]
                 self._give(b * bs, (b + 1) * bs)
         self._tables.pop(req.rid, None)
-        if req.finished:
-            self._hashes.pop(req.rid, None)
         req.slots = None
 
     def block_table(self, req) -> list[int]:
