@@ -152,22 +152,29 @@ def few_shot_trace(n: int, prefix_len: int = 512, question_len=(16, 64), gen_len
             for t, L, m in zip(times, q, g)]
 
 
-def multi_turn_trace(n_conversations: int, rate: float | None = None, mean_turns: float = SHAREGPT_MEAN_TURNS,
-                     max_turns: int = 8, scale: float = 1.0, think_s: float = 1.0, system_len: int = 0,
-                     seed: int = 0, vocab_size: int = 50257, max_len: int = 2048) -> list[TraceItem]:
-    """Conversations whose every turn re-sends the whole history: turn ``k`` is turn ``k - 1``'s
-    prompt, its answer, and a new user message (after a shared system prompt of ``system_len``).
+@dataclass(frozen=True)
+class Conversation:
+    """A chat: it starts at ``start``; turn ``k`` sends ``users[k]`` after the history (the system
+    prompt, then every earlier user message and answer) and asks for ``answer_lens[k]`` tokens; the
+    user writes the next turn ``gaps[k]`` seconds after receiving that answer."""
+    start: float
+    system: tuple[int, ...]
+    users: tuple[tuple[int, ...], ...]
+    answer_lens: tuple[int, ...]
+    gaps: tuple[float, ...]
 
-    Turns per conversation: geometric with mean ``mean_turns`` (3.51, ShareGPT's mean as tabulated by
-    ShareChat, arXiv 2512.17843, Table 1; the geometric shape is an assumption), at most ``max_turns``
-    and while the history fits ``max_len``. User messages and answers: lognormal lengths of
-    ``REAL_SHAPES["sharegpt"]`` (input and output medians 36 and 271 tokens, vLLM's Fig. 11a),
-    times ``scale``. Conversations start at ``rate`` (Poisson; None: all at 0); each next turn
-    arrives ``think_s`` (exponential mean) after the previous one. The answer written into the
-    history is the trace's own tokens (as replaying a recorded conversation does), so a cache hits
-    the previous turn's prompt; every request generates exactly its max_gen_tokens.
-    """
-    check_range("n_conversations", n_conversations, 1, 1_000_000)
+
+def multi_turn_conversations(n: int, rate: float | None = None, mean_turns: float = SHAREGPT_MEAN_TURNS,
+                             max_turns: int = 8, scale: float = 1.0, think_s: float = 1.0, system_len: int = 0,
+                             seed: int = 0, vocab_size: int = 50257, max_len: int = 2048) -> list[Conversation]:
+    """Chats whose every turn re-sends the whole history (after a shared system prompt of
+    ``system_len`` tokens). Turns per chat: geometric with mean ``mean_turns`` (3.51, ShareGPT's mean
+    as tabulated by ShareChat, arXiv 2512.17843, Table 1; the geometric shape is an assumption), at
+    most ``max_turns`` and while the history fits ``max_len``. User messages and answers: lognormal
+    lengths of ``REAL_SHAPES["sharegpt"]`` (medians 36 and 271 tokens, vLLM's Fig. 11a) times
+    ``scale``, an answer at most a quarter of ``max_len``. Chats start at ``rate`` (Poisson; None:
+    all at 0); the user thinks ``think_s`` seconds (exponential mean) before each next turn."""
+    check_range("n", n, 1, 1_000_000)
     check_range("mean_turns", mean_turns, 1.0, 1000.0, kind=float)
     check_range("max_turns", max_turns, 1, 1000)
     check_range("scale", scale, 1e-3, 1000.0, kind=float)
@@ -175,21 +182,72 @@ def multi_turn_trace(n_conversations: int, rate: float | None = None, mean_turns
     check_range("system_len", system_len, 0, max_len - 2)
     shape, rng = REAL_SHAPES["sharegpt"], np.random.default_rng(seed)
     length = lambda median, sigma: max(1, int(round(scale * median * rng.lognormal(0.0, sigma))))
-    tokens = lambda k: rng.integers(0, vocab_size, size=k).tolist()
-    system = tokens(system_len)
-    items = []
-    for start in arrivals(n_conversations, rate, rng):
-        history, t = list(system), float(start)
+    tokens = lambda k: tuple(rng.integers(0, vocab_size, size=k).tolist())
+    system, chats = tokens(system_len), []
+    for start in arrivals(n, rate, rng):
+        users, answers, used = [], [], system_len
         for _ in range(min(max_turns, int(rng.geometric(1.0 / mean_turns)))):
-            user, answer = length(shape.in_median, shape.in_sigma), length(shape.out_median, shape.out_sigma)
-            answer = min(answer, max_len // 4)
-            if len(history) + user + answer > max_len:
+            user, answer = length(shape.in_median, shape.in_sigma), min(length(shape.out_median, shape.out_sigma),
+                                                                        max_len // 4)
+            if used + user + answer > max_len:
                 break
-            history += tokens(user)
+            users.append(tokens(user))
+            answers.append(answer)
+            used += user + answer
+        gaps = tuple(float(rng.exponential(think_s)) if think_s else 0.0 for _ in users)
+        if users:
+            chats.append(Conversation(float(start), system, tuple(users), tuple(answers), gaps))
+    return chats
+
+
+def multi_turn_trace(n_conversations: int, rate: float | None = None, seed: int = 0, vocab_size: int = 50257,
+                     **shape) -> list[TraceItem]:
+    """``multi_turn_conversations`` as an open-loop trace: turn ``k`` arrives ``gaps[k - 1]`` after
+    turn ``k - 1``, and the answer written into its history is the trace's own tokens (as replaying a
+    recorded conversation does), so a cache finds the previous turn's prompt, not its answer (a closed
+    loop that re-sends the engine's own answers, ``benchmarks/prefix_caching.py``, finds both). Every
+    request generates exactly its max_gen_tokens."""
+    rng = np.random.default_rng([seed, 1])
+    items = []
+    for c in multi_turn_conversations(n_conversations, rate, seed=seed, vocab_size=vocab_size, **shape):
+        history, t = list(c.system), c.start
+        for user, answer, gap in zip(c.users, c.answer_lens, c.gaps):
+            history += user
             items.append(TraceItem(t, tuple(history), answer))
-            history += tokens(answer)
-            t += float(rng.exponential(think_s)) if think_s else 0.0
+            history += rng.integers(0, vocab_size, size=answer).tolist()
+            t += gap
     return sorted(items, key=lambda it: it.arrival)
+
+
+def serve_conversations(engine, chats: list[Conversation]):
+    """Serve ``chats`` in a closed loop on ``engine`` (real or simulated, ``Engine``): each turn is sent
+    once the previous answer has come back and the user has thought, and re-sends the history with
+    the engine's own answers, as a chat client does. Returns the engine's ``RunResult``, times from
+    the start. A turn due while an iteration runs is sent when it returns, stamped with its due time."""
+    import heapq
+    t0 = engine.clock.now()
+    due = [(t0 + c.start, i) for i, c in enumerate(chats)]
+    heapq.heapify(due)
+    turn, history, of = [0] * len(chats), [list(c.system) for c in chats], {}
+    while due or engine.has_work():
+        now = engine.clock.now()
+        while due and due[0][0] <= now:
+            t, i = heapq.heappop(due)
+            c, k = chats[i], turn[i]
+            history[i] += c.users[k]
+            req = engine.add_request(history[i], SamplingParams(max_gen_tokens=c.answer_lens[k]), arrival=t)
+            of[req.rid] = i
+        if not engine.has_work():
+            engine.clock.sleep_until(due[0][0])
+            continue
+        for req, _ in engine.step(timeout=max(0.0, due[0][0] - now) if due else None):
+            if req.finished:
+                i = of.pop(req.rid)
+                history[i] += req.output
+                turn[i] += 1
+                if turn[i] < len(chats[i].users):
+                    heapq.heappush(due, (engine.clock.now() + chats[i].gaps[turn[i] - 1], i))
+    return engine.result(t0)
 
 
 def mooncake_trace(records, block_size: int = 512, vocab_size: int = 50257, seed: int = 0) -> list[TraceItem]:
