@@ -94,7 +94,7 @@ def table(title: str, res: dict) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--conversations", type=int, default=24)
-    p.add_argument("--rate", type=float, default=2.0, help="conversations started per second (Poisson)")
+    p.add_argument("--rate", type=float, default=1.0, help="conversations started per second (Poisson)")
     p.add_argument("--scale", type=float, default=0.5, help="multiplies ShareGPT's message lengths")
     p.add_argument("--think-s", type=float, default=0.5, help="mean seconds between a conversation's turns")
     p.add_argument("--system-len", type=int, default=0, help="tokens of a system prompt every chat shares (13B: twice)")
@@ -106,7 +106,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--sim-conversations", type=int, default=200)
-    p.add_argument("--sim-rate", type=float, default=4.0, help="13B: conversations started per second")
+    p.add_argument("--sim-rate", type=float, default=0.5, help="13B: conversations started per second")
     p.add_argument("--sim-max-bs", type=int, default=32)
     p.add_argument("--out", default="docs/results/prefix_caching_cpu.json")
     args = p.parse_args(argv)
