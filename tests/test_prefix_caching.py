@@ -4,6 +4,7 @@ pool smaller than the shared prefixes, cached blocks are evicted, held ones neve
 the block hashes, reference counts and LRU against a plain reference on random operations; the
 refusals; the cache-aware order's starvation; the simulator's batches against the engine's."""
 import asyncio
+import json
 import random
 from collections import OrderedDict
 
@@ -13,6 +14,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from orca_lab import LLM, EngineConfig, SamplingParams
+from orca_lab.cli import main
 from orca_lab.engine.parallel import WorkerPool
 from orca_lab.engine.prefix_cache import PrefixCachingBlockManager, chain_hashes
 from orca_lab.engine.request import Request
@@ -128,7 +130,7 @@ async def ask_wave(url, wave):
         return await asyncio.gather(*(one(p, sp) for p, sp in wave))
 
 
-def test_over_http_the_same_tokens_and_the_counters_on_metrics(want):
+def test_over_http_the_same_tokens_and_the_counters_on_metrics(want, tmp_path, capsys):
     flags = ["--model", "tiny", "--seed", "1", "--max-bs", 4, "--n-slots", 1024, "--block-size", BS,
              "--max-num-batched-tokens", 24, "--prefix-caching", "--system", "chunked"]
     with ServerProcess(*flags) as server:
@@ -136,7 +138,12 @@ def test_over_http_the_same_tokens_and_the_counters_on_metrics(want):
         for wave in WAVES:
             got += asyncio.run(ask_wave(server.url, wave))
         m = metrics(server.url)
+        out = tmp_path / "bench"
+        main(["bench", "--base-url", server.url, "--n-requests", "4", "--dataset", "few-shot", "--input-len", "40",
+              "--output-len", "2", "--rate", "inf", "--max-concurrency", "1", "--out", str(out)])
     assert got == want
+    row = json.loads((out / "bench.json").read_text())["summary"][0]
+    assert row["prefix_hit_rate"] > 0.3 and "prefix_hit_rate" in capsys.readouterr().out   # 3 of 4 find 40
     # the second wave finds all it can; the first may find its own system prompt, by arrival timing
     assert m["orca_lab_prefix_cache_hit_tokens_total"] >= 24 + 40 + 24 + 24 + 32 + 8
     assert m["orca_lab_prefix_cache_query_tokens_total"] == sum(len(p) for w in WAVES for p, _ in w)

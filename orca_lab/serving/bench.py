@@ -23,9 +23,9 @@ from orca_lab.config import check_choice, check_range
 from orca_lab.engine.engine import _progress
 from orca_lab.environment import environment
 from orca_lab.metrics import serving_summary
-from orca_lab.workload import homogeneous_trace, paper_trace
+from orca_lab.workload import few_shot_trace, homogeneous_trace, paper_trace
 
-DATASETS = ("paper", "fixed")
+DATASETS = ("paper", "fixed", "few-shot")
 
 
 @dataclass
@@ -75,6 +75,8 @@ def make_trace(dataset: str, n: int, rate: float | None, vocab_size: int, seed: 
     cv = 1.0 / math.sqrt(burstiness)
     if dataset == "paper":
         return paper_trace(n, rate, seed, scale=scale, vocab_size=vocab_size, cv=cv)
+    if dataset == "few-shot":        # one shared prefix of input_len tokens, a question of 8-32 each
+        return few_shot_trace(n, input_len, (8, 32), (output_len, output_len), rate, seed, vocab_size, cv)
     return homogeneous_trace(n, input_len, output_len, rate, seed, vocab_size=vocab_size, cv=cv)
 
 
@@ -238,7 +240,8 @@ def add_arguments(p):
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 Poisson, <1 bursty")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--dataset", default="paper", choices=DATASETS,
-                   help="paper: U{32..512} inputs, U{1..128} outputs (x --scale); fixed: --input-len/--output-len")
+                   help="paper: U{32..512} inputs, U{1..128} outputs (x --scale); fixed: --input-len/--output-len; "
+                        "few-shot: a shared prefix of --input-len tokens and a question of 8-32 each")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies the paper dataset's lengths")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
