@@ -241,11 +241,11 @@ class Reference:
                     self.lru[k] = None
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["new", "decode", "finish"]), st.integers(0, 3), st.integers(1, 30),
-                          st.integers(0, 10 ** 6)), min_size=1, max_size=40))
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["new", "decode", "finish"]), st.integers(0, 3), st.integers(1, 40),
+                          st.integers(0, 10 ** 6)), min_size=1, max_size=60))
 def test_hashes_reference_counts_and_lru_against_a_plain_reference(ops):
-    n_blocks = 16
+    n_blocks = 8            # small: cached blocks are evicted within a few operations
     kv, ref = PrefixCachingBlockManager(n_blocks * BS, BS), Reference(n_blocks)
     stems = [[s] * 20 + [s + 1] * 20 for s in range(4)]          # four families of shared prefixes
     live, rid = {}, 0
