@@ -31,7 +31,8 @@ SMALL = {   # each notebook at a size that runs in seconds
     "kv_memory": dict(rates=[2.0], n_requests=30),
     "sim_fidelity": dict(presets=["tiny"], curves=["orca(4)", "ft(4,4)"], loads=[0.5], n_requests=6, scale=0.05, repeats=2),
     "policies": dict(models=["gpt3-13b"], traces=["paper", "sharegpt"], n_requests=16, concurrency_requests=60,
-                     measured_requests=4, loads=[0.5, 1.5], formats=["html", "png", "svg", "pdf"]),
+                     measured_requests=4, loads=[0.5, 1.5], formats=["html", "png", "svg", "pdf"], prefix_chats=3,
+                     prefix_sim_chats=20),
 }
 # Each notebook that offers mode="measure", there: the real engine at a toy size on this machine's device
 # ("auto": a GPU where there is one, bf16 and Triton; the CPU in CI), with the columns of the table it writes.
