@@ -291,6 +291,27 @@ def test_hashes_reference_counts_and_lru_against_a_plain_reference(ops):
     assert_clean(kv)
 
 
+def test_a_padding_row_takes_a_block_outside_the_cache_even_when_every_free_block_is_cached():
+    """The CUDA graphs' padding row (``cuda_graphs.PadRequest``) reserves one slot between a
+    decode's select and its return: with no never-used block left it evicts a cached one, and gives
+    it back unregistered."""
+    from orca_lab.engine.cuda_graphs import PadRequest
+    kv = PrefixCachingBlockManager(4 * BS, BS, 1, 1, 2)                # K/V tensors: slots as a tensor
+    req = Request(0, list(range(4 * BS)), SamplingParams(max_gen_tokens=1), finish_reason="length")
+    kv.share(req, kv.lookup(req))
+    kv.grow(req, 4 * BS)
+    kv.cache(req, 4 * BS)
+    kv.release(req)
+    assert len(kv.evictable) == 4 and kv._spans == []                  # every free block is cached
+    pad = PadRequest()
+    assert kv.can_reserve(1)
+    kv.reserve(pad, 1)
+    assert pad.slots.tolist() == [3 * BS] and kv.n_reserved == BS and list(kv.evictable) == [2, 1, 0]
+    kv.release(pad)                                                    # the prompt's tail went first
+    assert pad.slots is None and kv._spans == [[3 * BS, 4 * BS]]
+    assert_clean(kv)
+
+
 # -- the cache-aware order, and the simulator --------------------------------------------------
 def starving_trace(vocab=257, n_hits=24):
     """A request that shares nothing (rid 1) arrives just after the first of a stream of requests that

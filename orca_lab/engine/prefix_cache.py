@@ -52,6 +52,7 @@ class PrefixCachingBlockManager(BlockManager):
         self.hash_of: dict[int, int] = {}             # block -> its hash, while registered
         self.evictable: OrderedDict[int, None] = OrderedDict()   # cached blocks with ref 0, LRU first
         self._blocks: dict[int, list[int]] = {}       # rid -> its block table
+        self._pads: dict[int, list[int]] = {}         # rid -> blocks of a row outside the cache (reserve)
         self.hit_tokens = 0                           # over first admissions: tokens found cached
         self.query_tokens = 0                         # over first admissions: prompt tokens looked up
         self.n_evictions = 0
@@ -99,6 +100,19 @@ class PrefixCachingBlockManager(BlockManager):
             self.n_reserved += self.block_size
             self.n_used += self.block_size
         self.ref[b] = self.ref.get(b, 0) + 1
+
+    # -- a row outside the cache: the CUDA graphs' padding (cuda_graphs.py) -------------------------
+    def can_reserve(self, n: int) -> bool:
+        return self.blocks_for(n) <= self.n_free_blocks
+
+    def reserve(self, req, n: int):
+        """``n`` slots for a row that is no request of the cache (the padding row of a replayed CUDA
+        graph): whole blocks, possibly cached ones evicted, given back unregistered by ``release``."""
+        blocks = self._take_blocks(self.blocks_for(n))
+        self._pads[req.rid] = blocks
+        self.n_reserved += len(blocks) * self.block_size
+        slots = [s for b in blocks for s in range(b * self.block_size, (b + 1) * self.block_size)][:n]
+        req.slots = slots if self.k is None else torch.tensor(slots, dtype=torch.int64)
 
     # -- growth, writes and release ---------------------------------------------------------------
     def grow(self, req, n_tokens: int):
@@ -159,6 +173,13 @@ class PrefixCachingBlockManager(BlockManager):
         """Free ``req``'s blocks, last first: a registered one stays cached (evictable), the others go
         back to the pool."""
         bs = self.block_size
+        pad = self._pads.pop(req.rid, None)
+        if pad is not None:                  # a padding row: its blocks go back to the pool
+            for b in pad:
+                self._give(b * bs, (b + 1) * bs)
+            self.n_reserved -= len(pad) * bs
+            req.slots = None
+            return
         del self._holders[req.rid]
         table = self._blocks.pop(req.rid)
         for i in reversed(range(len(table))):
