@@ -45,6 +45,8 @@ def summarize(result, slo_norm_latency: float | None = None) -> dict:
         "n_iterations": int(len(last_stage)),
         **_rows_per_iteration(last_stage),
     }
+    if result.config.get("prefix_caching") and len(df):   # prompt tokens found cached over prompt tokens
+        row["prefix_hit_rate"] = float(df["prefix_hit_tokens"].sum() / df["prompt_len"].sum())
     if slo_norm_latency is not None:   # goodput: requests/s that met the normalized-latency SLO
         row["goodput_rps"] = float((df["norm_latency"] <= slo_norm_latency).sum()) / duration
     return row
