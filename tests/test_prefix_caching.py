@@ -21,7 +21,7 @@ from orca_lab.engine.request import Request
 from orca_lab.serving.launch import ServerProcess
 from orca_lab.sim.cost import AnalyticalCost
 from orca_lab.sim.run import Curve, SimBackend
-from orca_lab.workload import TraceItem, few_shot_trace, multi_turn_trace
+from orca_lab.workload import TraceItem, few_shot_trace, mooncake_reuse, mooncake_trace, multi_turn_trace, prefix_reuse
 
 from server_helpers import metrics
 
@@ -361,3 +361,17 @@ def test_simulator_and_engine_make_the_same_batches_on_a_prefix_shared_trace(tin
     assert key(simulated) == key(real)
     hits = list(real.requests_df()["prefix_hit_tokens"])
     assert list(simulated.requests_df()["prefix_hit_tokens"]) == hits and sum(hits) > 0
+
+
+def test_a_mooncake_trace_becomes_prompts_that_share_what_its_hash_ids_share():
+    """The example of Mooncake's README (FAST25-release): two requests sharing their first 12 of
+    512-token blocks; as prompts, they share those 6,144 tokens, and both readings of the reuse agree."""
+    records = [{"timestamp": 27482, "input_length": 6955, "output_length": 52,
+                "hash_ids": [46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 2353, 2354]},
+               {"timestamp": 30535, "input_length": 6472, "output_length": 26,
+                "hash_ids": [46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 2366]}]
+    a, b = mooncake_trace(records, vocab_size=257)
+    assert (len(a.prompt), len(b.prompt), a.max_gen_tokens, b.arrival) == (6955, 6472, 52, 30.535)
+    assert a.prompt[:6144] == b.prompt[:6144] and a.prompt[6144:6656] != b.prompt[6144:6656]
+    stats = mooncake_reuse(records)
+    assert stats["reuse"] == 6144 / (6955 + 6472) == prefix_reuse([a, b], 512)

@@ -21,9 +21,9 @@ holds blocks but is in flight, the one that needs a block waits for a later iter
 """
 from __future__ import annotations
 
+from orca_lab.config import check_prefix_caching
 from orca_lab.engine.batch import Batch
 from orca_lab.engine.blocks import BlockManager
-from orca_lab.config import check_prefix_caching
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.prefix_cache import PrefixCachingBlockManager
 from orca_lab.engine.request import Request, RequestState

@@ -29,8 +29,9 @@ from orca_lab.engine.kv_manager import KVStats
 
 
 def block_hash(parent: int | None, tokens) -> int:
-    """A full block's name: its tokens chained with its parent's name (None for the first block)."""
-    return hash((parent, tuple(tokens)))
+    """A full block's name: its tokens chained with its parent's name (None for the first block; 0
+    stands for it, as ``hash(None)`` differs between processes before Python 3.12)."""
+    return hash((0 if parent is None else parent, tuple(tokens)))
 
 
 def chain_hashes(tokens, block_size: int, n_blocks: int, known: list[int] | None = None) -> list[int]:
