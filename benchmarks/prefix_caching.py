@@ -46,6 +46,8 @@ def summary(runs) -> dict:
 
 
 def serve(llm, system, chats):
+    """One closed-loop run on a fresh engine, its prefix cache empty (the LLM would hand on its cache)."""
+    llm.reset_prefix_cache()
     engine = llm.new_engine(system)
     try:
         return serve_conversations(engine, chats)

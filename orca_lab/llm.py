@@ -85,6 +85,7 @@ class LLM:
         self._kv_pool: KVPool | None = None   # allocated on the first engine, then lent to each
         self._graphs = None                   # CUDA graphs over that pool, captured once
         self._engine = None                   # weak reference to the engine holding the pool
+        self._prefix_kv = None                # the prefix cache's manager, handed from engine to engine
 
     @classmethod
     def from_pretrained(cls, path, engine: EngineConfig | None = None, tokenizer=None) -> "LLM":
@@ -125,7 +126,10 @@ class LLM:
         self._take_pool_back()
         workers = uses_workers(ec)      # workers hold the K/V pools; the master keeps only the accounting
         pool = None if workers else self._pool()
-        kv = new_kv(system, ec.n_slots, ec.block_size, pool=pool, prefix_caching=ec.prefix_caching)
+        kv = self._prefix_cache() if ec.prefix_caching else None
+        if kv is None:
+            kv = new_kv(system, ec.n_slots, ec.block_size, pool=pool, prefix_caching=ec.prefix_caching)
+        self._prefix_kv = kv if ec.prefix_caching else None
         scheduler = new_scheduler(system, kv, ec.max_bs, cfg.max_seq_len, mbs, ec.max_num_batched_tokens,
                                   ec.schedule_policy)
         executor = WorkerExecutor.for_llm(self) if workers else \
@@ -148,6 +152,20 @@ class LLM:
                 "and holds its K/V pool: finish them (engine.run()) or close it (engine.close()) before "
                 "building a new engine (one engine per LLM, as in vLLM)")
         holder.close("a newer engine of its LLM took over the K/V pool (one engine per LLM)")
+
+    def _prefix_cache(self):
+        """The previous engine's prefix cache, for the next engine over the same K/V memory (as vLLM's
+        LLM keeps its cache from one ``generate`` to the next): its cached blocks still hold their
+        K/V, here or on the workers. None when there is none, or a request of it still holds blocks."""
+        kv = self._prefix_kv
+        if kv is None or kv.n_holders:
+            return None
+        kv.hit_tokens = kv.query_tokens = kv.n_evictions = 0       # the counters are per engine
+        return kv
+
+    def reset_prefix_cache(self):
+        """Forget every cached block (vLLM's ``reset_prefix_cache``): the next engine starts empty."""
+        self._prefix_kv = None
 
     def _pool(self) -> KVPool:
         if self._kv_pool is None:

@@ -108,6 +108,26 @@ def test_greedy_and_seeded_outputs_equal_without_caching_in_process(tiny_llm, wa
     assert_clean(kv)
 
 
+def test_an_llm_keeps_its_cache_from_one_engine_to_the_next_until_reset(tiny_llm):
+    """As vLLM's LLM: the next engine (the next ``generate``) finds the blocks of the one before,
+    paged or chunked alike, until ``reset_prefix_cache``; the counters are per engine."""
+    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(prefix_caching=True, **SETTINGS))
+    prompt = [p for p, _ in WAVES[0]][1]                              # 40 tokens: 4 blocks findable
+    hits = []
+    for system in ("paged", "chunked", "paged", "reset", "chunked"):
+        if system == "reset":
+            llm.reset_prefix_cache()
+            continue
+        engine = llm.new_engine(system)
+        req = engine.add_request(prompt, SamplingParams(max_gen_tokens=2))
+        while engine.has_work():
+            engine.step()
+        assert engine.stats().prefix_hit_tokens == req.n_prefix_hit
+        hits.append(req.n_prefix_hit)
+    assert hits == [0, 32, 32, 0]
+    assert llm.generate([prompt], max_gen_tokens=2, system="paged") == [list(req.output)]
+
+
 def test_a_pipeline_of_worker_processes_gives_the_same_tokens(tiny_llm, want):
     llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(prefix_caching=True, pipeline_parallel=2, **SETTINGS))
     with WorkerPool(llm):
