@@ -112,7 +112,11 @@ def main(argv=None):
     p.add_argument("--sim-rate", type=float, default=0.5, help="13B: conversations started per second")
     p.add_argument("--sim-max-bs", type=int, default=32)
     p.add_argument("--out", default="docs/results/prefix_caching_cpu.json")
+    p.add_argument("--smoke", action="store_true", help="a toy size, for the tests: 3 short chats, 1 round, 10 simulated")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.conversations, args.rate, args.scale, args.think_s, args.rounds = 3, 100.0, 0.03, 0.0, 1
+        args.sim_conversations = 10
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     chats = multi_turn_conversations(args.conversations, args.rate, scale=args.scale, think_s=args.think_s,

@@ -395,3 +395,17 @@ def test_a_mooncake_trace_becomes_prompts_that_share_what_its_hash_ids_share():
     assert a.prompt[:6144] == b.prompt[:6144] and a.prompt[6144:6656] != b.prompt[6144:6656]
     stats = mooncake_reuse(records)
     assert stats["reuse"] == 6144 / (6955 + 6472) == prefix_reuse([a, b], 512)
+
+
+def test_the_benchmark_runs_at_a_toy_size_and_writes_its_report(tmp_path):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefix_caching.py"
+    spec = importlib.util.spec_from_file_location("bench_prefix_caching", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--smoke", "--threads", str(torch.get_num_threads()), "--out", str(tmp_path / "p.json")])
+    report = json.loads((tmp_path / "p.json").read_text())
+    assert "torch" in report["environment"] and report["ttft_median_ratio"] > 0
+    for part in ("tiny_measured", "gpt3_13b_simulated"):
+        assert report[part]["with caching"]["prefix_hit_rate"] > 0 == report[part]["without"]["prefix_hit_rate"]
