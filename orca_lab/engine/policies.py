@@ -14,8 +14,13 @@
   context produces no token and is not sampled (``Batch.yields``): a seeded request draws nothing
   for it, so it gets the tokens it gets unchunked, as in vLLM and SGLang.
 
-A chunk, like a recomputation, is a request whose new tokens start past position 0: the ragged
-attention already takes ``q_len < kv_len``. With ``n_workers`` batches in flight, a request in flight
+- Prefix caching (``prefix_caching=True``, ``prefix_cache.py``, vLLM's automatic prefix caching) is a
+  flag of both, not a scheduler: a request admitted from ``waiting`` starts with the cached blocks of
+  its context and prefills the rest. ``schedule_policy="lpm"`` admits the waiting request with the
+  longest cached prefix first (SGLang's default) instead of the earliest arrival.
+
+A chunk, like a recomputation or a prompt past its cached prefix, is a request whose new tokens
+start past position 0: the ragged attention already takes ``q_len < kv_len``. With ``n_workers`` batches in flight, a request in flight
 is never preempted (its blocks are being written and its token is on the way); if a later request
 holds blocks but is in flight, the one that needs a block waits for a later iteration, keeping its own.
 """
