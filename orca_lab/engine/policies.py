@@ -20,9 +20,10 @@
   longest cached prefix first (SGLang's default) instead of the earliest arrival.
 
 A chunk, like a recomputation or a prompt past its cached prefix, is a request whose new tokens
-start past position 0: the ragged attention already takes ``q_len < kv_len``. With ``n_workers`` batches in flight, a request in flight
-is never preempted (its blocks are being written and its token is on the way); if a later request
-holds blocks but is in flight, the one that needs a block waits for a later iteration, keeping its own.
+start past position 0: the ragged attention already takes ``q_len < kv_len``. With ``n_workers``
+batches in flight, a request in flight is never preempted (its blocks are being written and its
+token is on the way); if a later request holds blocks but is in flight, the one that needs a block
+waits for a later iteration, keeping its own.
 """
 from __future__ import annotations
 
