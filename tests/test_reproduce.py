@@ -229,7 +229,10 @@ def test_policies_compares_every_system_on_every_trace(runs):
     measured = pd.read_csv(out / "policies_measured.csv")
     assert json.loads((out / "policies_measured.json").read_text())["meta"]["measure"]["device"] == DEVICE
     assert {"p99_ttft_ms", "p99_tpot_ms", "n_preemptions", "kv_real_share"} <= set(measured.columns)
-    for stem in ("policies_curves", "policies_kv", "policies_preemptions"):
+    prefix = pd.read_csv(out / "policies_prefix_caching.csv").set_index(["scope", "mode"])["prefix_hit_rate"]
+    assert len(prefix) == 4 and (prefix.xs("with caching", level="mode") > 0).all()
+    assert (prefix.xs("without", level="mode") == 0).all()
+    for stem in ("policies_curves", "policies_kv", "policies_preemptions", "policies_prefix_caching"):
         _figures(out, stem)
 
 
