@@ -150,9 +150,10 @@ async def ask_wave(url, wave):
         return await asyncio.gather(*(one(p, sp) for p, sp in wave))
 
 
-def test_over_http_the_same_tokens_and_the_counters_on_metrics(want, tmp_path, capsys):
+@pytest.mark.parametrize("system", ["paged", "chunked"])
+def test_over_http_the_same_tokens_and_the_counters_on_metrics(want, tmp_path, capsys, system):
     flags = ["--model", "tiny", "--seed", "1", "--max-bs", 4, "--n-slots", 1024, "--block-size", BS,
-             "--max-num-batched-tokens", 24, "--prefix-caching", "--system", "chunked"]
+             "--max-num-batched-tokens", 24, "--prefix-caching", "--system", system]
     with ServerProcess(*flags) as server:
         got = []
         for wave in WAVES:
