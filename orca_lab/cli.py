@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from orca_lab.config import PRESETS, EngineConfig, check_range
+from orca_lab.config import PRESETS, EngineConfig, check_prefix_caching, check_range
 from orca_lab.environment import environment
 
 
@@ -57,7 +57,9 @@ def serve(args):
     check_range("threads", args.threads, 1, 1024)
     engine = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots, tensor_parallel=args.tp,
                           pipeline_parallel=args.pp, device=args.device, dtype=args.dtype,
-                          block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens)
+                          block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                          prefix_caching=args.prefix_caching, schedule_policy=args.schedule_policy)
+    check_prefix_caching(args.system, engine.prefix_caching, engine.schedule_policy)
     run(EngineRecipe(args.model, args.seed, engine, args.system, args.threads), args.host, args.port,
         args.max_queue, args.drain_s, model_name=args.model, debug=args.debug)
 
@@ -123,6 +125,9 @@ def _serve_args(s):
     s.add_argument("--n-slots", type=int, default=16384)
     s.add_argument("--block-size", type=int, default=16, help="paged, chunked: K/V slots per block")
     s.add_argument("--max-num-batched-tokens", type=int, default=512, help="chunked: new tokens per iteration")
+    s.add_argument("--prefix-caching", action="store_true", help="paged, chunked: cache and share full K/V blocks")
+    s.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"],
+                   help="paged, chunked with --prefix-caching: lpm = longest cached prefix first")
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel workers")
     s.add_argument("--pp", type=int, default=1, help="pipeline-parallel workers (the paper's n_workers)")
     s.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 503")

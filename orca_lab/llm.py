@@ -10,7 +10,7 @@ from typing import Iterator
 
 import torch
 
-from orca_lab.config import EngineConfig, ModelConfig, check_degrees, check_range, model_config, uses_workers
+from orca_lab.config import EngineConfig, ModelConfig, check_degrees, check_prefix_caching, check_range, model_config, uses_workers
 from orca_lab.distributed.executor import WorkerExecutor
 from orca_lab.engine.engine import Engine, RunResult
 from orca_lab.engine.executor import split_layers
@@ -87,6 +87,7 @@ class LLM:
         self._kv_pool: KVPool | None = None   # allocated on the first engine, then lent to each
         self._graphs = None                   # CUDA graphs over that pool, captured once
         self._engine = None                   # weak reference to the engine holding the pool
+        self._prefix_kv = None                # the prefix cache's manager, handed from engine to engine
 
     @classmethod
     def from_pretrained(cls, path, engine: EngineConfig | None = None, tokenizer=None) -> "LLM":
@@ -123,11 +124,16 @@ class LLM:
         ec, cfg = self.engine_config, self.cfg
         if system == "ft" and mbs is not None and not 1 <= mbs <= ec.max_bs:
             raise ValueError(f"mbs={mbs} is out of range: allowed [1, max_bs={ec.max_bs}]")
+        check_prefix_caching(system, ec.prefix_caching, ec.schedule_policy)
         self._take_pool_back()
         workers = uses_workers(ec)      # workers hold the K/V pools; the master keeps only the accounting
         pool = None if workers else self._pool()
-        kv = new_kv(system, ec.n_slots, ec.block_size, pool=pool)
-        scheduler = new_scheduler(system, kv, ec.max_bs, cfg.max_seq_len, mbs, ec.max_num_batched_tokens)
+        kv = self._prefix_cache() if ec.prefix_caching else None
+        if kv is None:
+            kv = new_kv(system, ec.n_slots, ec.block_size, pool=pool, prefix_caching=ec.prefix_caching)
+        self._prefix_kv = kv if ec.prefix_caching else None
+        scheduler = new_scheduler(system, kv, ec.max_bs, cfg.max_seq_len, mbs, ec.max_num_batched_tokens,
+                                  ec.schedule_policy)
         executor = WorkerExecutor.for_llm(self) if workers else \
             LocalExecutor(self.model, kv, ec.n_workers, ec.device, self._decode_graphs(kv))
         config = {"model": cfg.name, "system": system, "mbs": mbs, **vars(ec)}
@@ -148,6 +154,20 @@ class LLM:
                 "and holds its K/V pool: finish them (engine.run()) or close it (engine.close()) before "
                 "building a new engine (one engine per LLM, as in vLLM)")
         holder.close("a newer engine of its LLM took over the K/V pool (one engine per LLM)")
+
+    def _prefix_cache(self):
+        """The previous engine's prefix cache, for the next engine over the same K/V memory (as vLLM's
+        LLM keeps its cache from one ``generate`` to the next): its cached blocks still hold their
+        K/V, here or on the workers. None when there is none, or a request of it still holds blocks."""
+        kv = self._prefix_kv
+        if kv is None or kv.n_holders:
+            return None
+        kv.hit_tokens = kv.query_tokens = kv.n_evictions = 0       # the counters are per engine
+        return kv
+
+    def reset_prefix_cache(self):
+        """Forget every cached block (vLLM's ``reset_prefix_cache``): the next engine starts empty."""
+        self._prefix_kv = None
 
     def _pool(self) -> KVPool:
         if self._kv_pool is None:

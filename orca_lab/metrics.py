@@ -43,6 +43,8 @@ def summarize(result, itl=None, slo_norm_latency_ms: float | None = None, slo_tt
         last_stage = it[it["stage"] == it["stage"].max()] if len(it) else it
         row["n_iterations"] = int(len(last_stage))
         row.update(_rows_per_iteration(last_stage))
+    if getattr(result, "config", {}).get("prefix_caching") and len(df):   # prompt tokens found cached
+        row["prefix_hit_rate"] = float(df["prefix_hit_tokens"].sum() / df["prompt_len"].sum())
     row["goodput_rps"] = goodput(df, duration, slo_norm_latency_ms, slo_ttft_ms, slo_tpot_ms)
     return row
 

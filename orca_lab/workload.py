@@ -129,6 +129,187 @@ def homogeneous_trace(n: int, input_len: int, gen_len: int, rate: float | None =
     return _items(rng, arrivals(n, rate, rng, cv), np.full(n, input_len), np.full(n, gen_len), vocab_size)
 
 
+# -- traces that share prefixes (prefix caching, engine/prefix_cache.py) --------------------------
+# ShareGPT as tabulated by ShareChat (Yan et al., arXiv 2512.17843, Table 1): 94,145 conversations,
+# 330,239 turns, 3.51 turns per conversation on average.
+SHAREGPT_MEAN_TURNS = 3.51
+
+
+def few_shot_trace(n: int, prefix_len: int = 512, question_len=(16, 64), gen_len=(8, 32),
+                   rate: float | None = None, seed: int = 0, vocab_size: int = 50257,
+                   cv: float = 1.0) -> list[TraceItem]:
+    """Every request is one shared prefix (the same few-shot examples or system prompt) followed by
+    its own question, lengths ~ U{question_len}, max_gen_tokens ~ U{gen_len}. The defaults are
+    assumptions chosen to make the prefix dominate the prompt, not measurements."""
+    check_range("n", n, 1, 10_000_000)
+    check_range("prefix_len", prefix_len, 0, 1 << 20)
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, vocab_size, size=prefix_len).tolist()
+    q = rng.integers(question_len[0], question_len[1] + 1, size=n)
+    g = rng.integers(gen_len[0], gen_len[1] + 1, size=n)
+    times = arrivals(n, rate, rng, cv)
+    return [TraceItem(float(t), tuple(prefix + rng.integers(0, vocab_size, size=int(L)).tolist()), int(m))
+            for t, L, m in zip(times, q, g)]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A chat: it starts at ``start``; turn ``k`` sends ``users[k]`` after the history (the system
+    prompt, then every earlier user message and answer) and asks for ``answer_lens[k]`` tokens; the
+    user writes the next turn ``gaps[k]`` seconds after receiving that answer."""
+    start: float
+    system: tuple[int, ...]
+    users: tuple[tuple[int, ...], ...]
+    answer_lens: tuple[int, ...]
+    gaps: tuple[float, ...]
+
+
+def multi_turn_conversations(n: int, rate: float | None = None, mean_turns: float = SHAREGPT_MEAN_TURNS,
+                             max_turns: int = 8, scale: float = 1.0, think_s: float = 1.0, system_len: int = 0,
+                             seed: int = 0, vocab_size: int = 50257, max_len: int = 2048) -> list[Conversation]:
+    """Chats whose every turn re-sends the whole history (after a shared system prompt of
+    ``system_len`` tokens). Turns per chat: geometric with mean ``mean_turns`` (3.51, ShareGPT's mean
+    as tabulated by ShareChat, arXiv 2512.17843, Table 1; the geometric shape is an assumption), at
+    most ``max_turns`` and while the history fits ``max_len``. User messages and answers: lognormal
+    lengths of ``REAL_SHAPES["sharegpt"]`` (medians 36 and 271 tokens, vLLM's Fig. 11a) times
+    ``scale``, an answer at most a quarter of ``max_len``. Chats start at ``rate`` (Poisson; None:
+    all at 0); the user thinks ``think_s`` seconds (exponential mean) before each next turn."""
+    check_range("n", n, 1, 1_000_000)
+    check_range("mean_turns", mean_turns, 1.0, 1000.0, kind=float)
+    check_range("max_turns", max_turns, 1, 1000)
+    check_range("scale", scale, 1e-3, 1000.0, kind=float)
+    check_range("think_s", think_s, 0.0, 1e6, kind=float)
+    check_range("system_len", system_len, 0, max_len - 2)
+    shape, rng = REAL_SHAPES["sharegpt"], np.random.default_rng(seed)
+    length = lambda median, sigma: max(1, int(round(scale * median * rng.lognormal(0.0, sigma))))
+    tokens = lambda k: tuple(rng.integers(0, vocab_size, size=k).tolist())
+    system, chats = tokens(system_len), []
+    for start in arrivals(n, rate, rng):
+        users, answers, used = [], [], system_len
+        for _ in range(min(max_turns, int(rng.geometric(1.0 / mean_turns)))):
+            user, answer = length(shape.in_median, shape.in_sigma), min(length(shape.out_median, shape.out_sigma),
+                                                                        max_len // 4)
+            if used + user + answer > max_len:
+                break
+            users.append(tokens(user))
+            answers.append(answer)
+            used += user + answer
+        gaps = tuple(float(rng.exponential(think_s)) if think_s else 0.0 for _ in users)
+        if users:
+            chats.append(Conversation(float(start), system, tuple(users), tuple(answers), gaps))
+    return chats
+
+
+def multi_turn_trace(n_conversations: int, rate: float | None = None, seed: int = 0, vocab_size: int = 50257,
+                     **shape) -> list[TraceItem]:
+    """``multi_turn_conversations`` as an open-loop trace: turn ``k`` arrives ``gaps[k - 1]`` after
+    turn ``k - 1``, and the answer written into its history is the trace's own tokens (as replaying a
+    recorded conversation does), so a cache finds the previous turn's prompt, not its answer (a closed
+    loop that re-sends the engine's own answers, ``benchmarks/prefix_caching.py``, finds both). Every
+    request generates exactly its max_gen_tokens."""
+    rng = np.random.default_rng([seed, 1])
+    items = []
+    for c in multi_turn_conversations(n_conversations, rate, seed=seed, vocab_size=vocab_size, **shape):
+        history, t = list(c.system), c.start
+        for user, answer, gap in zip(c.users, c.answer_lens, c.gaps):
+            history += user
+            items.append(TraceItem(t, tuple(history), answer))
+            history += rng.integers(0, vocab_size, size=answer).tolist()
+            t += gap
+    return sorted(items, key=lambda it: it.arrival)
+
+
+def serve_conversations(engine, chats: list[Conversation]):
+    """Serve ``chats`` in a closed loop on ``engine`` (real or simulated, ``Engine``): each turn is sent
+    once the previous answer has come back and the user has thought, and re-sends the history with
+    the engine's own answers, as a chat client does. Returns the engine's ``RunResult``, times from
+    the start. A turn due while an iteration runs is sent when it returns, stamped with its due time."""
+    import heapq
+    t0 = engine.clock.now()
+    due = [(t0 + c.start, i) for i, c in enumerate(chats)]
+    heapq.heapify(due)
+    turn, history, of = [0] * len(chats), [list(c.system) for c in chats], {}
+    while due or engine.has_work():
+        now = engine.clock.now()
+        while due and due[0][0] <= now:
+            t, i = heapq.heappop(due)
+            c, k = chats[i], turn[i]
+            history[i] += c.users[k]
+            req = engine.add_request(history[i], SamplingParams(max_gen_tokens=c.answer_lens[k]), arrival=t)
+            of[req.rid] = i
+        if not engine.has_work():
+            engine.clock.sleep_until(due[0][0])
+            continue
+        for req, _ in engine.step(timeout=max(0.0, due[0][0] - now) if due else None):
+            if req.finished:
+                i = of.pop(req.rid)
+                history[i] += req.output
+                turn[i] += 1
+                if turn[i] < len(chats[i].users):
+                    heapq.heappush(due, (engine.clock.now() + chats[i].gaps[turn[i] - 1], i))
+    return engine.result(t0)
+
+
+def mooncake_trace(records, block_size: int = 512, vocab_size: int = 50257, seed: int = 0) -> list[TraceItem]:
+    """A trace in Mooncake's released format (kvcache-ai/Mooncake, FAST'25: one JSON object per
+    request, ``timestamp`` in ms, ``input_length``, ``output_length``, and ``hash_ids``, one id per
+    block of 512 tokens, equal ids meaning equal blocks) as token prompts: every hash id becomes the
+    same ``block_size`` random tokens wherever it appears, so the prefixes the trace shares are shared
+    here too. ``records``: dicts, or a path to the JSONL file."""
+    if isinstance(records, (str, Path)):
+        records = [json.loads(line) for line in Path(records).read_text().splitlines() if line.strip()]
+    blocks: dict[int, list[int]] = {}
+    block = lambda h: blocks.setdefault(h, np.random.default_rng([seed, h]).integers(0, vocab_size, block_size).tolist())
+    items = []
+    for r in records:
+        prompt = [t for h in r["hash_ids"] for t in block(int(h))][:int(r["input_length"])]
+        prompt += np.random.default_rng([seed, len(items), 1 << 30]).integers(
+            0, vocab_size, int(r["input_length"]) - len(prompt)).tolist()     # past the last listed block
+        items.append(TraceItem(float(r["timestamp"]) / 1e3, tuple(prompt), max(1, int(r["output_length"]))))
+    return sorted(items, key=lambda it: it.arrival)
+
+
+def mooncake_reuse(records, block_size: int = 512) -> dict:
+    """What a Mooncake trace (``mooncake_trace``'s format) offers a cache that never evicts, read off
+    its ``hash_ids`` alone: per request, the leading blocks an earlier request already listed (short
+    of its last token), in tokens, over all input tokens; with the trace's size and mean lengths.
+
+    Measured on kvcache-ai/Mooncake at commit 3b5a594 (FAST25-release/traces; block 512): the
+    conversation trace, 12,031 requests of mean input 12,035 and output 343 tokens, offers 0.373 of
+    its input tokens; the synthetic one, 3,993 requests of 15,325 and 149, offers 0.650 (its README
+    gives the same counts and means)."""
+    if isinstance(records, (str, Path)):
+        records = [json.loads(line) for line in Path(records).read_text().splitlines() if line.strip()]
+    seen, hit, total = set(), 0, 0
+    for r in sorted(records, key=lambda r: r["timestamp"]):
+        n = 0
+        while n < len(r["hash_ids"]) and r["hash_ids"][n] in seen and (n + 1) * block_size <= r["input_length"] - 1:
+            n += 1
+        hit, total = hit + n * block_size, total + r["input_length"]
+        seen.update(r["hash_ids"])
+    k = max(len(records), 1)
+    return {"n_requests": len(records), "mean_input_len": total / k,
+            "mean_output_len": sum(r["output_length"] for r in records) / k,
+            "reuse": hit / total if total else 0.0}
+
+
+def prefix_reuse(trace, block_size: int = 16) -> float:
+    """The share of prompt tokens in full blocks that an earlier request's prompt already held: the
+    hit rate of a cache that never evicts (each prompt's last token excluded, as the engine always
+    computes it). What a trace offers; ``requests_df()["prefix_hit_tokens"]`` is what a run got."""
+    seen, hit, total = set(), 0, 0
+    for it in sorted(trace, key=lambda it: it.arrival):
+        p, parent = list(it.prompt), None
+        total += len(p)
+        found = True
+        for i in range((len(p) - 1) // block_size):
+            parent = hash((0 if parent is None else parent, tuple(p[i * block_size:(i + 1) * block_size])))
+            found = found and parent in seen
+            hit += block_size * found
+            seen.add(parent)
+    return hit / total if total else 0.0
+
+
 def _scaled(x: int, scale: float) -> int:
     return max(1, int(round(x * scale)))
 

@@ -53,7 +53,7 @@ def test_the_course_is_all_there():
     assert IDS == ["01_generation_and_kv_cache", "02_request_level_batching", "03_iteration_level_scheduling",
                    "04_selective_batching", "05_kv_slot_manager", "06_triton_kernels",
                    "07_distributed_workers", "08_pipelined_schedules", "09_end_to_end", "10_serving",
-                   "11_after_orca"]
+                   "11_after_orca", "12_prefix_caching"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)

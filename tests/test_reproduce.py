@@ -31,7 +31,8 @@ SMALL = {   # each notebook at a size that runs in seconds
     "kv_memory": dict(rates=[2.0], n_requests=30),
     "sim_fidelity": dict(presets=["tiny"], curves=["orca(4)", "ft(4,4)"], loads=[0.5], n_requests=6, scale=0.05, repeats=2),
     "policies": dict(models=["gpt3-13b"], traces=["paper", "sharegpt"], n_requests=16, concurrency_requests=60,
-                     measured_requests=4, loads=[0.5, 1.5], formats=["html", "png", "svg", "pdf"]),
+                     measured_requests=4, loads=[0.5, 1.5], formats=["html", "png", "svg", "pdf"], prefix_chats=3,
+                     prefix_sim_chats=20),
 }
 # Each notebook that offers mode="measure", there: the real engine at a toy size on this machine's device
 # ("auto": a GPU where there is one, bf16 and Triton; the CPU in CI), with the columns of the table it writes.
@@ -228,7 +229,10 @@ def test_policies_compares_every_system_on_every_trace(runs):
     measured = pd.read_csv(out / "policies_measured.csv")
     assert json.loads((out / "policies_measured.json").read_text())["meta"]["measure"]["device"] == DEVICE
     assert {"ttft_p99_ms", "tpot_p99_ms", "n_preemptions", "kv_real_share"} <= set(measured.columns)
-    for stem in ("policies_curves", "policies_kv", "policies_preemptions"):
+    prefix = pd.read_csv(out / "policies_prefix_caching.csv").set_index(["scope", "mode"])["prefix_hit_rate"]
+    assert len(prefix) == 4 and (prefix.xs("with caching", level="mode") > 0).all()
+    assert (prefix.xs("without", level="mode") == 0).all()
+    for stem in ("policies_curves", "policies_kv", "policies_preemptions", "policies_prefix_caching"):
         _figures(out, stem)
 
 

@@ -40,14 +40,22 @@ class BlockManager(KVSlotManager):
     def blocks_held(self, req) -> int:
         return 0 if req.slots is None else len(req.slots) // self.block_size
 
-    def can_admit(self, n_tokens: int) -> bool:
+    def can_admit(self, n_tokens: int, hit: list[int] = ()) -> bool:
         """Admission of a waiting request whose first iteration writes ``n_tokens``: its blocks and
-        the watermark must fit, except into an empty pool (else a long prompt would wait forever)."""
+        the watermark must fit, except into an empty pool (else a long prompt would wait forever).
+        ``hit``: cached blocks it starts with (none here: ``prefix_cache.py``)."""
         spare = self.n_free_blocks - self.blocks_for(n_tokens)
         return spare >= (self.watermark_blocks if self.n_holders else 0)
 
     def can_grow(self, req, n_tokens: int) -> bool:
         return self.blocks_for(n_tokens) - self.blocks_held(req) <= self.n_free_blocks
+
+    def lookup(self, req) -> list[int]:
+        """Cached blocks that start ``req``'s context: none without prefix caching (``prefix_cache.py``)."""
+        return []
+
+    def share(self, req, hit: list[int], first: bool = True):
+        """Start ``req`` with the cached blocks ``hit`` (none here)."""
 
     def grow(self, req, n_tokens: int):
         """Extend ``req``'s block table to cover ``n_tokens`` tokens; the caller checked ``can_grow``."""

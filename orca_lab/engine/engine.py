@@ -60,6 +60,7 @@ class RequestRecord:
     output: tuple[int, ...]
     n_preemptions: int = 0        # paged policies: times its K/V was freed and recomputed
     finish_reason: str | None = None     # "length", "stop", "abort"; None if it never finished
+    prefix_hit_tokens: int = 0    # prefix caching: prompt tokens whose K/V it found cached
 
 
 @dataclass
@@ -97,6 +98,8 @@ class EngineStats:
     kv_used: int           # slots holding real K/V
     kv_total: int          # n_slots
     n_finished: int
+    prefix_hit_tokens: int = 0     # prefix caching, since the engine started: prompt tokens found cached
+    prefix_query_tokens: int = 0   # ... and prompt tokens looked up (each request once, at admission)
 
 
 class Engine:
@@ -201,7 +204,7 @@ class Engine:
         """O(1): counters kept as requests come and go (a server reads them every iteration)."""
         waiting, kv = self.scheduler.n_waiting, self.scheduler.kv
         return EngineStats(waiting, len(self.live) - waiting, kv.n_reserved, kv.n_used, kv.n_slots,
-                           self.scheduler.n_finished)
+                           self.scheduler.n_finished, getattr(kv, "hit_tokens", 0), getattr(kv, "query_tokens", 0))
 
     def _check_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
@@ -297,7 +300,7 @@ class Engine:
         reqs = [RequestRecord(r.rid, r.arrival - start, len(r.prompt), len(r.output),
                               _rel(r.t_scheduled, start), _rel(r.t_first_token, start),
                               _rel(r.t_finish, start), r.n_iterations, tuple(r.output), finish_reason=r.finish_reason,
-                              n_preemptions=r.n_preemptions)
+                              n_preemptions=r.n_preemptions, prefix_hit_tokens=r.n_prefix_hit)
                 for r in self.requests if new(r.t_finish)]
         records = [it for it in self.records if new(it.end)]
         iters = [dataclasses.replace(it, start=it.start - start, end=it.end - start) for it in records] \

@@ -14,18 +14,26 @@
   context produces no token and is not sampled (``Batch.yields``): a seeded request draws nothing
   for it, so it gets the tokens it gets unchunked, as in vLLM and SGLang.
 
-A chunk, like a recomputation, is a request whose new tokens start past position 0: the ragged
-attention already takes ``q_len < kv_len``. With ``n_workers`` batches in flight, a request in flight
-is never preempted (its blocks are being written and its token is on the way); if a later request
-holds blocks but is in flight, the one that needs a block waits for a later iteration, keeping its own.
+- Prefix caching (``prefix_caching=True``, ``prefix_cache.py``, vLLM's automatic prefix caching) is a
+  flag of both, not a scheduler: a request admitted from ``waiting`` starts with the cached blocks of
+  its context and prefills the rest. ``schedule_policy="lpm"`` admits the waiting request with the
+  longest cached prefix first (SGLang's default) instead of the earliest arrival.
+
+A chunk, like a recomputation or a prompt past its cached prefix, is a request whose new tokens
+start past position 0: the ragged attention already takes ``q_len < kv_len``. With ``n_workers``
+batches in flight, a request in flight is never preempted (its blocks are being written and its
+token is on the way); if a later request holds blocks but is in flight, the one that needs a block
+waits for a later iteration, keeping its own.
 """
 from __future__ import annotations
 
+from orca_lab.config import check_prefix_caching
 from orca_lab.engine.batch import Batch
 from orca_lab.engine.blocks import BlockManager
 from orca_lab.engine.kv_manager import KVSlotManager
+from orca_lab.engine.prefix_cache import PrefixCachingBlockManager
 from orca_lab.engine.request import Request, RequestState
-from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler, arrival_order
+from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler, arrival_order, enqueue
 
 SYSTEMS = ("orca", "ft", "paged", "chunked")
 PAGED = ("paged", "chunked")
@@ -35,9 +43,10 @@ class PagedScheduler(OrcaScheduler):
     name = "paged"
     budget: int | None = None       # new tokens per iteration; None: whole prompts (no chunking)
 
-    def __init__(self, kv: BlockManager, max_bs: int):
+    def __init__(self, kv: BlockManager, max_bs: int, schedule_policy: str = "fcfs"):
         super().__init__(kv, max_bs)
         self.n_preemptions = 0
+        self.schedule_policy = schedule_policy    # "fcfs", or "lpm": longest cached prefix first
 
     def reservation(self, req: Request) -> int:
         """What a request needs to run at all: blocks for its whole context, alone in the pool."""
@@ -54,7 +63,8 @@ class PagedScheduler(OrcaScheduler):
         rest = [r for r in self.running if not _decoding(r)]
         chosen: set[int] = set()             # rids of this batch
         victims = self.victims(list(self.running), chosen)
-        for req in _then_waiting(ready + rest, self.waiting, lambda: admitting):
+        order = self._longest_prefix_first if self.schedule_policy == "lpm" else None
+        for req in _then_waiting(ready + rest, self.waiting, lambda: admitting, order):
             if len(batch) == self.max_bs or left == 0:
                 break
             if req.state is RequestState.RUNNING:
@@ -62,14 +72,18 @@ class PagedScheduler(OrcaScheduler):
             if req.rid in preempted:
                 admitting = False         # FCFS: nothing waiting overtakes a request preempted now
                 continue
-            q = min(len(req.pending_tokens()), left)
-            if req.state is RequestState.INITIATION:
-                if not (admitting and self.kv.can_admit(q)):
+            starting = req.state is RequestState.INITIATION
+            hit = self.kv.lookup(req) if starting and admitting else []     # prefix caching's blocks
+            q = min(len(req.pending_tokens()) - len(hit) * self.kv.block_size, left)
+            if starting:
+                if not (admitting and self.kv.can_admit(q, hit)):
                     admitting = False     # FCFS admission: a later, smaller prompt does not overtake;
                     continue              # requests holding blocks still run (else they would deadlock)
-                if req.t_scheduled is None:
-                    self._admit()         # the head of waiting joins the scheduled requests
+                first = req.t_scheduled is None
+                if first:
+                    self._admit_waiting(req)   # it joins the scheduled requests
                     req.t_scheduled = now
+                self.kv.share(req, hit, first)
             elif not self._make_room(req, req.n_cached + q, victims, preempted):
                 admitting = admitting and req.rid in preempted   # waiting for room: none overtakes it
                 continue                  # it preempted itself, or waits for a later request's blocks
@@ -87,6 +101,21 @@ class PagedScheduler(OrcaScheduler):
     def victims(self, running: list[Request], chosen: set[int]) -> "_Victims":
         """Who may be preempted during one ``select`` (a learner's choice plugs in here, notebook 11)."""
         return _Victims(running, chosen)
+
+    def _admit_waiting(self, req: Request):
+        if self.waiting[0] is req:
+            self._admit()
+        else:                              # "lpm" admits past the head
+            self.waiting.remove(req)
+            enqueue(self.running, req)
+
+    def _longest_prefix_first(self, waiting) -> list[Request]:
+        """SGLang's "lpm" order: the waiting requests with the longest cached prefix first, in arrival
+        order among equals. It looks up every waiting request each iteration (SGLang falls back to
+        FCFS past 128 waiting), and a request that shares nothing waits while requests that share
+        keep arriving: it may starve (``tests/test_prefix_caching.py`` measures it)."""
+        hits = {r.rid: len(self.kv.lookup(r)) for r in waiting}
+        return sorted(waiting, key=lambda r: (-hits[r.rid], arrival_order(r)))
 
     def _make_room(self, req: Request, n_tokens: int, victims: "_Victims", preempted: set) -> bool:
         """Preempt the latest arrivals after ``req`` holding blocks (not in flight, not in this batch)
@@ -145,20 +174,28 @@ class _Victims:
         return False
 
 
-def _then_waiting(scheduled: list[Request], waiting, admitting):
+def _then_waiting(scheduled: list[Request], waiting, admitting, order=None):
     """``scheduled``, then the head of ``waiting`` while ``admitting()``: the head is either admitted
     (it leaves ``waiting``, and the next one is the head) or stops admission, so the rest of the
-    queue, which could only be skipped, is never visited."""
+    queue, which could only be skipped, is never visited. ``order(waiting)``: the waiting requests in
+    another order than arrival (a snapshot, taken once the scheduled ones are done)."""
     yield from scheduled
-    while waiting and admitting():
-        yield waiting[0]
+    if order is None:
+        while waiting and admitting():
+            yield waiting[0]
+        return
+    for req in order(waiting) if waiting and admitting() else ():
+        if not admitting():
+            return
+        yield req
 
 
 class ChunkedScheduler(PagedScheduler):
     name = "chunked"
 
-    def __init__(self, kv: BlockManager, max_bs: int, max_num_batched_tokens: int = 512):
-        super().__init__(kv, max_bs)
+    def __init__(self, kv: BlockManager, max_bs: int, max_num_batched_tokens: int = 512,
+                 schedule_policy: str = "fcfs"):
+        super().__init__(kv, max_bs, schedule_policy)
         self.budget = max_num_batched_tokens
 
 
@@ -168,23 +205,28 @@ def _decoding(req: Request) -> bool:
 
 
 # -- building a policy ----------------------------------------------------------------------------
-def new_kv(system: str, n_slots: int, block_size: int = 16, *shape, **pool) -> KVSlotManager:
-    """The K/V manager of ``system``: ORCA's (and FT's) reservation, or blocks for paged policies.
+def new_kv(system: str, n_slots: int, block_size: int = 16, *shape, prefix_caching: bool = False,
+           **pool) -> KVSlotManager:
+    """The K/V manager of ``system``: ORCA's (and FT's) reservation, or blocks for paged policies
+    (their full blocks cached and shared with ``prefix_caching``, ``prefix_cache.py``).
     ``pool=`` a ``KVPool`` to hand out (an LLM's: blocks are slots, so every system shares it);
     ``shape`` = (n_layers, n_heads, head_dim) allocates one; neither keeps only the accounting."""
+    check_prefix_caching(system, prefix_caching)
     if system in PAGED:
-        return BlockManager(n_slots, block_size, *shape, **pool)
+        cls = PrefixCachingBlockManager if prefix_caching else BlockManager
+        return cls(n_slots, block_size, *shape, **pool)
     return KVSlotManager(n_slots, *shape, **pool)
 
 
 def new_scheduler(system: str, kv: KVSlotManager, max_bs: int, max_seq_len: int, mbs: int | None = None,
-                  max_num_batched_tokens: int = 512):
+                  max_num_batched_tokens: int = 512, schedule_policy: str = "fcfs"):
+    check_prefix_caching(system, isinstance(kv, PrefixCachingBlockManager), schedule_policy)
     if system == "orca":
         return OrcaScheduler(kv, max_bs)
     if system == "paged":
-        return PagedScheduler(kv, max_bs)
+        return PagedScheduler(kv, max_bs, schedule_policy)
     if system == "chunked":
-        return ChunkedScheduler(kv, max_bs, max_num_batched_tokens)
+        return ChunkedScheduler(kv, max_bs, max_num_batched_tokens, schedule_policy)
     if system == "ft":
         return RequestLevelScheduler(kv, max_bs, max_seq_len, mbs)
     raise ValueError(f"system={system!r} is not allowed: choose one of {SYSTEMS}")

@@ -94,6 +94,8 @@ class Request:
     finish_reason: str | None = None  # one of FINISH_REASONS once it is done
     generator: object = None          # torch.Generator of a sampled (non-greedy) request
     n_preemptions: int = 0            # times its K/V was freed to be recomputed (paged policies)
+    n_prefix_hit: int = 0             # prompt tokens found cached at its first admission (prefix caching)
+    block_hashes: list = field(default_factory=list, repr=False)   # its context's full blocks (prefix_cache.py)
     detokenize: object = None         # the tokenizer's decode: stop strings and ``text`` need it
     stop_at: int | None = None        # where a stop string begins in the detokenized output
     _detokenizer: Detokenizer | None = field(default=None, repr=False)

@@ -23,9 +23,9 @@ from orca_lab.config import check_choice, check_range
 from orca_lab.engine.engine import _progress
 from orca_lab.environment import environment
 from orca_lab.metrics import summarize
-from orca_lab.workload import homogeneous_trace, paper_trace
+from orca_lab.workload import few_shot_trace, homogeneous_trace, paper_trace
 
-DATASETS = ("paper", "fixed")
+DATASETS = ("paper", "fixed", "few-shot")
 
 
 @dataclass
@@ -75,6 +75,8 @@ def make_trace(dataset: str, n: int, rate: float | None, vocab_size: int, seed: 
     cv = 1.0 / math.sqrt(burstiness)
     if dataset == "paper":
         return paper_trace(n, rate, seed, scale=scale, vocab_size=vocab_size, cv=cv)
+    if dataset == "few-shot":        # one shared prefix of input_len tokens, a question of 8-32 each
+        return few_shot_trace(n, input_len, (8, 32), (output_len, output_len), rate, seed, vocab_size, cv)
     return homogeneous_trace(n, input_len, output_len, rate, seed, vocab_size=vocab_size, cv=cv)
 
 
@@ -167,8 +169,10 @@ def run(args) -> dict:
     for rate in rates:
         trace = make_trace(args.dataset, args.n_requests, None if math.isinf(rate) else rate, vocab, args.seed,
                            args.burstiness, args.scale, args.input_len, args.output_len)
+        before = prefix_cache_counts(args.base_url)
         res = asyncio.run(run_load(args.base_url, trace, card["id"], args.max_concurrency, progress=True))
-        rows.append({"rate": rate, **res.summary(args.slo_ttft_ms, args.slo_tpot_ms)})
+        rows.append({"rate": rate, **res.summary(args.slo_ttft_ms, args.slo_tpot_ms),
+                     "prefix_hit_rate": prefix_hit_rate(before, prefix_cache_counts(args.base_url))})
         runs.append(res)
         print(format_summary(rows[-1], f"{card['id']} at {rate:g} req/s"))
     report = {"args": vars(args), "environment": environment(), "server": card, "summary": rows,
@@ -195,10 +199,34 @@ def sweep_figure(rows: list[dict], card: dict):
                                      title="latency vs throughput over HTTP (orca-lab bench)")
 
 
+PREFIX_COUNTERS = ("orca_lab_prefix_cache_hit_tokens_total", "orca_lab_prefix_cache_query_tokens_total")
+
+
+def prefix_cache_counts(base_url: str) -> tuple[float, float] | None:
+    """The server's prefix cache counters (hit, query tokens) from its ``/metrics``; None where it has
+    none (another server, or a page that does not answer)."""
+    from orca_lab.serving.metrics import parse_metrics
+    try:
+        resp = httpx.get(server_root(base_url) + "/metrics", timeout=30)
+        m = parse_metrics(resp.text) if resp.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return None
+    return (m[PREFIX_COUNTERS[0]], m[PREFIX_COUNTERS[1]]) if all(k in m for k in PREFIX_COUNTERS) else None
+
+
+def prefix_hit_rate(before, after) -> float:
+    """Prompt tokens found cached over those looked up during the run; NaN when unknown or none."""
+    if before is None or after is None or after[1] <= before[1]:
+        return float("nan")
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def format_summary(row: dict, title: str) -> str:
     lines = [f"== {title} =="]
-    for k in ("n_requests", "n_failed", "duration_s", "throughput_rps", "throughput_tok_s", "goodput_rps"):
-        lines.append(f"{k:<28}{row[k]:>12,.2f}")
+    for k in ("n_requests", "n_failed", "duration_s", "throughput_rps", "throughput_tok_s", "goodput_rps",
+              "prefix_hit_rate"):
+        if k in row:
+            lines.append(f"{k:<28}{row[k]:>12,.2f}")
     lines.append(f"{'(ms)':<16}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}")
     for m in ("ttft", "tpot", "itl", "e2e", "norm_latency"):
         lines.append(f"{m:<16}" + "".join(f"{row[f'{m}_{s}_ms']:>10.2f}" for s in ("mean", "median", "p90", "p99")))
@@ -212,7 +240,8 @@ def add_arguments(p):
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 Poisson, <1 bursty")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--dataset", default="paper", choices=DATASETS,
-                   help="paper: U{32..512} inputs, U{1..128} outputs (x --scale); fixed: --input-len/--output-len")
+                   help="paper: U{32..512} inputs, U{1..128} outputs (x --scale); fixed: --input-len/--output-len; "
+                        "few-shot: a shared prefix of --input-len tokens and a question of 8-32 each")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies the paper dataset's lengths")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)

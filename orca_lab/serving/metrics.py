@@ -30,6 +30,10 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.iteration_tokens = Histogram("orca_lab_iteration_tokens", "tokens in one iteration's batch",
                                           buckets=TOKEN_BUCKETS, registry=r)
+        c = lambda name, doc: Counter(f"orca_lab_{name}", doc, registry=r)
+        self.prefix_hits = c("prefix_cache_hit_tokens", "prompt tokens whose K/V were found cached (prefix caching)")
+        self.prefix_queries = c("prefix_cache_query_tokens", "prompt tokens looked up in the prefix cache")
+        self._prefix = (0, 0)          # the engine's totals when last read: counters grow by the difference
         self.requests = Counter("orca_lab_requests", "requests finished, by final status", ["status"], registry=r)
         for s in FINAL_STATUSES:            # every status shows from the start, at 0
             self.requests.labels(s)
@@ -41,6 +45,10 @@ class ServerMetrics:
         self.kv_reserved.set(stats.kv_reserved)
         self.kv_used.set(stats.kv_used)
         self.kv_total.set(stats.kv_total)
+        hits, queries = stats.prefix_hit_tokens, stats.prefix_query_tokens
+        self.prefix_hits.inc(max(0, hits - self._prefix[0]))
+        self.prefix_queries.inc(max(0, queries - self._prefix[1]))
+        self._prefix = (hits, queries)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

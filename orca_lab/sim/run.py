@@ -85,10 +85,13 @@ class SimBackend:
     block_size: int = 16
     max_num_batched_tokens: int = 512
     speed: object = None        # a fitted.SpeedProfile (SimExecutor); None: the cost as it is
+    prefix_caching: bool = False     # paged / chunked curves: a cached prefix is not prefilled again
+    schedule_policy: str = "fcfs"    # or "lpm" with prefix_caching (engine/policies.py)
 
     def __post_init__(self):
         self.cfg = model_config(self.model)
-        EngineConfig(block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens)
+        EngineConfig(block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
+                     prefix_caching=self.prefix_caching, schedule_policy=self.schedule_policy)
         if self.cost is None or isinstance(self.cost, str):
             eff = self.eff or efficiency(self.cost or "calibrated")
             self.cost = AnalyticalCost(self.cfg, self.device, self.tensor_parallel, self.pipeline_parallel, eff)
@@ -102,13 +105,14 @@ class SimBackend:
 
     def new_engine(self, curve: Curve, eos_after=None) -> Engine:
         n_slots = self.n_slots - (self.n_slots % self.block_size if curve.system in PAGED else 0)
-        kv = new_kv(curve.system, n_slots, self.block_size)   # accounting only: no K/V tensors
+        kv = new_kv(curve.system, n_slots, self.block_size, prefix_caching=self.prefix_caching)   # accounting only
         executor = SimExecutor(self.cost, eos_after, self.speed)
         config = {"model": self.cfg.name, "system": curve.system, "max_bs": curve.max_bs, "mbs": curve.mbs,
                   "n_slots": n_slots, "n_workers": executor.n_workers, "simulated": True,
-                  "block_size": self.block_size, "max_num_batched_tokens": self.max_num_batched_tokens}
+                  "block_size": self.block_size, "max_num_batched_tokens": self.max_num_batched_tokens,
+                  "prefix_caching": self.prefix_caching, "schedule_policy": self.schedule_policy}
         scheduler = new_scheduler(curve.system, kv, curve.max_bs, self.cfg.max_seq_len, curve.mbs,
-                                  self.max_num_batched_tokens)
+                                  self.max_num_batched_tokens, self.schedule_policy)
         return Engine(scheduler, executor, self.cfg.vocab_size, self.cfg.max_seq_len, config)
 
     def serve(self, curve: Curve, trace, **kw):

@@ -1,0 +1,221 @@
+"""Prefix caching on the paged K/V manager (vLLM's automatic prefix caching; SGLang's RadixAttention
+keeps the same K/V in a radix tree instead of a hash table).
+
+A full block of a request's context is named by a hash chained from its parent's: ``hash((parent's
+hash, the block's tokens))``, so one hash stands for the whole prefix up to the block's end (and the
+tokens themselves are part of the key: two different blocks never share a name by a collision of
+their own tokens). Once an iteration has written a full block's K/V, the block is registered under
+that name. A new request starts with the longest run of its context's full blocks that are
+registered: it holds them by reference count and prefills only the rest, always its last token at
+least (that token's logits give its first output token).
+
+A block whose count drops to 0 stays cached while free: it counts as free (admission and growth may
+take it), and is evicted, least recently freed first, only when no never-used block is left. When a
+request leaves, its blocks are freed from its last to its first, so a prefix's tail is evicted before
+its head (vLLM's order): what many requests share outlives what one did alone.
+
+Accounting: ``n_reserved`` counts the slots of blocks some request holds (each block once, however
+many share it), ``n_used`` the slots of those blocks that hold real K/V; a cached free block is in
+neither, and ``n_free_blocks`` counts it as free.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from orca_lab.engine.blocks import BlockManager
+from orca_lab.engine.kv_manager import KVStats
+
+
+def block_hash(parent: int | None, tokens) -> int:
+    """A full block's name: its tokens chained with its parent's name (None for the first block; 0
+    stands for it, as ``hash(None)`` differs between processes before Python 3.12)."""
+    return hash((0 if parent is None else parent, tuple(tokens)))
+
+
+def chain_hashes(tokens, block_size: int, n_blocks: int, known: list[int] | None = None) -> list[int]:
+    """The names of the first ``n_blocks`` full blocks of ``tokens``, extending ``known`` (the first
+    few already computed: a request's hashes are computed once, as its context grows)."""
+    hashes = list(known[:n_blocks]) if known else []
+    for i in range(len(hashes), n_blocks):
+        hashes.append(block_hash(hashes[-1] if hashes else None, tokens[i * block_size:(i + 1) * block_size]))
+    return hashes
+
+
+class PrefixCachingBlockManager(BlockManager):
+    """``BlockManager`` whose full blocks outlive their requests, shared by reference count."""
+
+    def __init__(self, n_slots: int, block_size: int = 16, *shape, **pool):
+        super().__init__(n_slots, block_size, *shape, **pool)
+        self.ref: dict[int, int] = {}                 # block -> requests holding it (taken blocks only)
+        self.block_of: dict[int, int] = {}            # hash -> the block registered under it
+        self.hash_of: dict[int, int] = {}             # block -> its hash, while registered
+        self.evictable: OrderedDict[int, None] = OrderedDict()   # cached blocks with ref 0, LRU first
+        self._blocks: dict[int, list[int]] = {}       # rid -> its block table
+        self._pads: dict[int, list[int]] = {}         # rid -> blocks of a row outside the cache (reserve)
+        self.hit_tokens = 0                           # over first admissions: tokens found cached
+        self.query_tokens = 0                         # over first admissions: prompt tokens looked up
+        self.n_evictions = 0
+
+    # -- lookup and sharing ----------------------------------------------------------------------
+    def lookup(self, req) -> list[int]:
+        """The cached blocks that start ``req``'s context: its longest run of registered full blocks,
+        short of its last token (always computed)."""
+        tokens = req.prompt + req.output
+        n = (len(tokens) - 1) // self.block_size
+        hashes = req.block_hashes = chain_hashes(tokens, self.block_size, n, req.block_hashes)
+        found = []
+        for h in hashes[:n]:
+            b = self.block_of.get(h)
+            if b is None:
+                break
+            found.append(b)
+        return found
+
+    def can_admit(self, n_tokens: int, hit: list[int] = ()) -> bool:
+        """As ``BlockManager.can_admit`` for the ``n_tokens`` after the cached blocks ``hit``; those
+        of them free now stop being free once shared."""
+        spare = self.n_free_blocks - sum(self.ref.get(b, 0) == 0 for b in hit) \
+            - (self.blocks_for(len(hit) * self.block_size + n_tokens) - len(hit))
+        return spare >= (self.watermark_blocks if self.n_holders else 0)
+
+    def share(self, req, hit: list[int], first: bool = True):
+        """``req`` starts with the cached blocks ``hit``: their K/V are its first tokens' K/V.
+        ``first``: its first admission (a preempted request's return is not counted as a query)."""
+        if first:
+            self.query_tokens += len(req.prompt)
+            self.hit_tokens += len(hit) * self.block_size
+            req.n_prefix_hit = len(hit) * self.block_size
+        self._holders[req.rid] = req
+        self._blocks[req.rid] = []
+        if hit:
+            for b in hit:
+                self._hold(b)
+            self._append(req, hit)
+        req.n_cached = len(hit) * self.block_size     # K/V already written (``_hold`` counted it)
+
+    def _hold(self, b: int):
+        if self.ref.get(b, 0) == 0:          # cached and free: in use again
+            self.evictable.pop(b, None)
+            self.n_reserved += self.block_size
+            self.n_used += self.block_size
+        self.ref[b] = self.ref.get(b, 0) + 1
+
+    # -- a row outside the cache: the CUDA graphs' padding (cuda_graphs.py) -------------------------
+    def can_reserve(self, n: int) -> bool:
+        return self.blocks_for(n) <= self.n_free_blocks
+
+    def reserve(self, req, n: int):
+        """``n`` slots for a row that is no request of the cache (the padding row of a replayed CUDA
+        graph): whole blocks, possibly cached ones evicted, given back unregistered by ``release``."""
+        blocks = self._take_blocks(self.blocks_for(n))
+        self._pads[req.rid] = blocks
+        self.n_reserved += len(blocks) * self.block_size
+        slots = [s for b in blocks for s in range(b * self.block_size, (b + 1) * self.block_size)][:n]
+        req.slots = slots if self.k is None else torch.tensor(slots, dtype=torch.int64)
+
+    # -- growth, writes and release ---------------------------------------------------------------
+    def grow(self, req, n_tokens: int):
+        need = self.blocks_for(n_tokens) - self.blocks_held(req)
+        if need <= 0:
+            return
+        if need > self.n_free_blocks:
+            raise RuntimeError(f"cannot grow request {req.rid} by {need} blocks: {self.n_free_blocks} free")
+        self._holders[req.rid] = req
+        self._blocks.setdefault(req.rid, [])
+        new = self._take_blocks(need)
+        for b in new:
+            self.ref[b] = 1
+        self.n_reserved += need * self.block_size
+        self._append(req, new)
+
+    def _take_blocks(self, n: int) -> list[int]:
+        """``n`` blocks: never-used ones first, then cached free ones, least recently freed first."""
+        bs = self.block_size
+        fresh = min(n, (self.n_slots - self.n_reserved) // bs - len(self.evictable))
+        blocks = [s // bs for a, b in (self._take(fresh * bs) if fresh else []) for s in range(a, b, bs)]
+        while len(blocks) < n:
+            b, _ = self.evictable.popitem(last=False)
+            del self.block_of[self.hash_of.pop(b)], self.ref[b]
+            self.n_evictions += 1
+            blocks.append(b)
+        return blocks
+
+    def _append(self, req, blocks: list[int]):
+        """Extend ``req``'s table (and its slot ids, the kernels' view of it) by ``blocks``."""
+        bs, held = self.block_size, self.blocks_held(req) * self.block_size
+        self._blocks[req.rid].extend(blocks)
+        if self.k is None:
+            new = [s for b in blocks for s in range(b * bs, (b + 1) * bs)]
+            req.slots = (req.slots or []) + new       # a new object: the workers are sent it again
+        else:
+            new = (torch.tensor(blocks, dtype=torch.int64)[:, None] * bs + torch.arange(bs)).flatten()
+            req.slots = self._extend(req, held, new)
+
+    def cache(self, req, n_cached: int):
+        """``req``'s first ``n_cached`` tokens now hold K/V: the full blocks among them are registered
+        under their hashes (unless an equal block already is: that one stays the cached one)."""
+        old = req.n_cached
+        if req.slots is not None and n_cached > old:
+            self.n_used += min(n_cached, len(req.slots)) - min(old, len(req.slots))
+            table, bs = self._blocks[req.rid], self.block_size
+            lo, hi = old // bs, min(n_cached // bs, len(table))
+            if hi > lo:
+                tokens = req.prompt + req.output
+                hashes = req.block_hashes = chain_hashes(tokens, bs, hi, req.block_hashes)
+                for i in range(lo, hi):
+                    h, b = hashes[i], table[i]
+                    if h not in self.block_of and b not in self.hash_of:
+                        self.block_of[h], self.hash_of[b] = b, h
+        req.n_cached = n_cached
+
+    def release(self, req):
+        """Free ``req``'s blocks, last first: a registered one stays cached (evictable), the others go
+        back to the pool."""
+        bs = self.block_size
+        pad = self._pads.pop(req.rid, None)
+        if pad is not None:                  # a padding row: its blocks go back to the pool
+            for b in pad:
+                self._give(b * bs, (b + 1) * bs)
+            self.n_reserved -= len(pad) * bs
+            req.slots = None
+            return
+        del self._holders[req.rid]
+        table = self._blocks.pop(req.rid)
+        for i in reversed(range(len(table))):
+            b = table[i]
+            self.ref[b] -= 1
+            if self.ref[b]:
+                continue
+            self.n_reserved -= bs
+            self.n_used -= min(max(req.n_cached - i * bs, 0), bs)
+            if b in self.hash_of:
+                self.evictable[b] = None
+            else:
+                del self.ref[b]
+                self._give(b * bs, (b + 1) * bs)
+        self._tables.pop(req.rid, None)
+        req.slots = None
+
+    def block_table(self, req) -> list[int]:
+        return list(self._blocks.get(req.rid, []))
+
+    # -- statistics ------------------------------------------------------------------------------
+    @property
+    def n_cached_blocks(self) -> int:
+        """Blocks registered under a hash, held or free."""
+        return len(self.hash_of)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def stats(self):
+        """Counted from the holders' tables, each block once (the reference for ``n_used``)."""
+        filled: dict[int, int] = {}
+        for rid, req in self._holders.items():
+            for i, b in enumerate(self._blocks[rid]):
+                filled[b] = max(filled.get(b, 0), min(max(req.n_cached - i * self.block_size, 0), self.block_size))
+        used = sum(filled.values())
+        return KVStats(used=used, reserved_unused=self.n_reserved - used, free=self.n_slots - self.n_reserved)
