@@ -2,6 +2,11 @@
 trace on the same model, at loads from light to past the baseline's capacity (a measured mini
 Figure 10). The loads come from a short capacity probe of each system on this machine, so a slower
 or faster machine moves the rates, not the picture.
+
+The probe measures *offline* capacity: its requests are all there at t=0, so each system forms the
+largest batches it can. Under Poisson arrivals the request-level baseline forms its batches from
+whatever has arrived and holds them until their longest request ends, so it saturates below its
+offline capacity: a load of 0.4 (of that capacity) is not light load for it.
 """
 from __future__ import annotations
 
@@ -66,7 +71,8 @@ def warm_up(llm, trace, systems=SYSTEMS):
 
 
 def probe_capacity(llm, trace, system: str, n: int) -> float:
-    """Requests/s when the trace's first ``n`` requests are all there at once: the system's saturation."""
+    """Requests/s when the trace's first ``n`` requests are all there at once: the system's offline
+    capacity (an upper bound on what it sustains under Poisson arrivals)."""
     offline = [dataclasses.replace(it, arrival=0.0) for it in trace[:n]]
     return summarize(llm.serve(offline, system=system))["throughput_rps"]
 
@@ -82,7 +88,7 @@ def rates_from(capacity: dict) -> list[float]:
 def compare(llm, n_requests: int = 32, seed: int = 0, scale: float = 0.25, rates=None,
             probe_requests: int = 16, progress: bool = True) -> Comparison:
     """Warm up, probe each system's capacity (unless ``rates`` are given), then serve the trace at each
-    rate with each system. ``load`` in the table is the rate over the baseline's probed capacity."""
+    rate with each system. ``load`` in the table is the rate over the baseline's offline capacity."""
     from orca_lab.config import uses_workers
     from orca_lab.engine.parallel import WorkerPool
     with WorkerPool(llm) if uses_workers(llm.engine_config) else contextlib.nullcontext():
