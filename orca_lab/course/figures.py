@@ -6,18 +6,21 @@
   becomes its PNG: the one ``viz.show`` sent beside it, or one drawn here by kaleido.
 - Any other HTML that loads plotly.js from a CDN is dropped in favour of the PNG beside it.
 - An ipywidgets output needs JupyterLab's kernel to play: a note says so, and the notebook's widget
-  state is dropped (myst-nb would otherwise load the widget manager from a CDN).
+  state is dropped (myst-nb would otherwise load the widget manager from a CDN). A progress bar
+  (tqdm's widget) keeps its last text instead.
 """
 from __future__ import annotations
 
 import base64
 import json
+import re
 
 import nbformat
 
 PLOTLY = "application/vnd.plotly.v1+json"
 WIDGET = "application/vnd.jupyter.widget-view+json"
 MAX_INTERACTIVE_BYTES = 3_000_000
+PROGRESS = re.compile(r"\d+%\|")     # tqdm's text: "sweep: 100%|##########| 144/144 ..."
 WIDGET_NOTE = ('<p class="orca-widget-note"><em>An interactive widget: run this notebook in JupyterLab '
                '(<code>jupyter lab notebooks/</code>) to play it.</em></p>')
 
@@ -34,9 +37,13 @@ def prepare(nb) -> dict:
             if PLOTLY in data:
                 counts[_plotly(data)] += 1
             elif WIDGET in data:
+                text = _text(data.get("text/plain", ""))
                 data.clear()
-                data["text/html"] = WIDGET_NOTE
-                counts["widget"] += 1
+                if PROGRESS.search(text):
+                    data["text/plain"] = text
+                else:
+                    data["text/html"] = WIDGET_NOTE
+                    counts["widget"] += 1
             elif "cdn.plot.ly" in _text(data.get("text/html", "")) and "image/png" in data:
                 del data["text/html"]
     return counts
