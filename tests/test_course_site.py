@@ -104,12 +104,15 @@ def test_every_chapter_loads_with_its_figures_in_chromium(site, tmp_path):
 
 def test_big_figures_become_their_png_and_widgets_a_note():
     """A plotly figure past MAX_INTERACTIVE_BYTES keeps the PNG that viz.show sent beside it; a widget's
-    output becomes a note and its state leaves the notebook (myst-nb would load a CDN's widget manager)."""
+    output becomes a note over the HTML its widgets held, and its state leaves the notebook (myst-nb
+    would load a CDN's widget manager); a progress bar keeps its text."""
     from orca_lab.course import figures
     png = base64.b64encode(b"\x89PNG not really").decode()
     small = {"data": [{"y": [1, 2]}], "layout": {}}
     big = {"data": [{"y": list(range(figures.MAX_INTERACTIVE_BYTES // 3))}], "layout": {}}
-    nb = nbformat.v4.new_notebook(metadata={"widgets": {"state": {}}})
+    state = {"x": {"model_name": "VBoxModel", "state": {"children": ["IPY_MODEL_y"]}},
+             "y": {"model_name": "HTMLModel", "state": {"value": "<b>frame 0</b>"}}}
+    nb = nbformat.v4.new_notebook(metadata={"widgets": {"application/vnd.jupyter.widget-state+json": {"state": state}}})
     nb.cells = [nbformat.v4.new_code_cell(outputs=[nbformat.v4.new_output(
         "display_data", data={figures.PLOTLY: fig, "image/png": png, "text/plain": "fig"})]) for fig in (small, big)]
     nb.cells.append(nbformat.v4.new_code_cell(outputs=[nbformat.v4.new_output(
@@ -119,4 +122,5 @@ def test_big_figures_become_their_png_and_widgets_a_note():
     assert bar.data == {"text/plain": "run: 100%|###| 3/3"}
     assert "Plotly.newPlot" in a.data["text/html"] and "cdn" not in a.data["text/html"] and "image/png" not in a.data
     assert b.data["image/png"] == png and figures.PLOTLY not in b.data and "text/html" not in b.data
-    assert "JupyterLab" in c.data["text/html"] and "widgets" not in nb.metadata
+    assert "JupyterLab" in c.data["text/html"] and "<b>frame 0</b>" in c.data["text/html"]
+    assert "widgets" not in nb.metadata

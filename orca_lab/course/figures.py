@@ -5,9 +5,10 @@
   its JSON is at most ``MAX_INTERACTIVE_BYTES``; a bigger one (a timeline of thousands of shapes)
   becomes its PNG: the one ``viz.show`` sent beside it, or one drawn here by kaleido.
 - Any other HTML that loads plotly.js from a CDN is dropped in favour of the PNG beside it.
-- An ipywidgets output needs JupyterLab's kernel to play: a note says so, and the notebook's widget
-  state is dropped (myst-nb would otherwise load the widget manager from a CDN). A progress bar
-  (tqdm's widget) keeps its last text instead.
+- An ipywidgets output needs JupyterLab's kernel to play: it shows the HTML its widgets held when
+  the notebook ran (the animation's first frame) under a note that says so, and the notebook's
+  widget state is dropped (myst-nb would otherwise load the widget manager from a CDN). A progress
+  bar (tqdm's widget) keeps its last text instead.
 """
 from __future__ import annotations
 
@@ -21,14 +22,14 @@ PLOTLY = "application/vnd.plotly.v1+json"
 WIDGET = "application/vnd.jupyter.widget-view+json"
 MAX_INTERACTIVE_BYTES = 3_000_000
 PROGRESS = re.compile(r"\d+%\|")     # tqdm's text: "sweep: 100%|##########| 144/144 ..."
-WIDGET_NOTE = ('<p class="orca-widget-note"><em>An interactive widget: run this notebook in JupyterLab '
-               '(<code>jupyter lab notebooks/</code>) to play it.</em></p>')
+WIDGET_NOTE = ('<p class="orca-widget-note"><em>An interactive widget, shown as it stood when the notebook ran: '
+               'run this notebook in JupyterLab (<code>jupyter lab notebooks/</code>) to play it.</em></p>')
 
 
 def prepare(nb) -> dict:
     """Rewrite ``nb``'s outputs in place; count what each plotly output became."""
     counts = {"interactive": 0, "png": 0, "widget": 0}
-    nb.metadata.pop("widgets", None)
+    state = nb.metadata.pop("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
     for cell in nb.cells:
         for out in cell.get("outputs", []):
             data = out.get("data")
@@ -37,16 +38,28 @@ def prepare(nb) -> dict:
             if PLOTLY in data:
                 counts[_plotly(data)] += 1
             elif WIDGET in data:
+                model_id = data[WIDGET].get("model_id")
                 text = _text(data.get("text/plain", ""))
                 data.clear()
                 if PROGRESS.search(text):
                     data["text/plain"] = text
                 else:
-                    data["text/html"] = WIDGET_NOTE
+                    data["text/html"] = WIDGET_NOTE + "".join(_html_values(state, model_id))
                     counts["widget"] += 1
             elif "cdn.plot.ly" in _text(data.get("text/html", "")) and "image/png" in data:
                 del data["text/html"]
     return counts
+
+
+def _html_values(state: dict, model_id, depth: int = 0) -> list[str]:
+    """The values of the HTML widgets under ``model_id`` in the saved widget state, in order."""
+    model = state.get(model_id or "", {})
+    if depth > 20 or not model:
+        return []
+    if model.get("model_name") == "HTMLModel":
+        return [model["state"].get("value", "")]
+    children = model.get("state", {}).get("children", [])
+    return [v for c in children for v in _html_values(state, str(c).removeprefix("IPY_MODEL_"), depth + 1)]
 
 
 def _plotly(data: dict) -> str:
