@@ -36,12 +36,16 @@ def compare(args) -> dict:
               + ", ".join(f"{s} {c:.2f} req/s" for s, c in cmp.capacity_rps.items())
               + "; load = rate / the baseline's offline capacity")
     print(table[COLUMNS].to_string(float_format=lambda v: f"{v:,.2f}"))
+    kept = cmp.kept_up_rps()
+    print("under Poisson arrivals, kept up (served >= 90% of the offered rate) up to: " + ", ".join(
+        f"{s} {r:.2f} req/s" if r else f"{s} none of the rates tried" for s, r in kept.items()))
     print("\n" + cmp.verdict())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     at = cmp.past_capacity_rate()
     report = {"args": vars(args), "environment": environment(), "capacity_rps": cmp.capacity_rps,
               "capacity_probe": "offline: the first --probe-requests requests all there at t=0",
+              "kept_up_rps": kept,
               "summary": cmp.table.to_dict("records"),
               "runs": [{"rate": rate, **r.to_json()} for (_, rate), r in cmp.runs.items()]}
     report.update(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - cpu0)   # model, probe, runs

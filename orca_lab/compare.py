@@ -22,6 +22,7 @@ from orca_lab.workload import paper_trace
 SYSTEMS = ("orca", "ft")
 BASELINE_LOADS = (0.4, 1.0, 2.5)   # fractions of the baseline's capacity: light, at it, well past it
 ORCA_LOAD = 0.8                    # one more point at this fraction of ORCA's capacity, when beyond them
+KEPT_UP = 0.9                      # a Poisson run kept up when it served at least this share of the offered rate
 COLUMNS = ["load", "throughput_rps", "throughput_tok_s", "median_norm_latency_ms", "p90_norm_latency_ms",
            "median_ttft_ms", "tokens_per_iteration", "wasted_rows_per_iteration"]
 
@@ -38,6 +39,15 @@ class Comparison:
         rates = sorted({rate for _, rate in self.runs})
         cap = self.capacity_rps.get("ft", math.inf)
         return next((r for r in rates if r > 1.2 * cap), rates[-1])
+
+    def kept_up_rps(self) -> dict:
+        """Per system, the highest offered rate whose Poisson run it kept up with (``KEPT_UP``), or None:
+        its capacity under Poisson arrivals as far as the rates tried tell, read from the runs themselves."""
+        out = {}
+        for system, rows in self.table.groupby("system", observed=True):
+            ok = rows[rows["throughput_rps"] >= KEPT_UP * rows["rate"]]
+            out[str(system)] = float(ok["rate"].max()) if len(ok) else None
+        return out
 
     def verdict(self) -> str:
         """The comparison in two sentences: at the lightest load, and past the baseline's capacity."""

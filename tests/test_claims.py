@@ -116,3 +116,19 @@ def test_the_readme_course_run_times_are_course_runtimes_json():
     rows = [r for r in _json("course_runtimes.json")["chapters"] if r["notebook"].startswith("notebooks/")]
     wall, cpu = [r["wall_s"] for r in rows], [r["cpu_s"] for r in rows]
     assert f"runs in {min(wall):.0f}-{max(wall):.0f} s of wall time ({min(cpu):.0f}-{max(cpu):.0f} s of CPU)" in _readme()
+
+
+def test_the_readme_reading_under_poisson_arrivals_is_the_runs():
+    """Where each system kept up (served >= 90% of the offered rate), from the three compare files."""
+    import pandas as pd
+    from orca_lab.compare import Comparison
+    loads = {}
+    for name in ("compare_cpu.json", "compare_cpu_rerun.json", "compare_cpu_timed.json"):
+        run = _json(name)
+        kept = Comparison(run["capacity_rps"], {}, pd.DataFrame(run["summary"])).kept_up_rps()
+        loads[name] = {s: r and round(r / run["capacity_rps"]["ft"], 1) for s, r in kept.items()}
+    assert loads == {"compare_cpu.json": {"orca": 1.0, "ft": None}, "compare_cpu_rerun.json": {"orca": 2.5, "ft": 1.0},
+                     "compare_cpu_timed.json": {"orca": 0.4, "ft": 0.4}}
+    readme = _readme()
+    assert "the table's run had the baseline keep up at none of its loads" in readme and "ORCA up to 1.0" in readme
+    assert "rerun had the baseline keep up to 1.0 and ORCA to 2.5" in readme and "both to 0.4 only" in readme
