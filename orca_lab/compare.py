@@ -6,7 +6,7 @@ or faster machine moves the rates, not the picture.
 The probe measures *offline* capacity: its requests are all there at t=0, so each system forms the
 largest batches it can. Under Poisson arrivals the request-level baseline forms its batches from
 whatever has arrived and holds them until their longest request ends, so it saturates below its
-offline capacity: a load of 0.4 (of that capacity) is not light load for it.
+offline capacity: a load of 0.4 (of that capacity) need not be light load for it.
 """
 from __future__ import annotations
 
