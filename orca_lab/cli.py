@@ -17,7 +17,9 @@ def compare(args) -> dict:
     from orca_lab.llm import LLM
     from orca_lab.viz import compare_figure, export
 
+    import time
     import torch
+    t0, cpu0 = time.perf_counter(), time.process_time()
     torch.set_num_threads(args.threads)   # this process is ours; small ops stall with 2+ threads on a busy CPU
     engine = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots, device=args.device, dtype=args.dtype,
                           tensor_parallel=args.tp, pipeline_parallel=args.pp)
@@ -30,16 +32,24 @@ def compare(args) -> dict:
                          args.probe_requests)
     table = cmp.table.assign(rate=cmp.table["rate"].round(2)).set_index(["system", "rate"])
     if cmp.capacity_rps:
-        print("capacity (offline probe): " + ", ".join(f"{s} {c:.2f} req/s" for s, c in cmp.capacity_rps.items())
-              + "; load = rate / the baseline's capacity")
+        print("capacity (offline probe), its requests all there at once: "
+              + ", ".join(f"{s} {c:.2f} req/s" for s, c in cmp.capacity_rps.items())
+              + "; load = rate / the baseline's offline capacity")
     print(table[COLUMNS].to_string(float_format=lambda v: f"{v:,.2f}"))
+    kept = cmp.kept_up_rps()
+    print("under Poisson arrivals, kept up (served >= 90% of the offered rate) up to: " + ", ".join(
+        f"{s} {r:.2f} req/s" if r else f"{s} none of the rates tried" for s, r in kept.items()))
     print("\n" + cmp.verdict())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     at = cmp.past_capacity_rate()
     report = {"args": vars(args), "environment": environment(), "capacity_rps": cmp.capacity_rps,
+              "capacity_probe": "offline: the first --probe-requests requests all there at t=0",
+              "kept_up_rps": kept,
               "summary": cmp.table.to_dict("records"),
               "runs": [{"rate": rate, **r.to_json()} for (_, rate), r in cmp.runs.items()]}
+    report.update(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - cpu0)   # model, probe, runs
+    print(f"{report['wall_s']:.0f} s wall, {report['cpu_s']:.1f} s of CPU in this process")
     (out / "compare.json").write_text(json.dumps(report, indent=1, default=str))
     fig = compare_figure([cmp.runs[(s, at)] for s in ("orca", "ft")], curve=cmp.table,
                          title=f"ORCA vs request-level batching (three right panels: {at:.2f} req/s offered)")
@@ -70,6 +80,27 @@ def bench(args) -> dict:
     return run(args)
 
 
+def course(args):
+    """``orca-lab course build``: the course site (orca_lab.course.site)."""
+    from orca_lab.course.site import build
+    build(Path(args.out), executed=args.executed and Path(args.executed),
+          notebooks=args.notebooks and Path(args.notebooks), only=args.only, record=args.record)
+
+
+def _course_args(s):
+    b = s.add_subparsers(dest="action", required=True).add_parser(
+        "build", help="execute the notebooks and build the site with Sphinx, offline (html/index.html)")
+    b.add_argument("--out", default="build/course", help="build folder; the site is in OUT/html")
+    b.add_argument("--executed", default=None, help="a folder of executed notebooks (notebooks/, reproduce/ "
+                                                    "inside): build from them, execute nothing")
+    b.add_argument("--notebooks", default=None, help="execute the course notebooks of this folder instead "
+                                                     "of the solved ones (OUT/solved, made from notebooks/ "
+                                                     "and notebooks/solutions/)")
+    b.add_argument("--only", nargs="+", default=None, help="chapters whose name contains one of these")
+    b.add_argument("--record", action="store_true",
+                   help="write the measured run times to docs/results/course_runtimes.json")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="orca-lab", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -85,7 +116,8 @@ def main(argv=None):
     c.add_argument("--n-requests", type=int, default=32, help="requests served at each load")
     c.add_argument("--rate", type=float, default=None,
                    help="one Poisson arrival rate, req/s (default: loads set from a capacity probe)")
-    c.add_argument("--probe-requests", type=int, default=16, help="requests of the offline capacity probe")
+    c.add_argument("--probe-requests", type=int, default=16,
+                   help="requests of the capacity probe, served all at once (offline capacity)")
     c.add_argument("--scale", type=float, default=0.25, help="multiplies the paper's lengths")
     c.add_argument("--max-bs", type=int, default=16)
     c.add_argument("--n-slots", type=int, default=16384)
@@ -95,10 +127,11 @@ def main(argv=None):
     _serve_args(sub.add_parser("serve", help="an OpenAI-compatible completions server over the engine"))
     from orca_lab.serving.bench import add_arguments
     add_arguments(sub.add_parser("bench", help="load generator for any OpenAI-compatible completions endpoint"))
+    _course_args(sub.add_parser("course", help="the course site: orca-lab course build"))
     args = p.parse_args(argv)
     try:
         _check_compare(args)
-        {"compare": compare, "serve": serve, "bench": bench}[args.cmd](args)
+        {"compare": compare, "serve": serve, "bench": bench, "course": course}[args.cmd](args)
     except ValueError as e:       # bad input: a clear message, no traceback
         p.exit(2, f"orca-lab: error: {e}\n")
 

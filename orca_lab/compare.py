@@ -2,6 +2,11 @@
 trace on the same model, at loads from light to past the baseline's capacity (a measured mini
 Figure 10). The loads come from a short capacity probe of each system on this machine, so a slower
 or faster machine moves the rates, not the picture.
+
+The probe measures *offline* capacity: its requests are all there at t=0, so each system forms the
+largest batches it can. Under Poisson arrivals the request-level baseline forms its batches from
+whatever has arrived and holds them until their longest request ends, so it saturates below its
+offline capacity: a load of 0.4 (of that capacity) need not be light load for it.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from orca_lab.workload import paper_trace
 SYSTEMS = ("orca", "ft")
 BASELINE_LOADS = (0.4, 1.0, 2.5)   # fractions of the baseline's capacity: light, at it, well past it
 ORCA_LOAD = 0.8                    # one more point at this fraction of ORCA's capacity, when beyond them
+KEPT_UP = 0.9                      # a Poisson run kept up when it served at least this share of the offered rate
 COLUMNS = ["load", "throughput_rps", "throughput_tok_s", "norm_latency_median_ms", "norm_latency_p90_ms",
            "ttft_median_ms", "tokens_per_iteration", "wasted_rows_per_iteration"]
 
@@ -33,6 +39,15 @@ class Comparison:
         rates = sorted({rate for _, rate in self.runs})
         cap = self.capacity_rps.get("ft", math.inf)
         return next((r for r in rates if r > 1.2 * cap), rates[-1])
+
+    def kept_up_rps(self) -> dict:
+        """Per system, the highest offered rate whose Poisson run it kept up with (``KEPT_UP``), or None:
+        its capacity under Poisson arrivals as far as the rates tried tell, read from the runs themselves."""
+        out = {}
+        for system, rows in self.table.groupby("system", observed=True):
+            ok = rows[rows["throughput_rps"] >= KEPT_UP * rows["rate"]]
+            out[str(system)] = float(ok["rate"].max()) if len(ok) else None
+        return out
 
     def verdict(self) -> str:
         """The comparison in two sentences: at the lightest load, and past the baseline's capacity."""
@@ -66,7 +81,8 @@ def warm_up(llm, trace, systems=SYSTEMS):
 
 
 def probe_capacity(llm, trace, system: str, n: int) -> float:
-    """Requests/s when the trace's first ``n`` requests are all there at once: the system's saturation."""
+    """Requests/s when the trace's first ``n`` requests are all there at once: the system's offline
+    capacity (an upper bound on what it sustains under Poisson arrivals)."""
     offline = [dataclasses.replace(it, arrival=0.0) for it in trace[:n]]
     return summarize(llm.serve(offline, system=system))["throughput_rps"]
 
@@ -82,7 +98,7 @@ def rates_from(capacity: dict) -> list[float]:
 def compare(llm, n_requests: int = 32, seed: int = 0, scale: float = 0.25, rates=None,
             probe_requests: int = 16, progress: bool = True) -> Comparison:
     """Warm up, probe each system's capacity (unless ``rates`` are given), then serve the trace at each
-    rate with each system. ``load`` in the table is the rate over the baseline's probed capacity."""
+    rate with each system. ``load`` in the table is the rate over the baseline's offline capacity."""
     from orca_lab.config import uses_workers
     from orca_lab.distributed.pool import WorkerPool
     with WorkerPool(llm) if uses_workers(llm.engine_config) else contextlib.nullcontext():

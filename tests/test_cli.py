@@ -33,6 +33,8 @@ def test_compare_measures_a_curve_from_a_capacity_probe(tmp_path, capsys):
     assert "capacity (offline probe)" in out and "past the baseline's capacity" in out
     report = json.loads((tmp_path / "compare.json").read_text())
     cap = report["capacity_rps"]
+    assert report["capacity_probe"].startswith("offline") and set(report["kept_up_rps"]) == {"orca", "ft"}
+    assert report["wall_s"] > 0 and report["cpu_s"] > 0 and "kept up" in out
     rates = sorted({r["rate"] for r in report["summary"]})
     assert 3 <= len(rates) <= 4 and rates[0] < cap["ft"] < rates[-1]
     assert sorted((r["system"], r["rate"]) for r in report["summary"]) == \

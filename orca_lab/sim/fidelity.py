@@ -11,29 +11,28 @@ with the simulator on a cost model fitted to that engine's timings, and compare.
    same Poisson trace; the table holds both medians of normalized latency, both throughputs and
    their relative errors.
 
+The prediction comes first: the simulator at the speed of *probes* (the first requests of the
+trace, offline, same curve, for at least half the run's length) timed just before and after each
+run (``speed``, ``simulated_ms``, ``latency_error_pct``), told nothing of the run itself; and at the
+fit's own speed (``simulated_unscaled_ms``). When the two probes differ by more than ``STEADY`` the
+machine changed speed during the run (``steady``); with ``max_tries > 1`` the run is then measured
+again, and calibration is held to the same rule.
+
 A shared machine changes speed by tens of percent from one second to the next (other tenants on
 the same physical cores: on this project's 2-core machine a fixed matmul loop switches between
 about 6.3 and 8.6 ms every few seconds, each core on its own), which no model of the engine can
-predict. So the primary comparison takes the machine's speed out: each real run is compared with
-the simulator at the speed that run itself ran at, second by second (``SPEED_WINDOW``: its busy
-iteration periods in each window over the fit's predictions for the same batches,
-``FittedCost.speed_profile``; the simulator's iteration started at time t runs at that window's
-speed, and one started after the engine idled by the factor the run's own such iterations show,
-after the delay they show from the arrival that woke the engine),
-which leaves the simulator the scheduling, batching and queueing to get right. The same
-at one speed for the whole run (``run_speed``, ``FittedCost.speed_of``) is a secondary column:
-the machine changes speed within a run, and a spell at the wrong moment moves the queue. Each point is run
-``repeats`` times; the table keeps the median error, its spread over the repeats, and the real
-engine's own spread from one repeat to the next, the yardstick for the error. Besides the median
-normalized latency it compares the statistics the field reports (``STATS``: Vidur's P95 of
-normalized latency, LLMServingSim's mean and P90 TTFT, TPOT and end-to-end latency).
-
-Two predictions that do not look at the run stay as secondary columns: at the speed of *probes*
-(the first requests of the trace, offline, same curve, for at least half the run's length) timed
-just before and after each run (``speed``, ``simulated_ms``), and at the fit's own speed
-(``simulated_unscaled_ms``). When the two probes differ by more than ``STEADY`` the machine changed
-speed during the run (``steady``); with ``max_tries > 1`` the run is then measured again, and
-calibration is held to the same rule.
+predict. So a replay comes second, named as one: each real run against the simulator at the speed
+that run itself ran at, second by second (``SPEED_WINDOW``: its busy iteration periods in each
+window over the fit's predictions for the same batches, ``FittedCost.speed_profile``; the
+simulator's iteration started at time t runs at that window's speed, and one started after the
+engine idled by the factor the run's own such iterations show, after the delay they show from the
+arrival that woke the engine). It reads the run it is compared with, so it checks the scheduling,
+batching and queueing, not the prediction of time. The same at one speed for the whole run
+(``run_speed``, ``FittedCost.speed_of``) is a further column. Each point is run ``repeats`` times;
+the table keeps the median errors, the replay's spread over the repeats, and the real engine's own
+spread from one repeat to the next, the yardstick for the error. Besides the median normalized
+latency the replay compares the statistics the field reports (``STATS``: Vidur's P95 of normalized
+latency, LLMServingSim's mean and P90 TTFT, TPOT and end-to-end latency).
 """
 from __future__ import annotations
 
@@ -126,9 +125,9 @@ def request_stats(result) -> dict:
 def compare(real, curves, spec: TraceSpec, loads, repeats: int = 1, progress: bool = True,
             max_tries: int | None = None) -> tuple[pd.DataFrame, FittedCost]:
     """One row per (curve, load): measured vs simulated latency and throughput. Each of ``repeats``
-    real runs is compared with the simulator at that run's own speed (the primary error; the
-    ``_min``/``_max`` columns give its spread over the repeats), and at the probed and the fit's
-    speeds (medians over the repeats); ``measured_spread_pct`` is the real engine's own spread:
+    real runs is predicted at the probed and the fit's speeds (medians over the repeats), and
+    replayed at that run's own speed (the ``_min``/``_max`` columns give the replay error's spread
+    over the repeats); ``measured_spread_pct`` is the real engine's own spread:
     (max - min) / median of its median normalized latency over the repeats."""
     from tqdm.auto import tqdm
     offline = spec.make(None, real.cfg.vocab_size)       # calibration and probes serve it all at once
@@ -164,7 +163,7 @@ def _summarize(m: pd.DataFrame) -> dict:
 
 def _measure(real, cost, curve, spec, rate, offline) -> tuple[dict, bool]:
     """One real run between two probes; the simulations of the same trace at the probed speed, at
-    the fit's and at the run's own; the errors of the last, the primary comparison, for every
+    the fit's (predictions) and at the run's own (the replay); the replay's errors for every
     statistic; and whether the machine held its speed."""
     seconds = max(PROBE_SECONDS, PROBE_SHARE * spec.n_requests / rate)
     before = cost.speed_of(probe(real, curve, offline, seconds))

@@ -1,0 +1,145 @@
+"""``orca-lab course build``: execute the chapters (or take them executed), stage them with the docs,
+and build the site with Sphinx.
+
+    build/course/executed/   the executed notebooks (skipped with ``executed=DIR``)
+    build/course/src/        Sphinx's sources: index.md (chapter map), README, docs/, the notebooks
+    build/course/html/       the site: open html/index.html
+
+Hooks: ``notebooks=DIR`` executes the course notebooks found in DIR instead of ``notebooks/`` (for
+example the solved notebooks a solution script writes); ``executed=DIR`` takes notebooks already
+executed (``DIR/notebooks/*.ipynb``, ``DIR/reproduce/*.ipynb``) and runs nothing. The chapter map's
+run times are this build's when it executed the chapters, else those recorded in ``RUNTIMES``;
+``record=True`` writes this build's into ``RUNTIMES``.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from orca_lab.course.chapters import ROOT, Chapter, chapters
+from orca_lab.course.figures import prepare_file
+
+RUNTIMES = ROOT / "docs" / "results" / "course_runtimes.json"
+DOCS = ["README.md", "docs/course.md", "docs/paper.md", "docs/design.md", "docs/distributed.md", "reproduce/README.md",
+        "docs/results/README.md"]
+PARTS = {"notebooks": "The course", "reproduce": "The paper's figures, reproduced"}
+
+
+def build(out: Path = ROOT / "build" / "course", executed: Path | None = None, notebooks: Path | None = None,
+          only: list[str] | None = None, record: bool = False, log=print) -> dict:
+    """Build the site into ``out / "html"``; returns what each chapter's figures became and the runs."""
+    out = Path(out).resolve()
+    chs = [c for c in chapters() if not only or any(o in c.stem for o in only)]
+    runs = None
+    if executed is None:
+        executed = out / "executed"
+        if notebooks is None:           # the site shows the course solved: every figure drawn
+            from orca_lab.course import solve
+            notebooks = out / "solved"
+            solve.build(notebooks)
+        runs = [_execute(c, notebooks, executed, out, log) for c in chs]
+        if record:
+            _record(runs)
+    chs = [c for c in chs if (Path(executed) / c.path).exists() or log(f"skipped: no {Path(executed) / c.path}")]
+    src = out / "src"
+    shutil.rmtree(src, ignore_errors=True)
+    figures = _stage(src, chs, Path(executed), runs)
+    html = out / "html"
+    log(f"sphinx: {src} -> {html}")
+    done = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-j", "1", str(src), str(html)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"sphinx-build failed:\n{done.stderr[-4000:]}")
+    log(f"wrote {html / 'index.html'}")
+    return {"html": html, "figures": figures, "runs": runs, "warnings": done.stderr}
+
+
+def _execute(c: Chapter, notebooks, executed: Path, out: Path, log) -> dict:
+    from orca_lab.course.execute import execute
+    source = Path(notebooks) / Path(c.path).name if notebooks and c.part == "notebooks" else ROOT / c.path
+    log(f"executing {c.path} ...")
+    run = execute(c, source, executed / c.path, out / "exports" / c.stem)
+    log(f"  {run['wall_s']:.1f} s wall, {run['cpu_s']:.1f} s CPU, {run['cells_with_errors']} cells with errors")
+    return run
+
+
+def _record(runs: list[dict]):
+    """Merge this build's runs into ``RUNTIMES``, each with when and where it ran."""
+    from orca_lab.environment import environment
+    old = json.loads(RUNTIMES.read_text()) if RUNTIMES.exists() else {"chapters": []}
+    env = {**environment(), "commit": _commit()}
+    new = {r["notebook"]: {**r, "environment": env} for r in runs}
+    rows = [new.pop(r["notebook"], r) for r in old["chapters"]] + list(new.values())
+    order = {c.path: i for i, c in enumerate(chapters())}
+    rows.sort(key=lambda r: order.get(r["notebook"], len(order)))
+    RUNTIMES.write_text(json.dumps({"made_by": "orca-lab course build --record", "chapters": rows}, indent=1) + "\n")
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _stage(src: Path, chs: list[Chapter], executed: Path, runs) -> dict:
+    import plotly
+    here = Path(__file__).parent
+    (src / "_static").mkdir(parents=True)
+    shutil.copy(here / "conf.py", src / "conf.py")
+    shutil.copy(here / "course.css", src / "_static" / "course.css")
+    shutil.copy(Path(plotly.__file__).parent / "package_data" / "plotly.min.js", src / "_static" / "plotly.min.js")
+    for doc in DOCS:
+        (src / doc).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / doc, src / doc)
+    shutil.copytree(ROOT / "docs" / "img", src / "docs" / "img")
+    figures = {}
+    for c in chs:
+        (src / c.path).parent.mkdir(parents=True, exist_ok=True)
+        figures[c.path] = prepare_file(executed / c.path, src / c.path)
+    (src / "index.md").write_text(index_page(chs, runs))
+    return figures
+
+
+def index_page(chs: list[Chapter], runs) -> str:
+    """The home page: what the course is, the chapter map with each chapter's run time, the tables of
+    contents."""
+    measured = {r["notebook"]: r for r in (runs or _recorded())}
+    source = ("measured by the build that made this site" if runs else
+              f"as recorded in `docs/results/{RUNTIMES.name}` (`orca-lab course build --record`)")
+    lines = ["# orca_lab: the course", "",
+             "ORCA (Yu et al., OSDI'22) rebuilt to be read, run and measured. Each chapter of the course is "
+             "one notebook, one mechanism, built on small tensors and then found in the package; the "
+             "reproductions run the paper's figures on the simulator (and on this machine where they measure). "
+             "Run any of them yourself with `jupyter lab notebooks/`.", "",
+             "## Chapter map", "",
+             f"Run time: one execution of the notebook, kernel start included ({source}); CPU: the "
+             "kernel's and that of every process under it (workers, servers, process pools); load: the "
+             "machine's 1-minute load average when the chapter started.", "",
+             "| # | chapter | run time | CPU | when, where |", "|---|---|---|---|---|"]
+    for i, c in enumerate(chs, 1):
+        r = measured.get(c.path)
+        when = _where(r) if r else ""
+        t = (f"{r['wall_s']:.0f} s", f"{r['cpu_s']:.0f} s") if r else ("not measured", "")
+        lines.append(f"| {i} | [{c.title()}]({c.path}) | {t[0]} | {t[1]} | {when} |")
+    lines.append("")
+    for part, caption in PARTS.items():
+        lines += ["```{toctree}", f":caption: {caption}", ":maxdepth: 1", ""]
+        lines += [c.path.removesuffix(".ipynb") for c in chs if c.part == part] + ["```", ""]
+    lines += ["```{toctree}", ":caption: Docs", ":maxdepth: 1", ""]
+    lines += [d.removesuffix(".md") for d in DOCS] + ["```", ""]
+    return "\n".join(lines)
+
+
+def _recorded() -> list[dict]:
+    return json.loads(RUNTIMES.read_text())["chapters"] if RUNTIMES.exists() else []
+
+
+def _where(r: dict) -> str:
+    env = r.get("environment") or {}
+    dev = env.get("cuda") or (f"{env['cpu_count']}-core CPU" if env else "this build's machine")
+    return f"{r['started'][:16].replace('T', ' ')}, {dev}, load {r['load_average_1min_before']:.1f}"
