@@ -27,7 +27,8 @@ import torch
 from orca_lab import LLM, EngineConfig
 from orca_lab.environment import environment
 from orca_lab.metrics import distribution, per_request
-from orca_lab.sim.run import Curve, SimBackend
+from orca_lab.sim.sweep import Curve
+from orca_lab.sim.backends import SimBackend
 from orca_lab.workload import multi_turn_conversations, serve_conversations
 
 MODES = ("with caching", "without")

@@ -9,7 +9,8 @@ import pytest
 from orca_lab.sim import calibration as C
 from orca_lab.sim import params as P
 from orca_lab.sim.cost import AnalyticalCost, Efficiency
-from orca_lab.sim.run import Curve, SimBackend, Sweep, TraceSpec, batch_time
+from orca_lab.sim.sweep import Curve, Sweep, TraceSpec, batch_time
+from orca_lab.sim.backends import SimBackend
 from orca_lab.viz.curves import log_ticks
 
 

@@ -41,7 +41,8 @@ def test_the_counts_notebook_09_asserts_hold_at_any_load():
     2.5 times it)."""
     from orca_lab.compare import trace_at
     from orca_lab.metrics import compare_table, summarize
-    from orca_lab.sim.run import Curve, SimBackend
+    from orca_lab.sim.sweep import Curve
+    from orca_lab.sim.backends import SimBackend
     sim = SimBackend("tiny", n_slots=8 * 1024)
     for seed in SEEDS:
         offline = trace_at(None, 24, seed, 0.1, sim.cfg.vocab_size)

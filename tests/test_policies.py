@@ -11,7 +11,8 @@ from orca_lab.distributed.pool import WorkerPool
 from orca_lab.engine.blocks import BlockManager
 from orca_lab.engine.request import Request
 from orca_lab.sim.cost import AnalyticalCost
-from orca_lab.sim.run import Curve, SimBackend
+from orca_lab.sim.sweep import Curve
+from orca_lab.sim.backends import SimBackend
 from orca_lab.workload import TraceItem
 
 # (system, pool, budget): a pool too small for every context at once forces preemption; a budget

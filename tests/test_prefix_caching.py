@@ -20,7 +20,8 @@ from orca_lab.engine.prefix_cache import PrefixCachingBlockManager, chain_hashes
 from orca_lab.engine.request import Request
 from orca_lab.serving.launch import ServerProcess
 from orca_lab.sim.cost import AnalyticalCost
-from orca_lab.sim.run import Curve, SimBackend
+from orca_lab.sim.sweep import Curve
+from orca_lab.sim.backends import SimBackend
 from orca_lab.workload import TraceItem, few_shot_trace, mooncake_reuse, mooncake_trace, multi_turn_trace, prefix_reuse
 
 from server_helpers import metrics

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from orca_lab.sim import params as P
-from orca_lab.sim.run import CSV_COLUMNS
+from orca_lab.sim.sweep import CSV_COLUMNS
 
 pm = pytest.importorskip("papermill")
 

@@ -15,8 +15,9 @@ from orca_lab.sim.cost import AnalyticalCost, Efficiency
 from orca_lab.sim.executor import IterationCost, SimExecutor
 from orca_lab.sim.fitted import FittedCost
 from orca_lab.sim.memory import SCHEMES, kv_study
-from orca_lab.sim.run import (CSV_COLUMNS, Curve, SimBackend, Sweep, TraceSpec, batch_time, capacity, headline,
-                              throughput_at)
+from orca_lab.sim.sweep import CSV_COLUMNS, Curve, Sweep, TraceSpec, batch_time, capacity
+from orca_lab.sim.backends import SimBackend
+from orca_lab.sim.headline import headline, throughput_at
 from orca_lab.workload import TraceItem
 
 
@@ -363,7 +364,7 @@ def test_measure_settings_resolve_auto():
 def test_real_backend_warms_up_each_shape_once_before_timing_it(monkeypatch):
     """A first sight of (curve, lengths) runs a short untimed copy first (Triton's JIT inside a timed
     span made a Figure 9 point 3.9 s instead of 0.52 s); a shape seen before is timed at once."""
-    from orca_lab.sim.run import RealBackend
+    from orca_lab.sim.backends import RealBackend
     from orca_lab.workload import homogeneous_trace
     calls, real = [], LLM.serve
 

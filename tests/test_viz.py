@@ -10,7 +10,8 @@ import pytest
 from orca_lab import LLM, EngineConfig
 from orca_lab.engine.engine import RunResult
 from orca_lab.sim.executor import IterationCost
-from orca_lab.sim.run import Curve, SimBackend
+from orca_lab.sim.sweep import Curve
+from orca_lab.sim.backends import SimBackend
 from orca_lab.viz import (ScheduleFrames, animate, busy_fraction, export, kv_occupancy, kv_occupancy_figure,
                           timeline_figure, tokens_figure)
 from orca_lab.viz.animation import STATES

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 
 from orca_lab.metrics import per_request, summarize
-from orca_lab.sim.run import capacity, serve_point
+from orca_lab.sim.sweep import capacity, serve_point
 
 
 def run_row(result) -> dict:
@@ -51,7 +51,7 @@ TRACES = ("paper", "sharegpt", "azure-conv", "azure-code")
 def trace_specs(names, n_requests: int, seed: int = 0, scale: float = 1.0, cv: float = 1.0) -> dict:
     """``TraceSpec`` of each name: the paper's uniform lengths, or a real-shaped trace."""
     from orca_lab.config import check_choice
-    from orca_lab.sim.run import TraceSpec
+    from orca_lab.sim.sweep import TraceSpec
     for name in names:
         check_choice("traces", name, TRACES)
     return {name: TraceSpec(n_requests, seed, scale, shape=None if name == "paper" else name, cv=cv)

@@ -43,7 +43,8 @@ import pandas as pd
 from orca_lab.config import check_range
 from orca_lab.metrics import summarize
 from orca_lab.sim.fitted import FittedCost
-from orca_lab.sim.run import Curve, SimBackend, TraceSpec, serve_point
+from orca_lab.sim.sweep import Curve, TraceSpec, serve_point
+from orca_lab.sim.backends import SimBackend
 
 PROBE_REQUESTS = 8
 PROBE_SECONDS = 0.5     # a probe repeats until it has run at least this long

@@ -8,7 +8,7 @@ import re
 from orca_lab.config import DTYPES, PRESETS, check_choice, check_range
 from orca_lab.sim.calibration import efficiency
 from orca_lab.sim.cost import DEVICES, PAPER_PARALLELISM, Efficiency
-from orca_lab.sim.run import Curve
+from orca_lab.sim.sweep import Curve
 
 MODES = ("simulate", "measure")
 FIGURE_FORMATS = ("html", "png", "svg", "pdf")

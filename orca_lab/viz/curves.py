@@ -36,7 +36,7 @@ def latency_throughput_figure(df: pd.DataFrame, latency_col: str = "norm_latency
                               ylabel: str = "median normalized latency (ms/token)", title: str = "",
                               headlines=(), facet: str = "model") -> go.Figure:
     """One panel per ``facet`` value; one line per curve: throughput (req/s) vs ``latency_col`` on a
-    log axis. ``headlines``: dicts of ``orca_lab.sim.run.headline`` drawn on their model's panel."""
+    log axis. ``headlines``: dicts of ``orca_lab.sim.headline.headline`` drawn on their model's panel."""
     panels = list(dict.fromkeys(df[facet]))
     fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[str(p) for p in panels],
                         horizontal_spacing=0.06)

@@ -1,11 +1,8 @@
-"""Entry points: serve one trace on a simulated (or real) engine, and sweep arrival rates into a
-latency-throughput table (ORCA §6, Figures 9-11).
+"""Sweeps of arrival rates into latency-throughput tables (ORCA §6, Figures 9-11): the curves, the
+traces, one point, the capacity probe, and Figure 9's time per batch.
 
-A *backend* serves a trace with one curve's settings and returns the engine's ``RunResult``:
-``SimBackend`` assembles the real engine loop, scheduler and K/V slot manager around a
-``SimExecutor``; ``RealBackend`` runs the GPT of ``orca_lab.llm`` on the machine at hand. The sweep
-does not know which one it drives.
-"""
+A *backend* (``backends.py``) serves a trace with one curve's settings and returns the engine's
+``RunResult``; the sweep does not know which one it drives."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,18 +12,12 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 
-import numpy as np
 import pandas as pd
 
-from orca_lab.config import EngineConfig, ModelConfig, check_choice, check_range, model_config
-from orca_lab.engine.engine import Engine
-from orca_lab.engine.policies import PAGED, new_kv, new_scheduler
-from orca_lab.llm import LLM
+from orca_lab.config import check_choice, check_range
+from orca_lab.engine.policies import PAGED
 from orca_lab.metrics import summarize
-from orca_lab.sim.calibration import efficiency
-from orca_lab.sim.cost import AnalyticalCost, Efficiency
-from orca_lab.sim.executor import SimExecutor
-from orca_lab.workload import TraceItem, homogeneous_trace, paper_trace, real_trace
+from orca_lab.workload import homogeneous_trace, paper_trace, real_trace
 
 # Fractions of a curve's capacity: points from light load to well past saturation, denser at the knee.
 DEFAULT_LOADS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 2.0, 3.0)
@@ -64,111 +55,6 @@ class Curve:
     @property
     def label(self) -> str:
         return f"ft({self.max_bs},{self.mbs})" if self.system == "ft" else f"{self.system}({self.max_bs})"
-
-
-# -- backends -----------------------------------------------------------------------------------
-@dataclass
-class SimBackend:
-    """The engine of ``orca_lab`` on a cost model: ``AnalyticalCost`` of ``model`` on ``device`` with
-    the paper's parallelism unless given, its parameters ``eff`` or those of the named ``cost``
-    ("calibrated" on published GPU measurements, the default, or "analytical":
-    ``orca_lab.sim.calibration``), or any object with ``iteration(batch)`` and ``n_stages``.
-    Paged curves cut the same ``n_slots`` into blocks of ``block_size`` (the remainder, less than a
-    block, unused); chunked ones take ``max_num_batched_tokens`` new tokens per iteration."""
-    model: str | ModelConfig
-    device: str = "a100-40gb"
-    eff: Efficiency | None = None
-    cost: object = "calibrated"
-    n_slots: int | None = None
-    tensor_parallel: int | None = None
-    pipeline_parallel: int | None = None
-    block_size: int = 16
-    max_num_batched_tokens: int = 512
-    speed: object = None        # a fitted.SpeedProfile (SimExecutor); None: the cost as it is
-    prefix_caching: bool = False     # paged / chunked curves: a cached prefix is not prefilled again
-    schedule_policy: str = "fcfs"    # or "lpm" with prefix_caching (engine/policies.py)
-
-    def __post_init__(self):
-        self.cfg = model_config(self.model)
-        EngineConfig(block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
-                     prefix_caching=self.prefix_caching, schedule_policy=self.schedule_policy)
-        if self.cost is None or isinstance(self.cost, str):
-            eff = self.eff or efficiency(self.cost or "calibrated")
-            self.cost = AnalyticalCost(self.cfg, self.device, self.tensor_parallel, self.pipeline_parallel, eff)
-        if self.n_slots is None:
-            self.n_slots = self.cost.n_slots()
-        check_range("n_slots", self.n_slots, 1, 1 << 40)
-
-    @property
-    def name(self) -> str:
-        return self.cfg.name
-
-    def new_engine(self, curve: Curve, eos_after=None) -> Engine:
-        n_slots = self.n_slots - (self.n_slots % self.block_size if curve.system in PAGED else 0)
-        kv = new_kv(curve.system, n_slots, self.block_size, prefix_caching=self.prefix_caching)   # accounting only
-        executor = SimExecutor(self.cost, eos_after, self.speed)
-        config = {"model": self.cfg.name, "system": curve.system, "max_bs": curve.max_bs, "mbs": curve.mbs,
-                  "n_slots": n_slots, "n_workers": executor.n_workers, "simulated": True,
-                  "block_size": self.block_size, "max_num_batched_tokens": self.max_num_batched_tokens,
-                  "prefix_caching": self.prefix_caching, "schedule_policy": self.schedule_policy}
-        scheduler = new_scheduler(curve.system, kv, curve.max_bs, self.cfg.max_seq_len, curve.mbs,
-                                  self.max_num_batched_tokens, self.schedule_policy)
-        return Engine(scheduler, executor, self.cfg.vocab_size, self.cfg.max_seq_len, config)
-
-    def serve(self, curve: Curve, trace, **kw):
-        return self.new_engine(curve, **kw).run(trace)
-
-
-class RealBackend:
-    """The real engine (``orca_lab.llm``) with ``preset``'s GPT, seeded random weights, on ``device``
-    over ``tensor_parallel x pipeline_parallel`` GPUs (worker processes when above 1).
-
-    Every shape is warmed up before it is timed: the first time a curve meets a trace of new lengths,
-    a short untimed copy of it runs first (its first ``max_bs`` requests, two tokens each: one prefill
-    and one decode iteration), so Triton's JIT and the first-call costs of the libraries stay out of
-    the timed run; the device is synchronized before the run's clock starts."""
-
-    def __init__(self, preset: str = "tiny", seed: int = 0, n_slots: int = 16384, device: str = "cpu",
-                 dtype: str = "float32", tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                 block_size: int = 16, max_num_batched_tokens: int = 512):
-        self._engine = EngineConfig(n_slots=n_slots, device=device, dtype=dtype, tensor_parallel=tensor_parallel,
-                                    pipeline_parallel=pipeline_parallel, block_size=block_size,
-                                    max_num_batched_tokens=max_num_batched_tokens)
-        self.llm = LLM(preset, seed=seed, engine=self._engine)
-        self.cfg, self.n_slots = self.llm.cfg, n_slots
-        self._warm: set = set()
-
-    @property
-    def name(self) -> str:
-        return self.cfg.name
-
-    def describe(self) -> dict:
-        """What was measured, for a result's metadata."""
-        ec = self._engine
-        return {"preset": self.cfg.name, "device": ec.device, "dtype": ec.dtype, "n_slots": ec.n_slots,
-                "tensor_parallel": ec.tensor_parallel, "pipeline_parallel": ec.pipeline_parallel}
-
-    def serve(self, curve: Curve, trace):
-        llm = LLM(gpt=self.llm.model, engine=self._engine.replace(max_bs=curve.max_bs))
-        self.warm_up(llm, curve, trace)
-        _synchronize(self._engine.device)
-        return llm.serve(trace, system=curve.system, mbs=curve.mbs)
-
-    def warm_up(self, llm, curve: Curve, trace):
-        """Run the first ``max_bs`` requests of ``trace`` for two tokens, once per curve and lengths."""
-        trace = list(trace)
-        key = (curve, tuple(len(t.prompt) for t in trace[:curve.max_bs]))
-        if key in self._warm or not trace:
-            return
-        self._warm.add(key)
-        short = [TraceItem(0.0, t.prompt, min(t.max_gen_tokens, 2)) for t in trace[:curve.max_bs]]
-        llm.serve(short, system=curve.system, mbs=curve.mbs)
-
-
-def _synchronize(device: str):
-    if device.startswith("cuda"):
-        import torch
-        torch.cuda.synchronize(device)
 
 
 # -- traces ---------------------------------------------------------------------------------------
@@ -249,7 +135,7 @@ class Sweep:
             jobs = [(b, c, self.spec_at(r), r) for b, c in pairs for r in self._rates(caps.get((b.name, c)))]
             rows = _map(pool, jobs, "sweep", self.progress)
         df = pd.DataFrame(rows)
-        df["capacity_rps"] = [caps.get((m, _curve(s, bs, mbs)), math.nan)
+        df["capacity_rps"] = [caps.get((m, curve_of(s, bs, mbs)), math.nan)
                               for m, s, bs, mbs in zip(df["model"], df["system"], df["max_bs"], df["mbs"])]
         df["load"] = df["rate"] / df["capacity_rps"]
         df["mbs"] = df["mbs"].astype("Int64")
@@ -266,7 +152,7 @@ class Sweep:
         return replace(self.spec, n_requests=max(self.spec.n_requests, math.ceil(rate * self.span_s)))
 
 
-def _curve(system, max_bs, mbs):
+def curve_of(system, max_bs, mbs):
     return Curve(system, int(max_bs), None if mbs is None or pd.isna(mbs) else int(mbs))
 
 
@@ -303,49 +189,13 @@ class _pool:
         if self.n_procs > 1:
             import multiprocessing as mp
             ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(["orca_lab.sim.run"])
+            ctx.set_forkserver_preload(["orca_lab.sim.sweep"])
             self.pool = ProcessPoolExecutor(self.n_procs, mp_context=ctx)
         return self.pool
 
     def __exit__(self, *exc):
         if self.pool is not None:
             self.pool.shutdown(cancel_futures=True)
-
-
-# -- the paper's headline -------------------------------------------------------------------------
-def throughput_at(points: pd.DataFrame, latency_ms: float, col: str = "norm_latency_median_ms") -> tuple[float, bool]:
-    """Throughput of one curve where its median latency reaches ``latency_ms``: the highest-rate
-    point under it, interpolated (log latency) towards the first point over it; and whether the
-    curve reached it. A curve that saturates below it (within the sweep) gives its highest
-    throughput; one that starts above it gives NaN."""
-    p = points.sort_values("rate")
-    lat, thr = p[col].to_numpy(), p["throughput_rps"].to_numpy()
-    if not len(lat) or lat[0] > latency_ms:
-        return math.nan, False
-    over = np.nonzero(lat > latency_ms)[0]
-    if not len(over):
-        return float(thr.max()), False
-    j = over[0]
-    f = (math.log(latency_ms) - math.log(lat[j - 1])) / (math.log(lat[j]) - math.log(lat[j - 1]))
-    return float(thr[j - 1] + f * (thr[j] - thr[j - 1])), True
-
-
-def headline(df: pd.DataFrame, model: str, latency_ms: float = 190.0) -> dict:
-    """ORCA §6.2's comparison: the best FT curve and the best ORCA curve at the same median
-    normalized latency, and their throughput ratio (the paper: 175B, 190 ms/token, 36.9x)."""
-    sub = df[df["model"] == model]
-    if sub.empty:
-        raise ValueError(f"model {model!r} is not in the sweep: it has {sorted(df['model'].unique())}")
-    out = {"model": model, "latency_ms": latency_ms}
-    for system in ("ft", "orca"):
-        best = (None, math.nan, False)
-        for (bs, mbs), pts in sub[sub["system"] == system].groupby(["max_bs", "mbs"], dropna=False):
-            thr, reached = throughput_at(pts, latency_ms)
-            if not math.isnan(thr) and not thr <= best[1]:
-                best = (_curve(system, bs, mbs).label, thr, reached)
-        out.update({f"{system}_curve": best[0], f"{system}_rps": best[1], f"{system}_reached": best[2]})
-    out["ratio"] = out["orca_rps"] / out["ft_rps"] if out["ft_rps"] else math.nan
-    return out
 
 
 # -- Figure 9: engine time per batch --------------------------------------------------------------
