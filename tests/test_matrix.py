@@ -260,6 +260,7 @@ def test_a_crowd_that_drops_a_third_of_its_requests(servers, llm, want):
     expect = batched.generate([j.prompt for j in stayed], max_gen_tokens=[j.max_tokens for j in stayed])
     for j, w in zip(stayed, expect):
         assert (j.tokens, j.finish_reason, j.usage) == (w, "length", j.max_tokens), j
+    aborted = {}
     for system, s in servers.items():
         idle = lambda: all(metrics(s.url)[g] == 0 for g in ("orca_lab_requests_running", "orca_lab_requests_waiting",
                                                              "orca_lab_kv_slots_reserved"))
@@ -269,9 +270,13 @@ def test_a_crowd_that_drops_a_third_of_its_requests(servers, llm, want):
         m = metrics(s.url)
         ended = {r: m[f'orca_lab_requests_total{{status="{r}"}}'] for r in ("length", "stop", "abort")}
         assert ended["stop"] == 0 and sum(j.leave_after_s is None for j in mine) <= ended["length"]
-        assert ended["abort"] > 0 and sum(ended.values()) <= len(mine) + 2 * len(CASES)   # the matrix's too
+        assert sum(ended.values()) <= len(mine) + 2 * len(CASES)   # the matrix's too
+        aborted[system] = ended["abort"]
         assert "Traceback" not in servers[system].output, servers[system].output[-3000:]
         check(asyncio.run(over_http(s.url, stream=False)), want, llm.tokenizer)
+    # Clients did leave in flight. Not asserted per server: on a starved host every leaver of one
+    # server once left before that server had read its request (nothing to abort).
+    assert sum(aborted.values()) > 0, aborted
 
 
 def test_every_server_stops_and_leaves_no_process_or_port(servers):
