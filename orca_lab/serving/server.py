@@ -26,8 +26,10 @@ from orca_lab.engine.detokenizer import Detokenizer
 from orca_lab.engine.request import SamplingParams
 from orca_lab.serving.engine_core import SHUTTING_DOWN, EngineProcess, EngineRecipe
 from orca_lab.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from orca_lab.serving.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, ErrorResponse,
-                                       ModelCard, ModelList, RunPage, Usage, error_body, validation_error)
+from orca_lab.serving.logprob_text import LogprobText, merged
+from orca_lab.serving.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+                                       ErrorResponse, ModelCard, ModelList, RunPage, Usage, error_body,
+                                       validation_error)
 
 log = logging.getLogger("orca_lab.serve")
 RETRY_AFTER_S = 1
@@ -50,6 +52,8 @@ class Event:
     text: str
     finish_reason: str | None = None
     error: str | None = None
+    logprob: object = None              # the token's TokenLogprob, if the request asked
+    prompt_logprobs: list | None = None  # with a request's first event, if it asked (echo)
 
 
 @dataclass(eq=False)
@@ -65,6 +69,8 @@ class Stream:
     last: float = 0.0              # engine clock of its last token
     output: list[int] = field(default_factory=list)
     detokenizer: Detokenizer | None = None     # its text (None: the model has no tokenizer)
+    prompt_text: str = ""                      # what echo puts before the completion
+    echo_only: bool = False                    # max_tokens=0 with echo: the engine's one token is dropped
 
     def text(self, tokens: list[int], finish_reason: str | None, stop_at: int | None) -> str:
         """The text that ``tokens`` (one, or none when the request ended without one) made visible."""
@@ -178,15 +184,18 @@ class EngineClient:
         self._on_stats(stats)                          # first: a client that reads /metrics as soon
         for n in iteration_tokens:                     # as it got a token sees the state it came from
             m.iteration_tokens.observe(n)
-        for sid, token, reason, stop_at in items:
+        for sid, token, reason, stop_at, lp, plp in items:
             s = self.streams.get(sid)
             if s is None:
                 continue
+            if s.echo_only:                            # the prompt alone was asked for
+                token, lp, reason = None, None, reason and ("abort" if reason == "abort" else "length")
             if token is not None:
                 (m.ttft if not s.output else m.itl).observe(now - s.last)
                 s.last = now
                 s.output.append(token)
-            out.append((s, Event(token, s.text([] if token is None else [token], reason, stop_at), reason)))
+            text = "" if s.echo_only else s.text([] if token is None else [token], reason, stop_at)
+            out.append((s, Event(token, text, reason, logprob=lp, prompt_logprobs=plp)))
             if reason is not None:
                 del self.streams[sid]
                 m.requests.labels(reason).inc()
@@ -408,15 +417,23 @@ def _streams(state: ServerState, body: CompletionRequest, arrival: float) -> lis
         for j in range(body.n):
             seed = None if body.seed is None else body.seed + j       # n samples, n different draws
             try:
-                params = SamplingParams(max_gen_tokens=body.max_tokens, temperature=body.temperature,
+                params = SamplingParams(max_gen_tokens=max(1, body.max_tokens), temperature=body.temperature,
                                         top_k=body.top_k, top_p=body.top_p, seed=seed,
                                         ignore_eos=body.ignore_eos, stop=tuple(body.stop),
-                                        stop_token_ids=tuple(body.stop_token_ids or ()))
+                                        stop_token_ids=tuple(body.stop_token_ids or ()),
+                                        logprobs=body.logprobs,
+                                        prompt_logprobs=body.logprobs if body.echo else None,
+                                        logit_bias=body.bias_pairs(), presence_penalty=body.presence_penalty,
+                                        frequency_penalty=body.frequency_penalty,
+                                        repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens)
             except ValueError as e:
                 raise HTTPError(400, _http_names(str(e)), _param_of(str(e))) from None
             decode = state.pool.decode
+            prompt = body.prompt[i]
+            echo = "" if not body.echo else prompt if isinstance(prompt, str) else decode(ids) if decode else ""
             out.append(Stream(len(out), ids, params, arrival, q,
-                              detokenizer=None if decode is None else Detokenizer(decode, params.stop)))
+                              detokenizer=None if decode is None else Detokenizer(decode, params.stop),
+                              prompt_text=echo, echo_only=body.max_tokens == 0))
     return out
 
 
@@ -441,10 +458,11 @@ def _http_names(message: str) -> str:
 
 
 def _param_of(message: str) -> str | None:
-    for name in ("prompt", "max_tokens", "max_gen_tokens", "stop_token_ids", "stop", "top_p", "top_k",
-                 "temperature", "seed", "eos_token_id"):
+    for name in ("prompt_logprobs", "prompt", "max_tokens", "max_gen_tokens", "stop_token_ids", "stop", "top_p",
+                 "top_k", "temperature", "seed", "eos_token_id", "logprobs", "logit_bias", "min_tokens",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty"):
         if message.startswith(name):
-            return "max_tokens" if name == "max_gen_tokens" else name
+            return {"max_gen_tokens": "max_tokens", "prompt_logprobs": "logprobs"}.get(name, name)
     return "prompt" if "prompt" in message else None
 
 
@@ -458,26 +476,55 @@ async def _events(streams: list[Stream]):
         yield index, ev
 
 
-def _usage(streams, outputs) -> Usage:
-    prompt = sum(len(s.prompt) for s in streams)
+def _usage(streams, outputs, n: int) -> Usage:
+    """The prompt counted once per prompt whatever ``n`` (as OpenAI, vLLM and SGLang count it): the
+    ``n`` choices of one prompt are consecutive streams."""
+    prompt = sum(len(s.prompt) for s in streams[::n])
     completion = sum(len(o) for o in outputs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
+class ChoiceWriter:
+    """What one choice's events add to its answer: the echoed prompt before its first event, and its
+    log-probabilities in OpenAI's shape if asked (the same for a stream's chunks and a whole answer)."""
+
+    def __init__(self, stream: Stream, body: CompletionRequest, decode):
+        self.stream, self.started = stream, False
+        self.logprobs = LogprobText(decode) if body.logprobs is not None else None
+
+    def text(self, ev: Event) -> str:
+        return ev.text if self.started else self.stream.prompt_text + ev.text
+
+    def logprobs_of(self, ev: Event) -> dict | None:
+        """This event's entries (the prompt's too with its first, for echo); marks the choice started."""
+        first, self.started = not self.started, True
+        if self.logprobs is None:
+            return None
+        pairs = list(zip(self.stream.prompt, ev.prompt_logprobs)) if first and ev.prompt_logprobs else []
+        if ev.token is not None:
+            pairs.append((ev.token, ev.logprob))
+        return self.logprobs.chunk(pairs)
+
+
 async def _collect(state: ServerState, body: CompletionRequest, cid: str, streams: list[Stream]):
     outputs, texts, reasons = [[] for _ in streams], [[] for _ in streams], [None] * len(streams)
+    writers = [ChoiceWriter(s, body, state.pool.decode) for s in streams]
+    logprobs = [[] for _ in streams]
     async for i, ev in _events(streams):
         if ev.error is not None:            # the engine died: no answer, not a partial one
             raise HTTPError(503, ev.error)
         if ev.token is not None:
             outputs[i].append(ev.token)
-        texts[i].append(ev.text)
+        texts[i].append(writers[i].text(ev))
+        logprobs[i].append(writers[i].logprobs_of(ev))
         reasons[i] = ev.finish_reason
     ids = body.return_token_ids
     choices = [CompletionChoice(index=i, text="".join(texts[i]), finish_reason=reasons[i],
+                                logprobs=None if body.logprobs is None else CompletionLogprobs(**merged(logprobs[i])),
                                 token_ids=outputs[i] if ids else None,
                                 prompt_token_ids=streams[i].prompt if ids else None) for i in range(len(streams))]
-    return CompletionResponse(id=cid, model=state.model_name, choices=choices, usage=_usage(streams, outputs))
+    return CompletionResponse(id=cid, model=state.model_name, choices=choices,
+                              usage=_usage(streams, outputs, body.n))
 
 
 async def _until_done_or_gone(state: ServerState, request: Request, work, streams: list[Stream]):
@@ -504,6 +551,7 @@ async def _sse(state: ServerState, body: CompletionRequest, cid: str, streams: l
     the usage chunk if asked, then ``[DONE]``. A client that disconnects (the stream is cancelled)
     cancels its unfinished requests: their slots are free within one iteration."""
     outputs, done = [[] for _ in streams], [False] * len(streams)
+    writers = [ChoiceWriter(s, body, state.pool.decode) for s in streams]
     head = CompletionResponse(id=cid, model=state.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
     head = json.dumps(head)[:-1] + ', "choices": ['       # every token chunk starts the same way
     try:
@@ -511,7 +559,8 @@ async def _sse(state: ServerState, body: CompletionRequest, cid: str, streams: l
             if ev.token is not None:
                 outputs[i].append(ev.token)
             done[i] = ev.finish_reason is not None
-            choice = {"index": i, "text": ev.text, "logprobs": None, "finish_reason": ev.finish_reason}
+            choice = {"index": i, "text": writers[i].text(ev), "logprobs": writers[i].logprobs_of(ev),
+                      "finish_reason": ev.finish_reason}
             if body.return_token_ids:
                 choice["token_ids"] = [] if ev.token is None else [ev.token]
             # a CompletionResponse with this one choice, written by hand: a token's chunk is the
@@ -522,7 +571,7 @@ async def _sse(state: ServerState, body: CompletionRequest, cid: str, streams: l
             yield data
         if body.include_usage:
             yield _chunk(CompletionResponse(id=cid, model=state.model_name, choices=[],
-                                            usage=_usage(streams, outputs)))
+                                            usage=_usage(streams, outputs, body.n)))
         yield "data: [DONE]\n\n"
     finally:
         rec.finish = state.pool.clock.now()            # [DONE] has been handed over, or the client left
