@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import json
 import logging
+import signal
 import uuid
 from dataclasses import dataclass, field
 
@@ -127,6 +128,12 @@ class EngineClient:
 
     def cancel(self, streams: list[Stream]):
         self._send(("abort", [s.sid for s in streams]))
+
+    def abort_all(self):
+        """End every request the engine holds with "abort" (the drain time is over): each stream's
+        client reads its end, as the engine's answer comes back like any other."""
+        if self.streams:
+            self._send(("abort", list(self.streams)))
 
     def call(self, name: str, *args) -> asyncio.Future:
         """``name(engine, *args)`` run by the engine between two iterations (``EngineLoop._call``)."""
@@ -319,6 +326,13 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
     @app.get("/v1/models", response_model=ModelList)
     async def models():
         return ModelList(data=[_model_card(state)])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(404))
+    async def model(model_id: str):
+        if model_id != state.model_name:
+            raise HTTPError(404, f"model={model_id!r} does not exist: this server serves {state.model_name!r}",
+                            "model")
+        return _model_card(state)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics_page():
@@ -518,6 +532,8 @@ async def _collect(state: ServerState, body: CompletionRequest, cid: str, stream
         texts[i].append(writers[i].text(ev))
         logprobs[i].append(writers[i].logprobs_of(ev))
         reasons[i] = ev.finish_reason
+    if state.draining and "abort" in reasons:    # cut short at shutdown: say so, not a partial answer
+        raise HTTPError(503, "the server is shutting down: the request was aborted once --drain-s ran out")
     ids = body.return_token_ids
     choices = [CompletionChoice(index=i, text="".join(texts[i]), finish_reason=reasons[i],
                                 logprobs=None if body.logprobs is None else CompletionLogprobs(**merged(logprobs[i])),
@@ -585,25 +601,47 @@ def _chunk(resp: CompletionResponse) -> str:
 
 
 # -- running it ----------------------------------------------------------------------------------
+ABORT_GRACE_S = 3.0     # after the drain, for the aborted requests' last chunks and error bodies
+
+
 class _Server:
     """uvicorn's server, told about SIGINT/SIGTERM: the endpoint stops accepting at once (503),
-    uvicorn closes the port and waits up to ``drain_s`` for requests in flight, cancels the rest,
-    and the lifespan's end stops the engine thread and its workers."""
+    uvicorn closes the port and waits up to ``drain_s`` for requests in flight; then every request
+    still running is aborted through the engine, so its client reads the end (a stream its
+    ``finish_reason: "abort"`` and ``[DONE]``, a non-streaming request a JSON 503), and the
+    lifespan's end stops the engine and its workers. uvicorn cancels only what is left
+    ``ABORT_GRACE_S`` later (a client that does not read)."""
 
     def __init__(self, app: FastAPI, sock, drain_s: float):
         import uvicorn
+        state = app.state.orca
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame):
-                app.state.orca.draining = True
+                state.draining = True
                 super().handle_exit(sig, frame)
 
-        config = uvicorn.Config(app, timeout_graceful_shutdown=drain_s, log_level="warning", lifespan="on",
-                                access_log=False)
+            async def shutdown(self, sockets=None):
+                state.draining = True
+                timer = asyncio.get_running_loop().call_later(drain_s, state.pool.abort_all)
+                try:
+                    await super().shutdown(sockets)
+                finally:
+                    timer.cancel()
+
+        config = uvicorn.Config(app, timeout_graceful_shutdown=drain_s + ABORT_GRACE_S, log_level="warning",
+                                lifespan="on", access_log=False)
         self.server, self.sock = Server(config), sock
 
     def run(self):
+        # uvicorn raises the signal it drained for again once it is done: SIGTERM then ends the
+        # process with code 0 (as SIGINT does through KeyboardInterrupt), not killed by the signal
+        signal.signal(signal.SIGTERM, _exit_0)
         self.server.run(sockets=[self.sock])
+
+
+def _exit_0(sig, frame):
+    raise SystemExit(0)
 
 
 def listen(host: str, port: int):
