@@ -212,7 +212,7 @@ def test_every_field_of_the_request_schema_is_honoured_or_refused_by_name(server
     ({"logit_bias": [1, 2]}, "logit_bias", "must be an object"),
     ({"presence_penalty": 2.5}, "presence_penalty", "allowed [-2.0, 2.0]"),
     ({"frequency_penalty": "1"}, "frequency_penalty", "not a number"),
-    ({"repetition_penalty": 0}, "repetition_penalty", "allowed (0, 100]"),
+    ({"repetition_penalty": 5e-324}, "repetition_penalty", "allowed [0.01, 100.0]"),
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens", "allowed [0, 4]"),
     ({"min_tokens": -1}, "min_tokens", "allowed [0, 4]"),
 ])

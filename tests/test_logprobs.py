@@ -151,7 +151,7 @@ def test_sampled_requests_with_penalties_draw_the_same_batched_and_alone(llm):
     (dict(logprobs=True), "logprobs=True must be an integer"),
     (dict(presence_penalty=2.5), "presence_penalty=2.5 is out of range: allowed [-2.0, 2.0]"),
     (dict(frequency_penalty=-3.0), "frequency_penalty=-3.0 is out of range"),
-    (dict(repetition_penalty=0.0), "repetition_penalty=0 is out of range: allowed (0, 100]"),
+    (dict(repetition_penalty=0.0), "repetition_penalty=0.0 is out of range: allowed [0.01, 100.0]"),
     (dict(min_tokens=17), "min_tokens=17 is out of range: allowed [0, 16]"),
     (dict(logit_bias={3: 101.0}), "logit_bias[3]=101.0 is out of range: allowed [-100.0, 100.0]"),
 ])

@@ -8,6 +8,7 @@ from orca_lab.config import check_range
 from orca_lab.engine.detokenizer import Detokenizer
 
 FINISH_REASONS = ("length", "stop", "abort")   # OpenAI's and vLLM's names
+MIN_REPETITION_PENALTY = 0.01
 MAX_LOGPROBS = 20      # most likely tokens a request may ask for at each position (vLLM's default cap)
 GREEDY_BELOW = 1e-5    # a temperature under this is greedy (vLLM's _SAMPLING_EPS): logits / 1e-300 overflow
 
@@ -38,7 +39,7 @@ class SamplingParams:
 
     Applied to the logits before sampling, per request, in vLLM's order (``penalties.py``):
     ``min_tokens`` (EOS and the stop token ids are masked until that many tokens are out),
-    ``logit_bias`` (``{token id: bias in [-100, 100]}``, added), ``repetition_penalty`` (> 0, 1 = off;
+    ``logit_bias`` (``{token id: bias in [-100, 100]}``, added), ``repetition_penalty`` ([0.01, 100], 1 = off;
     over prompt and output), ``frequency_penalty`` and ``presence_penalty`` ([-2, 2], 0 = off; over the
     output), as OpenAI and vLLM define them.
     """
@@ -85,9 +86,8 @@ class SamplingParams:
                 check_range(name, getattr(self, name), 0, MAX_LOGPROBS)
         check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, kind=float)
         check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, kind=float)
-        check_range("repetition_penalty", self.repetition_penalty, 0.0, 100.0, kind=float)
-        if self.repetition_penalty == 0:
-            raise ValueError("repetition_penalty=0 is out of range: allowed (0, 100]")
+        # (vLLM takes any positive value; 5e-324 divides a logit to infinity, and the draw fails)
+        check_range("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, 100.0, kind=float)
         check_range("min_tokens", self.min_tokens, 0, self.max_gen_tokens)
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 

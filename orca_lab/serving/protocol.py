@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from orca_lab.config import check_range
-from orca_lab.engine.request import MAX_LOGPROBS
+from orca_lab.engine.request import MAX_LOGPROBS, MIN_REPETITION_PENALTY
 
 MAX_TOKENS = 1 << 20
 MAX_N = 16
@@ -74,7 +74,7 @@ class CompletionRequest(BaseModel):
                                  "position (log_softmax of the raw logits)", **bounds(minimum=0, maximum=MAX_LOGPROBS))
     presence_penalty: float | None = Field(0.0, **bounds(minimum=-2.0, maximum=2.0))
     frequency_penalty: float | None = Field(0.0, **bounds(minimum=-2.0, maximum=2.0))
-    repetition_penalty: float | None = Field(1.0, **bounds(exclusiveMinimum=0.0, maximum=100.0))
+    repetition_penalty: float | None = Field(1.0, **bounds(minimum=MIN_REPETITION_PENALTY, maximum=100.0))
     min_tokens: int | None = Field(0, description="at most max_tokens", **bounds(minimum=0, maximum=MAX_TOKENS))
     logit_bias: dict[str, float] | None = Field(None, description="token id -> bias added to its logit",
                                                 **bounds(additionalProperties={"type": "number", "minimum": -100,
@@ -212,10 +212,7 @@ class CompletionRequest(BaseModel):
     def _repetition_penalty(cls, v):
         if v is None:
             return 1.0
-        check_range("repetition_penalty", v, 0.0, 100.0, kind=float)
-        if v == 0:
-            raise ValueError("repetition_penalty=0.0 is out of range: allowed (0, 100]")
-        return v
+        return check_range("repetition_penalty", v, MIN_REPETITION_PENALTY, 100.0, kind=float)
 
     @field_validator("min_tokens")
     @classmethod
