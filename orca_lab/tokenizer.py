@@ -92,6 +92,26 @@ def _gpt2_from(path: Path) -> TiktokenTokenizer:
     return TiktokenTokenizer(encoding, GPT2_EOS)
 
 
+def save_gpt2_hf(directory, ranks: str | os.PathLike | None = None) -> Path:
+    """GPT-2's tokenizer written in the Hugging Face layout (``tokenizer.json`` and
+    ``tokenizer_config.json``) from the local ranks file, for a client that loads its tokenizer with
+    ``transformers.AutoTokenizer`` (lm-evaluation-harness's ``tokenizer=`` argument): nothing is
+    downloaded. It encodes as ``gpt2_tokenizer()`` does. Needs ``transformers``."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    path = Path(ranks) if ranks is not None else gpt2_ranks_path()
+    gpt2_tokenizer(path)                               # the same checks, the same errors
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    converted = TikTokenConverter(vocab_file=str(path), pattern=GPT2_PATTERN,
+                                  extra_special_tokens={"<|endoftext|>": GPT2_EOS}).converted()
+    converted.save(str(directory / "tokenizer.json"))
+    eos = "<|endoftext|>"
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": eos, "unk_token": eos,
+         "model_max_length": 1024}))
+    return directory
+
+
 class HFTokenizer:
     """A ``tokenizers.Tokenizer`` behind the encode/decode interface."""
 
