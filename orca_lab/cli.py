@@ -58,8 +58,15 @@ def serve(args):
     engine = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots, tensor_parallel=args.tp,
                           pipeline_parallel=args.pp, device=args.device, dtype=args.dtype,
                           block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens)
+    template = None
+    if args.chat_template is not None:
+        from orca_lab.serving.chat import check_template
+        try:
+            template = check_template(Path(args.chat_template).read_text(), args.chat_template)
+        except OSError as e:
+            raise ValueError(f"--chat-template {args.chat_template}: cannot read it ({e.strerror})") from None
     run(EngineRecipe(args.model, args.seed, engine, args.system, args.threads), args.host, args.port,
-        args.max_queue, args.drain_s, model_name=args.model, debug=args.debug)
+        args.max_queue, args.drain_s, model_name=args.model, debug=args.debug, chat_template=template)
 
 
 def bench(args) -> dict:
@@ -130,6 +137,8 @@ def _serve_args(s):
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", default="float32")
     s.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    s.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="a Jinja chat template for /v1/chat/completions (default: the tokenizer's own, if any)")
     s.add_argument("--debug", action="store_true",
                    help="serve GET /debug/run: the engine's records of every request and iteration")
 

@@ -21,12 +21,15 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orca_lab.engine.detokenizer import Detokenizer
 from orca_lab.engine.request import SamplingParams
 from orca_lab.serving.engine_core import SHUTTING_DOWN, EngineProcess, EngineRecipe
 from orca_lab.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from orca_lab.serving.chat import (ChatRequest, DetokenizeRequest, TokenizeRequest, chat_chunk, chat_response,
+                                   render)
 from orca_lab.serving.logprob_text import LogprobText, merged
 from orca_lab.serving.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                        ErrorResponse, ModelCard, ModelList, RunPage, Usage, error_body,
@@ -278,10 +281,11 @@ class HTTPRecord:
 
 
 def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, model_name: str | None = None,
-              ready=None, stop_timeout: float = 5.0, debug: bool = False) -> FastAPI:
+              ready=None, stop_timeout: float = 5.0, debug: bool = False, chat_template: str | None = None) -> FastAPI:
     """The FastAPI app over a started engine process; its lifespan's end stops that engine (which
     cancels what is left and stops its workers). ``ready(app)`` is called once it serves.
-    ``debug``: serve ``GET /debug/run``, the engine's own records."""
+    ``debug``: serve ``GET /debug/run``, the engine's own records. ``chat_template``: the Jinja
+    template of /v1/chat/completions (default: the tokenizer's ``chat_template``, if it has one)."""
     metrics = ServerMetrics()
     state = ServerState(model_name or core.info.cfg.name, system, EngineClient(core, metrics, max_queue), metrics)
 
@@ -353,23 +357,91 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
         **_errors(400, 404, 503), 200: {"content": {"text/event-stream": {"schema": SSE_EVENT}},
                                         "description": "the completion, or with stream=true its server-sent events"}})
     async def completions(body: CompletionRequest, request: Request):
-        arrival = request.scope["orca_arrival"]
-        streams = _streams(state, body, arrival)
-        cid = f"cmpl-{uuid.uuid4().hex}"
+        return await _complete(state, body, request)
+
+    tokenizer = core.info.tokenizer
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+
+    def prompt_of(messages, add_generation_prompt: bool) -> str:
+        if template is None:
+            raise HTTPError(400, f"model {state.model_name!r} has no chat template (its tokenizer carries none): "
+                            "use /v1/completions, or start the server with --chat-template FILE (Jinja)", "messages")
         try:
-            await state.pool.submit(streams)
-        except (ValueError, TypeError) as e:
-            raise HTTPError(400, _http_names(str(e)), _param_of(str(e))) from None
-        rec = HTTPRecord([s.rid for s in streams], arrival)
-        state.record(cid, rec)
-        if body.stream:
-            return StreamingResponse(_sse(state, body, cid, streams, rec), media_type="text/event-stream")
+            return render(template, messages, add_generation_prompt, tokenizer)
+        except ValueError as e:
+            raise HTTPError(400, str(e), "messages") from None
+
+    @app.post("/v1/chat/completions", responses={
+        **_errors(400, 404, 503), 200: {"content": {"text/event-stream": {"schema": SSE_EVENT}},
+                                        "description": "the chat completion, or with stream=true its events"}})
+    async def chat_completions(body: ChatRequest, request: Request):
+        """A completion of the text the chat template makes of ``messages``."""
+        text = prompt_of(body.messages, body.add_generation_prompt)
         try:
-            return await _until_done_or_gone(state, request, _collect(state, body, cid, streams), streams)
-        finally:
-            rec.finish = state.pool.clock.now()
+            comp = CompletionRequest(prompt=text, **body.completion_fields())
+        except ValidationError as e:
+            raise HTTPError(400, *validation_error(e.errors())) from None
+        out = await _complete(state, comp, request)
+        if isinstance(out, StreamingResponse):
+            started = set()
+            events = out.body_iterator
+            return StreamingResponse((chat_chunk(data, started) async for data in events),
+                                     media_type="text/event-stream")
+        if isinstance(out, CompletionResponse):
+            return JSONResponse(chat_response(out.model_dump(mode="json")))
+        return out
+
+    @app.post("/tokenize", responses=_errors(400, 404))
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's: the token ids of ``prompt`` (or of ``messages`` through the chat template)."""
+        _check_model(state, body.model)
+        if tokenizer is None:
+            raise HTTPError(400, f"model {state.model_name!r} has no tokenizer: it takes token ids only", "prompt")
+        if body.prompt is None and body.messages is None:
+            raise HTTPError(400, "give prompt (text) or messages (a chat)", "prompt")
+        text = body.prompt if body.prompt is not None else prompt_of(body.messages, body.add_generation_prompt)
+        ids = tokenizer.encode(text)
+        return {"count": len(ids), "max_model_len": core.info.cfg.max_seq_len, "tokens": ids,
+                "token_strs": [tokenizer.decode([t]) for t in ids] if body.return_token_strs else None}
+
+    @app.post("/detokenize", responses=_errors(400, 404))
+    async def detokenize(body: DetokenizeRequest):
+        """vLLM's: the text of ``tokens``."""
+        _check_model(state, body.model)
+        if tokenizer is None:
+            raise HTTPError(400, f"model {state.model_name!r} has no tokenizer: it takes token ids only", "tokens")
+        vocab = core.info.cfg.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise HTTPError(400, f"tokens holds {bad}: out of the vocabulary, allowed [0, {vocab - 1}]", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     return app
+
+
+def _check_model(state: ServerState, model: str | None):
+    if model is not None and model != state.model_name:
+        raise HTTPError(404, f"model={model!r} does not exist: this server serves {state.model_name!r}", "model")
+
+
+async def _complete(state: ServerState, body: CompletionRequest, request: Request):
+    """A completion request, from its checks to its answer: the whole ``CompletionResponse``, a
+    stream of server-sent events, or 499 when its client left first."""
+    arrival = request.scope["orca_arrival"]
+    streams = _streams(state, body, arrival)
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    try:
+        await state.pool.submit(streams)
+    except (ValueError, TypeError) as e:
+        raise HTTPError(400, _http_names(str(e)), _param_of(str(e))) from None
+    rec = HTTPRecord([s.rid for s in streams], arrival)
+    state.record(cid, rec)
+    if body.stream:
+        return StreamingResponse(_sse(state, body, cid, streams, rec), media_type="text/event-stream")
+    try:
+        return await _until_done_or_gone(state, request, _collect(state, body, cid, streams), streams)
+    finally:
+        rec.finish = state.pool.clock.now()
 
 
 # one server-sent event of a streamed completion (Open API 3.1: an event stream's schema is each event's)
@@ -421,9 +493,7 @@ def _streams(state: ServerState, body: CompletionRequest, arrival: float) -> lis
     engine) if the server is draining or the model is not this one."""
     if state.draining:
         raise HTTPError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_S)})
-    if body.model is not None and body.model != state.model_name:
-        raise HTTPError(404, f"model={body.model!r} does not exist: this server serves "
-                        f"{state.model_name!r}", "model")
+    _check_model(state, body.model)
     tokenizer = state.pool.core.info.tokenizer
     prompts = [_encode(tokenizer, p, i, len(body.prompt)) for i, p in enumerate(body.prompt)]
     out, q = [], asyncio.Queue()
@@ -655,7 +725,7 @@ def listen(host: str, port: int):
 
 
 def serve(recipe: EngineRecipe, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 1024,
-          drain_s: float = 5.0, model_name: str | None = None, debug: bool = False):
+          drain_s: float = 5.0, model_name: str | None = None, debug: bool = False, chat_template: str | None = None):
     """Serve the model of ``recipe`` until SIGINT/SIGTERM; prints its URL once it accepts requests.
     The port is taken first (a busy one fails at once), then the engine process builds the model."""
     sock = listen(host, port)
@@ -667,7 +737,8 @@ def serve(recipe: EngineRecipe, host: str = "127.0.0.1", port: int = 8000, max_q
         sock.close()
         raise
     try:
-        _Server(build_app(core, recipe.system, max_queue, model_name, ready, debug=debug), sock, drain_s).run()
+        app = build_app(core, recipe.system, max_queue, model_name, ready, debug=debug, chat_template=chat_template)
+        _Server(app, sock, drain_s).run()
     except KeyboardInterrupt:          # uvicorn re-raises the SIGINT it drained for: we are done
         pass
     finally:
