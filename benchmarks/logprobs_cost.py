@@ -52,21 +52,23 @@ def params_of(mode: str, gen: int) -> SamplingParams:
     return SamplingParams(max_gen_tokens=gen, **extra)
 
 
-def one_run(llm, prompts, mode: str, gen: int, before) -> float:
-    """Generated tokens per second of one ``generate`` of the batch."""
+def one_run(llm, prompts, mode: str, gen: int, before) -> tuple[float, float]:
+    """Generated tokens per second of one ``generate`` of the batch: per wall second, and per second
+    of this process's CPU time (one thread: what it computed, less what the neighbours' load adds)."""
     new_sample, new_wants = executor.sample, logprobs.wants_prompt
     if mode == "before":                    # the code before: its sampler, no prompt-logprob check
         executor.sample, logprobs.wants_prompt = before.sample, lambda batch: False
     try:
         sync(llm)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         out = llm.generate(prompts, sampling_params=params_of(mode, gen))
         sync(llm)
-        elapsed = time.perf_counter() - t
+        elapsed, cpu = time.perf_counter() - t, time.process_time() - c
     finally:
         executor.sample, logprobs.wants_prompt = new_sample, new_wants
     assert all(len(o) == gen for o in out)
-    return sum(map(len, out)) / elapsed
+    n = sum(map(len, out))
+    return n / elapsed, n / cpu
 
 
 def sync(llm):
@@ -98,14 +100,17 @@ def main(argv=None):
     for r in range(args.rounds):
         for mode in (MODES if r % 2 == 0 else MODES[::-1]):
             got[mode].append(one_run(llm, prompts, mode, args.gen, before))
-    base = statistics.median(got["before"])
-    rows = {m: {"tokens_per_s": statistics.median(v), "ratio_to_before": statistics.median(v) / base,
-                "tokens_per_s_rounds": v} for m, v in got.items()}
+    # each round's ratio to "before" of the same round (paired: a neighbour's load moves both), median
+    ratio = lambda m, k: statistics.median(a[k] / b[k] for a, b in zip(got[m], got["before"]))
+    rows = {m: {"tokens_per_s": statistics.median(x[0] for x in v), "tokens_per_cpu_s": statistics.median(x[1] for x in v),
+                "ratio_to_before": ratio(m, 0), "cpu_ratio_to_before": ratio(m, 1),
+                "rounds": [{"tokens_per_s": a, "tokens_per_cpu_s": b} for a, b in v]} for m, v in got.items()}
     print(f"{args.preset} on {args.device}, batch {args.batch}, prompt {args.prompt_len}, {args.gen} tokens each, "
-          f"{torch.get_num_threads()} thread(s); median of {args.rounds} interleaved rounds")
-    print(f"{'mode':>12s} {'tokens/s':>10s} {'vs before':>10s}")
+          f"{torch.get_num_threads()} thread(s); medians of {args.rounds} interleaved rounds, ratios paired by round")
+    print(f"{'mode':>12s} {'tokens/s':>10s} {'vs before':>10s} {'tokens/cpu-s':>13s} {'vs before':>10s}")
     for m, row in rows.items():
-        print(f"{m:>12s} {row['tokens_per_s']:10.1f} {row['ratio_to_before']:10.3f}")
+        print(f"{m:>12s} {row['tokens_per_s']:10.1f} {row['ratio_to_before']:10.3f} {row['tokens_per_cpu_s']:13.1f} "
+              f"{row['cpu_ratio_to_before']:10.3f}")
     out = ROOT / args.out if not Path(args.out).is_absolute() else Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "environment": environment(), "rows": rows}, indent=1))

@@ -7,6 +7,7 @@ import math
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -18,12 +19,15 @@ from orca_lab.serving.launch import ServerProcess
 from orca_lab.serving.protocol import NEUTRAL
 
 from helpers import random_prompts
+
+CHATML = Path(__file__).parent / "chat" / "chatml.jinja"
 from server_helpers import metrics
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess("--model", "tiny", "--seed", "0", "--max-bs", "8", "--n-slots", "2048").start()
+    s = ServerProcess("--model", "tiny", "--seed", "0", "--max-bs", "8", "--n-slots", "2048",
+                      "--chat-template", CHATML).start()
     yield s
     assert s.stop() < 15 and s.proc.returncode == 0
 
@@ -228,6 +232,9 @@ def test_past_drain_every_running_request_ends_as_an_abort_its_client_reads_and_
     s = ServerProcess("--model", "tiny", "--seed", "0", "--max-bs", "4", "--n-slots", "2048", "--drain-s", "0.3")
     s.start()
     try:
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+        assert "--chat-template" in r.json()["error"]["message"]
         got, body = {}, {"prompt": "ORCA", "max_tokens": 1000, "ignore_eos": True}
 
         def whole():
@@ -254,3 +261,56 @@ def test_past_drain_every_running_request_ends_as_an_abort_its_client_reads_and_
     lines = got["stream"]
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][len("data: "):])["choices"][0]["finish_reason"] == "abort"
+
+
+# -- chat, tokenize --------------------------------------------------------------------------------
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is ORCA?"}]
+
+
+def test_chat_is_the_completion_of_its_template_streamed_and_whole(server, client):
+    import jinja2
+    want_prompt = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(
+        CHATML.read_text()).render(messages=MESSAGES, add_generation_prompt=True)
+    ids = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    assert ids == list(want_prompt.encode())
+    kw = dict(model="tiny", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(messages=MESSAGES, **kw)
+    comp = client.completions.create(prompt=want_prompt, **kw)
+    assert chat.choices[0].message.content == comp.choices[0].text and chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens == len(ids) and chat.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(messages=MESSAGES, stream=True, stream_options={"include_usage": True},
+                                                 **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-2].choices[0].finish_reason == "length"
+    # stop: the text ends before the stop string, finish_reason "stop"
+    text = chat.choices[0].message.content
+    stop = next(ch for ch in text[2:] if ch.isprintable() and ch != "\ufffd")
+    stopped = client.chat.completions.create(messages=MESSAGES, stop=[stop], **kw).choices[0]
+    assert stopped.message.content == text[:text.index(stop)] and stopped.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("body, field, words", [
+    ({"messages": []}, "messages", "empty"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "role='robot'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content", "only"),
+    ({"messages": MESSAGES, "logprobs": True}, "logprobs", "not supported"),
+    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"messages": MESSAGES, "temperature": 3}, "temperature", "[0.0, 2.0]"),
+    ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options", "stream=true"),
+    ({"messages": MESSAGES, "best_of": 2}, "best_of", "not a field"),
+])
+def test_bad_chat_input_gets_a_400_naming_the_field(server, body, field, words):
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field and words in r.json()["error"]["message"], r.json()
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(server):
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "ORCA", "return_token_strs": True}).json()
+    assert r == {"count": 4, "max_model_len": 1024, "tokens": list(b"ORCA"), "token_strs": list("ORCA")}
+    assert httpx.post(server.url + "/detokenize", json={"tokens": list(b"ORCA")}).json() == {"prompt": "ORCA"}
+    r = httpx.post(server.url + "/detokenize", json={"tokens": [1, 999]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens" and "999" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "a", "model": "other"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"

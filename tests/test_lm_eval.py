@@ -92,3 +92,31 @@ def test_lm_eval_scores_equal_the_engines_own(llm, tmp_path):
         assert sample["exact_match"] == float(c.text == doc["target"])
     want_em = sum(float(c.text == d["target"]) for c, d in zip(gens, docs("gen"))) / len(gens)
     assert results["orca_lab_gen"]["exact_match,none"] == pytest.approx(want_em)
+
+
+def test_a_checkpoints_own_chat_template_serves_chat(tmp_path):
+    """A checkpoint whose tokenizer_config.json carries a chat template: /v1/chat/completions renders
+    it with no --chat-template (a GPT-2-vocabulary model of tiny width: its tokenizer is GPT-2's)."""
+    import openai
+    from orca_lab import ModelConfig
+    from orca_lab.engine.model import GPT
+    from orca_lab.tokenizer import load_tokenizer
+
+    if LLM("gpt2").tokenizer is None:
+        pytest.skip("GPT-2's BPE ranks are not installed (tiktoken + openai-whisper)")
+    path = tmp_path / "ckpt"
+    GPT.random(ModelConfig("small", n_layers=2, d_model=32, n_heads=2, vocab_size=50257, max_seq_len=128),
+               seed=3).save_pretrained(path)
+    save_gpt2_hf(path)
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    assert load_tokenizer(path).chat_template == template
+    messages = [{"role": "user", "content": "Hello there"}]
+    with ServerProcess("--model", path, "--n-slots", "512", env=OFFLINE) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        kw = dict(model=str(path), max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        chat = client.chat.completions.create(messages=messages, **kw)
+        comp = client.completions.create(prompt="user: Hello there\nassistant:", **kw)
+    assert chat.choices[0].message.content == comp.choices[0].text
+    assert chat.usage.prompt_tokens == comp.usage.prompt_tokens
