@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, create_model, field_validator
 
-from orca_lab.serving.protocol import MAX_N, MAX_TOKENS, StreamOptions, _short
+from orca_lab.serving.protocol import MAX_TOKENS, CompletionRequest, _short
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # the completions fields a chat takes as they are (the checks are CompletionRequest's)
@@ -52,30 +52,14 @@ class ChatMessage(BaseModel):
         return v
 
 
-class ChatRequest(BaseModel):
-    """``POST /v1/chat/completions``; a field this server does not know is refused (a 400 naming it)."""
+class ChatFields(BaseModel):
+    """What only a chat has; the sampling fields (``SHARED``) are added from ``CompletionRequest``,
+    their schema as they are, and are checked by it (``completion_fields``)."""
     model_config = ConfigDict(extra="forbid")
 
     messages: list[ChatMessage] = Field(**{"json_schema_extra": {"minItems": 1}})
-    model: str | None = None
     max_tokens: int | None = Field(None, **{"json_schema_extra": {"minimum": 1, "maximum": MAX_TOKENS}})
     max_completion_tokens: int | None = Field(None, **{"json_schema_extra": {"minimum": 1, "maximum": MAX_TOKENS}})
-    temperature: float | None = 1.0
-    top_p: float | None = 1.0
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = Field(1, **{"json_schema_extra": {"minimum": 1, "maximum": MAX_N}})
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: StrictBool = False
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = 1.0
-    min_tokens: int | None = 0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
     add_generation_prompt: StrictBool = True
     # not implemented: the neutral value only
     logprobs: StrictBool = Field(False, **{"json_schema_extra": {"enum": [False]}})
@@ -106,17 +90,20 @@ class ChatRequest(BaseModel):
             raise ValueError(f"tool_choice={_short(v)} is not supported by this server: allowed none")
         return v
 
-    def completion_fields(self) -> dict:
-        """What the completions endpoint checks and runs: the shared fields as they came."""
-        out = {k: getattr(self, k) for k in SHARED if k in self.model_fields_set}
-        if "stream_options" in out and out["stream_options"] is not None:
-            out["stream_options"] = out["stream_options"].model_dump()
-        tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    def completion_fields(self, raw: dict) -> dict:
+        """What the completions endpoint checks and runs: the shared fields as the client sent them
+        (``raw``, the JSON body: pydantic's reading here would turn ``"0.5"`` into 0.5)."""
+        out = {k: raw[k] for k in SHARED if k in raw}
+        tokens = raw.get("max_completion_tokens", raw.get("max_tokens"))
         if tokens is not None:
             out["max_tokens"] = tokens
-        elif self.max_tokens is None and "max_tokens" in self.model_fields_set:
-            out["max_tokens"] = None
         return out
+
+
+ChatRequest = create_model(
+    "ChatRequest", __base__=ChatFields, __doc__="``POST /v1/chat/completions``: a field this server does not "
+    "know is refused (a 400 naming it).",
+    **{k: (CompletionRequest.model_fields[k].annotation, CompletionRequest.model_fields[k]) for k in SHARED})
 
 
 def render(template: str, messages: list[ChatMessage], add_generation_prompt: bool, tokenizer) -> str:
@@ -187,7 +174,7 @@ def chat_chunk(data: str, started: set) -> str:
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    prompt: str | None = None
+    prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool = True
@@ -204,6 +191,6 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 

@@ -378,7 +378,7 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
         """A completion of the text the chat template makes of ``messages``."""
         text = prompt_of(body.messages, body.add_generation_prompt)
         try:
-            comp = CompletionRequest(prompt=text, **body.completion_fields())
+            comp = CompletionRequest(prompt=text, **body.completion_fields(await request.json()))
         except ValidationError as e:
             raise HTTPError(400, *validation_error(e.errors())) from None
         out = await _complete(state, comp, request)
@@ -721,6 +721,7 @@ def listen(host: str, port: int):
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(2048)       # now: a client that read the printed URL connects before uvicorn accepts
     return sock
 
 
