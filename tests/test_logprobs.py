@@ -167,3 +167,13 @@ def test_a_bias_outside_the_vocabulary_is_refused_by_the_engine(llm):
             engine.add_request([1, 2], SamplingParams(logit_bias={300: 1.0}))
     finally:
         engine.close()
+
+
+def test_worker_processes_refuse_the_fields_that_need_the_engines_tokens():
+    """Workers sample knowing a request's slots and params, not its tokens: refused, by name."""
+    llm = LLM("tiny", seed=0, engine=EngineConfig(max_bs=4, n_slots=1024, pipeline_parallel=2))
+    for kw in (dict(logprobs=1), dict(prompt_logprobs=0), dict(min_tokens=2), dict(logit_bias={5: 1.0})):
+        name = next(iter(kw))
+        with pytest.raises(ValueError, match=f"^{name}=.*worker processes"):
+            llm.generate([[1, 2, 3]], sampling_params=SamplingParams(max_gen_tokens=2, **kw))
+    assert llm.generate([[1, 2, 3]], max_gen_tokens=2) == LLM("tiny", seed=0).generate([[1, 2, 3]], 2)

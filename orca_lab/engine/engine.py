@@ -176,9 +176,9 @@ class Engine:
             raise ValueError(f"stop={list(params.stop)!r} needs a tokenizer to read the output as text: "
                              "give the LLM one, or use stop_token_ids")
         if params.needs_host_state and not getattr(self.executor, "samples_here", False):
-            raise ValueError("logprobs, prompt_logprobs, logit_bias, min_tokens and the penalties need the "
-                             "engine to sample in its own process: not with worker processes "
-                             "(tensor_parallel x pipeline_parallel > 1) or the simulator")
+            asked = [f"{name}={getattr(params, name)!r}" for name, off in HOST_STATE if getattr(params, name) != off]
+            raise ValueError(f"{', '.join(asked)}: needs the engine to sample in its own process, not with worker "
+                             "processes (tensor_parallel x pipeline_parallel > 1) or the simulator")
         return params
 
     def abort(self, request) -> bool:
@@ -326,6 +326,11 @@ class Engine:
     def _check_open(self):
         if self.closed is not None:
             raise RuntimeError(f"this engine no longer serves: {self.closed}; create a new engine")
+
+
+# the sampling fields that read a request's tokens or write its logprobs, and their "off" value
+HOST_STATE = (("logprobs", None), ("prompt_logprobs", None), ("logit_bias", ()), ("presence_penalty", 0.0),
+              ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0))
 
 
 def _rel(t, start):
