@@ -28,7 +28,7 @@ import json
 from collections import deque
 from dataclasses import dataclass, field
 
-from orca_lab.engine.request import Request, SamplingParams
+from orca_lab.engine.request import HOST_STATE, Request, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -326,11 +326,6 @@ class Engine:
     def _check_open(self):
         if self.closed is not None:
             raise RuntimeError(f"this engine no longer serves: {self.closed}; create a new engine")
-
-
-# the sampling fields that read a request's tokens or write its logprobs, and their "off" value
-HOST_STATE = (("logprobs", None), ("prompt_logprobs", None), ("logit_bias", ()), ("presence_penalty", 0.0),
-              ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0))
 
 
 def _rel(t, start):

@@ -10,6 +10,9 @@ from orca_lab.engine.detokenizer import Detokenizer
 FINISH_REASONS = ("length", "stop", "abort")   # OpenAI's and vLLM's names
 MIN_REPETITION_PENALTY = 0.01
 MAX_LOGPROBS = 20      # most likely tokens a request may ask for at each position (vLLM's default cap)
+# the sampling fields that read a request's tokens or write its logprobs, and their "off" value
+HOST_STATE = (("logprobs", None), ("prompt_logprobs", None), ("logit_bias", ()), ("presence_penalty", 0.0),
+              ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0))
 GREEDY_BELOW = 1e-5    # a temperature under this is greedy (vLLM's _SAMPLING_EPS): logits / 1e-300 overflow
 
 
@@ -101,7 +104,7 @@ class SamplingParams:
     def needs_host_state(self) -> bool:
         """Whether sampling reads the request's own tokens or writes its logprobs: only the engine's
         own process can (worker processes know a request's slots and params, not its tokens)."""
-        return self.shapes_logits or self.logprobs is not None or self.prompt_logprobs is not None
+        return any(getattr(self, name) != off for name, off in HOST_STATE)
 
     @property
     def greedy(self) -> bool:
