@@ -314,3 +314,14 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens" and "999" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/tokenize", json={"prompt": "a", "model": "other"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+@pytest.mark.parametrize("text, message", [(None, "cannot read it"), ("{% for m in messages %}", "not a Jinja template")])
+def test_serve_refuses_a_bad_chat_template_before_it_starts(tmp_path, capsys, text, message):
+    from orca_lab.cli import main
+    path = tmp_path / "template.jinja"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--chat-template", str(path)])
+    assert e.value.code == 2 and message in capsys.readouterr().err

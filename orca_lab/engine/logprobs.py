@@ -52,7 +52,9 @@ def record_prompt(head_at, x: torch.Tensor, batch):
     iteration ran the token before of (a whole prompt, a chunk of one, or the padded baseline's
     columns). ``x [sum L, H]``: the last layer's output of every new token; ``head_at(x, rows)``:
     the logits of those rows. Positions already scored (a preempted request's recomputation) are
-    not scored twice; the first prompt token has None, as OpenAI's echo gives it."""
+    not scored twice; the first prompt token has None, as OpenAI's echo gives it. A request's first
+    prefill must start at position 0 (a prefix cache that skips cached positions must not serve a
+    request asking for its prompt's logprobs, or those positions stay unscored)."""
     at = 0
     for req, start, q in zip(batch.requests, batch.starts, batch.q_lens):
         p, n = req.params.prompt_logprobs, len(req.prompt)
