@@ -325,3 +325,28 @@ def test_serve_refuses_a_bad_chat_template_before_it_starts(tmp_path, capsys, te
     with pytest.raises(SystemExit) as e:
         main(["serve", "--chat-template", str(path)])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("system", ["ft", "chunked"])
+def test_logprobs_over_http_are_the_same_on_the_other_systems(client, system):
+    """The request-level baseline hands a request all its tokens at once, the chunked policy splits
+    prompts: the endpoint pairs each token with its own entry all the same."""
+    prompts = random_prompts(3, 256, lo=20, hi=40, seed=12)
+    kw = dict(model="tiny", prompt=prompts, max_tokens=5, temperature=0, logprobs=3, echo=True,
+              extra_body={"ignore_eos": True})
+    want = sorted(client.completions.create(**kw).choices, key=lambda c: c.index)
+    with ServerProcess("--model", "tiny", "--seed", "0", "--max-bs", "4", "--n-slots", "2048", "--system", system,
+                       "--max-num-batched-tokens", "16") as s:
+        other = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        got = sorted(other.completions.create(**kw).choices, key=lambda c: c.index)
+        chunks = {}
+        for chunk in other.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                chunks.setdefault(c.index, []).append(c)
+    for w, g in zip(want, got):
+        assert g.text == w.text and g.logprobs.tokens == w.logprobs.tokens
+        assert g.logprobs.text_offset == w.logprobs.text_offset
+        assert all((a is None and b is None) or math.isclose(a, b, abs_tol=1e-4)
+                   for a, b in zip(g.logprobs.token_logprobs, w.logprobs.token_logprobs))
+        streamed = [x for p in chunks[g.index] for x in p.logprobs.token_logprobs]
+        assert streamed == g.logprobs.token_logprobs
