@@ -35,7 +35,7 @@ def lm_eval_run(url: str, tokenizer: Path, out: Path):
     exe = shutil.which("lm_eval") or shutil.which("lm-eval")
     if exe is None:
         pytest.skip("lm-eval is not installed (pip install lm-eval)")
-    args = ",".join([f"model=gpt2", f"base_url={url}/v1/completions", "tokenizer_backend=huggingface",
+    args = ",".join(["model=gpt2", f"base_url={url}/v1/completions", "tokenizer_backend=huggingface",
                      f"tokenizer={tokenizer}", "tokenized_requests=True", "max_length=1024", "max_retries=1"])
     r = subprocess.run([exe, "run", "--model", "local-completions", "--model_args", args,
                         "--tasks", "orca_lab_choice,orca_lab_gen", "--include_path", str(TASKS),
