@@ -70,8 +70,15 @@ def serve(args):
                           block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                           prefix_caching=args.prefix_caching, schedule_policy=args.schedule_policy)
     check_prefix_caching(args.system, engine.prefix_caching, engine.schedule_policy)
+    template = None
+    if args.chat_template is not None:
+        from orca_lab.serving.chat import check_template
+        try:
+            template = check_template(Path(args.chat_template).read_text(), args.chat_template)
+        except OSError as e:
+            raise ValueError(f"--chat-template {args.chat_template}: cannot read it ({e.strerror})") from None
     run(EngineRecipe(args.model, args.seed, engine, args.system, args.threads), args.host, args.port,
-        args.max_queue, args.drain_s, model_name=args.model, debug=args.debug)
+        args.max_queue, args.drain_s, model_name=args.model, debug=args.debug, chat_template=template)
 
 
 def bench(args) -> dict:
@@ -168,6 +175,8 @@ def _serve_args(s):
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", default="float32")
     s.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    s.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="a Jinja chat template for /v1/chat/completions (default: the tokenizer's own, if any)")
     s.add_argument("--debug", action="store_true",
                    help="serve GET /debug/run: the engine's records of every request and iteration")
 

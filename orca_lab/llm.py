@@ -42,6 +42,10 @@ class Completion:
     token_ids: list[int]          # EOS or a stop token that ended it included, as vLLM keeps them
     text: str | None              # the output as text, stop string excluded; None without a tokenizer
     finish_reason: str            # "length" or "stop"
+    # with SamplingParams(logprobs=k) / (prompt_logprobs=k): a TokenLogprob (model/logprobs.py) per
+    # generated token / per prompt token (None for the first); None when not asked for
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 class LLM:
@@ -195,7 +199,8 @@ class LLM:
 
     # -- generation -----------------------------------------------------------------------------
     # Per prompt: ``max_gen_tokens`` an int or a list; ``sampling`` keywords (temperature, top_k, top_p,
-    # seed, ignore_eos, eos_token_id, stop_token_ids, stop) for all; or ``sampling_params``, one
+    # seed, ignore_eos, eos_token_id, stop_token_ids, stop, logprobs, prompt_logprobs, logit_bias,
+    # the penalties, min_tokens) for all; or ``sampling_params``, one
     # SamplingParams or a list of them. A sampled request without a seed draws from OS entropy.
     def generate(self, prompts, max_gen_tokens: int | list[int] | None = None, system: str = "orca", *,
                  sampling_params=None, **sampling) -> list[list[int]]:
@@ -218,7 +223,10 @@ class LLM:
         for i, req, _ in self._run(prompts, max_gen_tokens, system, sampling_params, sampling):
             reqs[i] = req
         return [Completion(list(r.prompt), list(r.output), None if r.detokenize is None else r.text,
-                           r.finish_reason) for _, r in sorted(reqs.items())]
+                           r.finish_reason,
+                           None if r.params.logprobs is None else r.logprobs[:len(r.output)],
+                           None if r.params.prompt_logprobs is None else list(r.prompt_logprobs))
+                for _, r in sorted(reqs.items())]
 
     def _run(self, prompts, max_gen_tokens, system, sampling_params, sampling):
         """``(prompt index, request, token)`` for every token of every prompt, on a fresh engine."""

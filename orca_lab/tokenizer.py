@@ -92,12 +92,34 @@ def _gpt2_from(path: Path) -> TiktokenTokenizer:
     return TiktokenTokenizer(encoding, GPT2_EOS)
 
 
-class HFTokenizer:
-    """A ``tokenizers.Tokenizer`` behind the encode/decode interface."""
+def save_gpt2_hf(directory, ranks: str | os.PathLike | None = None) -> Path:
+    """GPT-2's tokenizer written in the Hugging Face layout (``tokenizer.json`` and
+    ``tokenizer_config.json``) from the local ranks file, for a client that loads its tokenizer with
+    ``transformers.AutoTokenizer`` (lm-evaluation-harness's ``tokenizer=`` argument): nothing is
+    downloaded. It encodes as ``gpt2_tokenizer()`` does. Needs ``transformers``."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    path = Path(ranks) if ranks is not None else gpt2_ranks_path()
+    gpt2_tokenizer(path)                               # the same checks, the same errors
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    converted = TikTokenConverter(vocab_file=str(path), pattern=GPT2_PATTERN,
+                                  extra_special_tokens={"<|endoftext|>": GPT2_EOS}).converted()
+    converted.save(str(directory / "tokenizer.json"))
+    eos = "<|endoftext|>"
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": eos, "unk_token": eos,
+         "model_max_length": 1024}))
+    return directory
 
-    def __init__(self, tokenizer, eos_token_id: int | None):
-        self.tokenizer, self.eos_token_id = tokenizer, eos_token_id
+
+class HFTokenizer:
+    """A ``tokenizers.Tokenizer`` behind the encode/decode interface; ``chat_template``: the Jinja
+    template of its ``tokenizer_config.json``, if it has one (``/v1/chat/completions`` renders it)."""
+
+    def __init__(self, tokenizer, eos_token_id: int | None, chat_template: str | None = None):
+        self.tokenizer, self.eos_token_id, self.chat_template = tokenizer, eos_token_id, chat_template
         self.vocab_size = tokenizer.get_vocab_size()
+        self.eos_token = tokenizer.id_to_token(eos_token_id) if eos_token_id is not None else None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -121,7 +143,19 @@ def load_tokenizer(path) -> HFTokenizer | None:
         tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
     else:
         tok = tokenizers.ByteLevelBPETokenizer(str(path / "vocab.json"), str(path / "merges.txt"))
-    return HFTokenizer(tok, _eos_of(path, tok))
+    return HFTokenizer(tok, _eos_of(path, tok), _chat_template_of(path))
+
+
+def _chat_template_of(path: Path) -> str | None:
+    """``chat_template`` of tokenizer_config.json (a string, or the "default" of a list of named ones),
+    else a ``chat_template.jinja`` file beside it (newer transformers save it there)."""
+    f = path / "tokenizer_config.json"
+    value = json.loads(f.read_text()).get("chat_template") if f.is_file() else None
+    if isinstance(value, list):
+        value = next((t.get("template") for t in value if t.get("name") == "default"), None)
+    if value is None and (path / "chat_template.jinja").is_file():
+        value = (path / "chat_template.jinja").read_text()
+    return value if isinstance(value, str) else None
 
 
 def _eos_of(path: Path, tok) -> int | None:

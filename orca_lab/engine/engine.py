@@ -28,7 +28,7 @@ import json
 from collections import deque
 from dataclasses import dataclass, field
 
-from orca_lab.engine.request import Request, SamplingParams
+from orca_lab.engine.request import HOST_STATE, Request, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -166,12 +166,17 @@ class Engine:
         if not params.ignore_eos and params.eos_token_id is None and self.eos_token_id is not None:
             params = dataclasses.replace(params, eos_token_id=self.eos_token_id)
         ids = [("eos_token_id", params.eos_token_id)] if params.eos_token_id is not None else []
+        ids += [("logit_bias token id", t) for t, _ in params.logit_bias]
         for name, t in ids + [("stop_token_ids", t) for t in params.stop_token_ids]:
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"{name}={t} is out of the vocabulary: allowed [0, {self.vocab_size - 1}]")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={list(params.stop)!r} needs a tokenizer to read the output as text: "
                              "give the LLM one, or use stop_token_ids")
+        if params.needs_host_state and not getattr(self.executor, "samples_here", False):
+            asked = [f"{name}={getattr(params, name)!r}" for name, off in HOST_STATE if getattr(params, name) != off]
+            raise ValueError(f"{', '.join(asked)}: needs the engine to sample in its own process, not with worker "
+                             "processes (tensor_parallel x pipeline_parallel > 1) or the simulator")
         return params
 
     def abort(self, request) -> bool:

@@ -61,7 +61,10 @@ class PrefixCachingBlockManager(BlockManager):
     # -- lookup and sharing ----------------------------------------------------------------------
     def lookup(self, req) -> list[int]:
         """The cached blocks that start ``req``'s context: its longest run of registered full blocks,
-        short of its last token (always computed)."""
+        short of its last token (always computed). None for a request asking for its prompt's
+        logprobs: every prompt position must be computed to be scored (vLLM skips the cache for it too)."""
+        if req.params.prompt_logprobs is not None:
+            return []
         tokens = req.prompt + req.output
         n = (len(tokens) - 1) // self.block_size
         hashes = req.block_hashes = chain_hashes(tokens, self.block_size, n, req.block_hashes)

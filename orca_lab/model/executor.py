@@ -16,6 +16,7 @@ import torch
 from orca_lab.engine.batch import Batch
 from orca_lab.engine.clock import RealClock, StageClock
 from orca_lab.engine.executor import Completion, StageTime, split_layers
+from orca_lab.model import logprobs
 from orca_lab.model.sampler import sample
 
 
@@ -23,7 +24,9 @@ class LocalExecutor:
     """The model in this process. With ``n_workers > 1`` it keeps that many batches in flight and
     runs the layers of each as ``n_workers`` stages, one after another: the schedule of a pipeline
     without its concurrency (the worker processes give the concurrency). ``graphs`` (a
-    ``DecodeGraphs``) runs decode-only iterations from padded CUDA graphs."""
+    ``DecodeGraphs``) runs decode-only iterations from padded CUDA graphs. It samples in the engine's
+    process, on the engine's own ``Request`` objects: penalties and logprobs read and write them."""
+    samples_here = True
 
     def __init__(self, model, kv, n_workers: int = 1, device="cpu", graphs=None):
         self.model, self.kv, self.device = model, kv, torch.device(device)
@@ -51,6 +54,8 @@ class LocalExecutor:
                 x = self.model.run_layers(self.model.embed(bt) if s == 0 else x, bt, self.kv, lo, hi)
                 if s == len(self.stages) - 1:
                     tokens = sample(self.model.head(x, bt), batch)  # .tolist() syncs the device
+                    if logprobs.wants_prompt(batch):
+                        logprobs.record_prompt(self.model.head_at, x, batch)
                 clock.mark()
         t = clock.times()
         return Completion(batch, tokens, [StageTime(s, a, b) for s, (a, b) in enumerate(zip(t, t[1:]))])

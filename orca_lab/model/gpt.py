@@ -85,7 +85,11 @@ class GPT(nn.Module):
 
     def head(self, x, bt) -> torch.Tensor:
         """Logits of each request's last new token only: ``[B, vocab]`` (LM head tied to wte)."""
-        h = F.layer_norm(x.index_select(0, bt.last_idx), (self.cfg.d_model,), self.ln_f.weight, self.ln_f.bias,
+        return self.head_at(x, bt.last_idx)
+
+    def head_at(self, x, rows) -> torch.Tensor:
+        """Logits of the tokens ``rows`` of ``x``: ``[len(rows), vocab]`` (a prompt's, for its logprobs)."""
+        h = F.layer_norm(x.index_select(0, rows), (self.cfg.d_model,), self.ln_f.weight, self.ln_f.bias,
                          self.cfg.layer_norm_eps)
         with tf32_matmuls(self.tf32 and x.is_cuda):
             return F.linear(h, self.wte.weight)

@@ -3,18 +3,24 @@ import secrets
 
 import torch
 
+from orca_lab.model import logprobs, penalties
+
 
 def sample(logits: torch.Tensor, batch) -> list[int | None]:
     """One token per request of ``batch`` that yields one (``Batch.yields``), None for the others.
     Greedy rows share one argmax; sampled rows use their own generator, and only a row that yields
     draws from it, so a request draws the same tokens whatever it is batched with and however its
-    prompt is chunked (vLLM and SGLang do not sample a partial prefill either)."""
+    prompt is chunked (vLLM and SGLang do not sample a partial prefill either). A request's own
+    fields shape its row first (``penalties.py``); the log-probabilities a request asks for are read
+    from the raw ``logits`` (``logprobs.py``)."""
+    raw, logits = logits, penalties.shape(logits, batch)
     tokens = logits.argmax(-1).tolist()
     for i, (req, yields) in enumerate(zip(batch.requests, batch.yields)):
         if not yields:
             tokens[i] = None
         elif not req.params.greedy:
             tokens[i] = _draw(logits[i].float(), req)
+    logprobs.record_sampled(raw, batch, tokens)
     return tokens
 
 

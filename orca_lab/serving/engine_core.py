@@ -13,14 +13,16 @@ peer), as pickled tuples:
     endpoint -> engine   ("add", key, [(sid, prompt, params, arrival)])   ("abort", [sid])
                          ("call", key, name, args)                        ("stop",)
     engine -> endpoint   ("ready", EngineInfo)   ("added", key, [rid] | exception | None)
-                         ("out", now, [(sid, token, finish_reason, stop_at)], stats, [n_tokens])
+                         ("out", now, [(sid, token, finish_reason, stop_at, logprob, prompt_logprobs)],
+                          stats, [n_tokens])
                          ("stats", stats)        ("result", key, value | exception)   ("failed", why)
 
 ``sid`` is the endpoint's name for a stream: the endpoint can cancel a stream before the engine's
 answer with its rid has come back. A finish reason comes with a stream's last token only. Text is
 made on the endpoint's side from the token ids (each stream's ``Detokenizer``): detokenizing is not
 the engine's work, except for requests with stop strings, whose end it decides (``stop_at`` None
-with "stop": the last token, a stop token or EOS, is no text).
+with "stop": the last token, a stop token or EOS, is no text). ``logprob`` (the token's
+``TokenLogprob``) and ``prompt_logprobs`` (with a request's first token) are None unless it asked.
 """
 from __future__ import annotations
 
@@ -104,6 +106,7 @@ class EngineLoop:
         self.messages: queue.SimpleQueue = queue.SimpleQueue()
         self.rids: dict[int, int] = {}           # sid -> rid, while the request runs
         self.sids: dict[int, int] = {}           # rid -> sid
+        self.n_sent: dict[int, int] = {}         # rid -> tokens delivered, of requests that ask for logprobs
         self._n_records = 0
         # A thread empties the pipe as messages come, so the endpoint never blocks on a full pipe
         # while the engine runs an iteration.
@@ -174,7 +177,8 @@ class EngineLoop:
                 continue
             del self.sids[rid]
             self.engine.abort(rid)
-            out.append((sid, None, "abort", None))
+            self.n_sent.pop(rid, None)
+            out.append((sid, None, "abort", None, None, None))
         if out:
             self._send(("out", self.engine.clock.now(), out, self.engine.stats(), []))
 
@@ -194,11 +198,13 @@ class EngineLoop:
             sid = self.sids.get(req.rid)
             if sid is None:                        # aborted meanwhile: its token is dropped
                 continue
+            lp, plp = self._logprobs(req) if req.params.needs_host_state else (None, None)
             if not (req.finished and last[req.rid] == i):
-                out.append((sid, token, None, None))
+                out.append((sid, token, None, None, lp, plp))
                 continue
-            out.append((sid, token, req.finish_reason, req.stop_at))
+            out.append((sid, token, req.finish_reason, req.stop_at, lp, plp))
             del self.sids[req.rid], self.rids[sid]
+            self.n_sent.pop(req.rid, None)
         records = self.engine.records
         tokens = [r.n_tokens for r in records[self._n_records:] if r.stage == 0]
         self._n_records = len(records)
@@ -206,6 +212,14 @@ class EngineLoop:
             self.engine.forget(HISTORY, HISTORY)   # a server runs for days: keep its memory bounded
             self._n_records = len(self.engine.records)
         self._send(("out", self.engine.clock.now(), out, self.engine.stats(), tokens))
+
+    def _logprobs(self, req):
+        """The ``TokenLogprob`` of the request's next token to deliver, and its prompt's with its first."""
+        k = self.n_sent.get(req.rid, 0)
+        self.n_sent[req.rid] = k + 1
+        lp = req.logprobs[k] if req.params.logprobs is not None and k < len(req.logprobs) else None
+        plp = req.prompt_logprobs if k == 0 and req.params.prompt_logprobs is not None else None
+        return lp, plp
 
     def _stop(self, msgs):
         """Adds still queued are refused, every running request ends with "abort"."""

@@ -3,17 +3,26 @@
 Requests are pydantic models, as FastAPI reads them; every field is checked where it enters, with a
 message that names the field, the value and the allowed range (``orca_lab.config.check_range``).
 Checks that need the model (vocabulary, max length, K/V slots) are the engine's own, run by the
-server before it accepts a request. vLLM's extensions ``ignore_eos``, ``top_k``, ``stop_token_ids``
-and ``return_token_ids`` are accepted; options this server cannot honour are refused, never ignored.
+server before it accepts a request. vLLM's extensions ``ignore_eos``, ``top_k``, ``stop_token_ids``,
+``return_token_ids``, ``repetition_penalty`` and ``min_tokens`` are accepted. A field this server
+cannot honour is refused with a 400 naming it, never accepted and ignored: OpenAI's and vLLM's fields
+it does not implement are declared with their neutral value the only one allowed (``NEUTRAL``), and
+a field it does not know is refused too.
+
+``logprobs`` (0..20) and ``echo``'s prompt log-probabilities are the model's own distribution:
+``log_softmax`` of the raw logits, before penalties, bias, temperature, top-k and top-p
+(``orca_lab/model/logprobs.py``; vLLM's default).
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from orca_lab.config import check_range
+from orca_lab.engine.request import MAX_LOGPROBS, MIN_REPETITION_PENALTY
 
 MAX_TOKENS = 1 << 20
 MAX_N = 16
@@ -29,19 +38,27 @@ def bounds(**schema) -> dict:
     return {"json_schema_extra": schema}
 
 
-FLOATS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+FLOATS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+# OpenAI's and vLLM's completion fields this server does not implement: only the neutral value passes
+NEUTRAL = {"suffix": None, "use_beam_search": False, "length_penalty": 1.0, "truncate_prompt_tokens": None,
+           "min_p": 0.0, "prompt_logprobs": None, "include_stop_str_in_output": False,
+           "skip_special_tokens": True, "spaces_between_special_tokens": True, "allowed_token_ids": None,
+           "bad_words": None, "response_format": None, "guided_json": None, "guided_regex": None,
+           "guided_choice": None, "guided_grammar": None, "logits_processors": None, "priority": 0}
 IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 TEXT = {"type": "string", "minLength": 1}
 
 
 class CompletionRequest(BaseModel):
-    """``POST /v1/completions``; unknown fields are ignored, as by vLLM."""
-    model_config = ConfigDict(extra="ignore", validate_default=True)
+    """``POST /v1/completions``; a field this server does not know is refused (a 400 naming it)."""
+    model_config = ConfigDict(extra="forbid", validate_default=True)
 
     model: str | None = None
     prompt: Any = Field(description="a string, a list of token ids, or a list of either",
                         **bounds(anyOf=[TEXT, IDS, {"type": "array", "items": {"anyOf": [TEXT, IDS]}, "minItems": 1}]))
-    max_tokens: int | None = Field(16, **bounds(minimum=1, maximum=MAX_TOKENS))
+    echo: StrictBool = Field(False, description="the prompt before the completion, with its logprobs if asked")
+    max_tokens: int | None = Field(16, description="0 only with echo (the prompt's logprobs, no completion)",
+                                   **bounds(minimum=0, maximum=MAX_TOKENS))
     temperature: float | None = Field(1.0, **bounds(minimum=0.0, maximum=2.0))
     top_p: float | None = Field(1.0, **bounds(exclusiveMinimum=0.0, maximum=1.0))
     top_k: int | None = Field(None, **bounds(minimum=-1, maximum=1 << 24))
@@ -50,21 +67,43 @@ class CompletionRequest(BaseModel):
     stop_token_ids: list[int] | None = Field(None, **bounds(items={"type": "integer", "minimum": 0, "maximum": 1 << 24}))
     n: int = Field(1, **bounds(minimum=1, maximum=MAX_N))
     stream: StrictBool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(None, description="only with stream=true")
     ignore_eos: StrictBool = False
     return_token_ids: StrictBool = False
-    # OpenAI fields this server does not implement: only their neutral value is accepted
-    echo: StrictBool = Field(False, **bounds(enum=[False]))
-    logprobs: int | None = Field(None, **bounds(enum=[None]))
+    logprobs: int | None = Field(None, description="the log-probabilities of the k most likely tokens at each "
+                                 "position (log_softmax of the raw logits)", **bounds(minimum=0, maximum=MAX_LOGPROBS))
+    presence_penalty: float | None = Field(0.0, **bounds(minimum=-2.0, maximum=2.0))
+    frequency_penalty: float | None = Field(0.0, **bounds(minimum=-2.0, maximum=2.0))
+    repetition_penalty: float | None = Field(1.0, **bounds(minimum=MIN_REPETITION_PENALTY, maximum=100.0))
+    min_tokens: int | None = Field(0, description="at most max_tokens", **bounds(minimum=0, maximum=MAX_TOKENS))
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias added to its logit",
+                                                **bounds(additionalProperties={"type": "number", "minimum": -100,
+                                                                               "maximum": 100}))
     best_of: int | None = Field(None, **bounds(enum=[None, 1]))
-    suffix: str | None = Field(None, **bounds(enum=[None]))
-    presence_penalty: float | None = Field(0.0, **bounds(enum=[None, 0.0]))
-    frequency_penalty: float | None = Field(0.0, **bounds(enum=[None, 0.0]))
-    logit_bias: dict | None = Field(None, **bounds(maxProperties=0))
     user: str | None = None
+    # not implemented: the neutral value only (NEUTRAL)
+    suffix: str | None = Field(None, **bounds(enum=[None]))
+    use_beam_search: StrictBool = Field(False, **bounds(enum=[False]))
+    length_penalty: float | None = Field(1.0, **bounds(enum=[None, 1.0]))
+    truncate_prompt_tokens: int | None = Field(None, **bounds(enum=[None]))
+    min_p: float | None = Field(0.0, **bounds(enum=[None, 0.0]))
+    prompt_logprobs: int | None = Field(None, **bounds(enum=[None]))
+    include_stop_str_in_output: StrictBool = Field(False, **bounds(enum=[False]))
+    skip_special_tokens: StrictBool = Field(True, **bounds(enum=[True]))
+    spaces_between_special_tokens: StrictBool = Field(True, **bounds(enum=[True]))
+    allowed_token_ids: Any = Field(None, **bounds(enum=[None]))
+    bad_words: Any = Field(None, **bounds(enum=[None]))
+    response_format: Any = Field(None, **bounds(enum=[None]))
+    guided_json: Any = Field(None, **bounds(enum=[None]))
+    guided_regex: Any = Field(None, **bounds(enum=[None]))
+    guided_choice: Any = Field(None, **bounds(enum=[None]))
+    guided_grammar: Any = Field(None, **bounds(enum=[None]))
+    logits_processors: Any = Field(None, **bounds(enum=[None]))
+    priority: int | None = Field(0, **bounds(enum=[None, 0]))
 
     @field_validator("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "n", "logprobs",
-                     "best_of", "presence_penalty", "frequency_penalty", mode="before")
+                     "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                     mode="before")
     @classmethod
     def _numbers(cls, v, info):
         """A number is a JSON number: pydantic would take ``true`` as 1 and ``"5"`` as 5 (``5.0`` is
@@ -75,6 +114,24 @@ class CompletionRequest(BaseModel):
                 raise ValueError(f"{info.field_name}={_short(v)}: {x!r} is not {kind}")
         return v
 
+    @field_validator(*NEUTRAL, mode="before")
+    @classmethod
+    def _not_implemented(cls, v, info):
+        """``0 == False`` and ``1.0 == True`` in Python: the neutral value must be of its own type."""
+        neutral = NEUTRAL[info.field_name]
+        if not (v is None or (type(v) is type(neutral) and v == neutral)
+                or (isinstance(neutral, float) and type(v) is int and v == neutral)):
+            raise ValueError(f"{info.field_name}={_short(v)} is not supported by this server: allowed "
+                             f"{json.dumps(neutral)} (or leave it out)")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v):
+        if v is not None and v != 1:
+            raise ValueError(f"best_of={v!r} is not supported by this server: allowed null or 1")
+        return v
+
     @field_validator("prompt")
     @classmethod
     def _prompts(cls, v):
@@ -82,7 +139,11 @@ class CompletionRequest(BaseModel):
 
     @field_validator("max_tokens")
     @classmethod
-    def _max_tokens(cls, v):
+    def _max_tokens(cls, v, info):
+        if v == 0 and info.data.get("echo") is True:       # lm-eval's scoring request: the prompt only
+            return 0
+        if v == 0:
+            raise ValueError("max_tokens=0 is out of range: allowed [1, 1048576], or 0 with echo=true")
         return 16 if v is None else check_range("max_tokens", v, 1, MAX_TOKENS)
 
     @field_validator("temperature")
@@ -129,22 +190,58 @@ class CompletionRequest(BaseModel):
     def _n(cls, v):
         return check_range("n", v, 1, MAX_N)
 
-    @field_validator("echo", "logprobs", "best_of", "suffix", "logit_bias")
+    @field_validator("stream_options")
     @classmethod
-    def _unsupported(cls, v, info):
-        if not (v is None or v is False or v == {} or (info.field_name == "best_of" and v == 1)):
-            raise ValueError(f"{info.field_name}={v!r} is not supported by this server: "
-                             f"allowed {'false' if info.field_name == 'echo' else 'null'}")
+    def _stream_options(cls, v, info):
+        if v is not None and info.data.get("stream") is not True:
+            raise ValueError("stream_options is only allowed with stream=true")
         return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        return v if v is None else check_range("logprobs", v, 0, MAX_LOGPROBS)
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
-    def _no_penalty(cls, v, info):
-        return 0.0 if v is None else check_range(info.field_name, v, 0.0, 0.0, kind=float)
+    def _penalty(cls, v, info):
+        return 0.0 if v is None else check_range(info.field_name, v, -2.0, 2.0, kind=float)
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty(cls, v):
+        if v is None:
+            return 1.0
+        return check_range("repetition_penalty", v, MIN_REPETITION_PENALTY, 100.0, kind=float)
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens(cls, v, info):
+        hi = info.data.get("max_tokens", MAX_TOKENS)
+        return 0 if v is None else check_range("min_tokens", v, 0, hi if hi is not None else MAX_TOKENS)
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, v):
+        """OpenAI's ``{"token id": bias}`` (keys are strings in JSON), biases in [-100, 100]."""
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            raise ValueError(f"logit_bias={_short(v)} must be an object mapping token ids to biases")
+        for k, b in v.items():
+            if not str(k).isdigit():
+                raise ValueError(f"logit_bias key {k!r} is not a token id: keys are token ids (0 or more)")
+            if isinstance(b, (bool, str)) or not isinstance(b, (int, float)):
+                raise ValueError(f"logit_bias[{k!r}]={_short(b)} is not a number")
+            check_range(f"logit_bias[{k!r}]", b, -100.0, 100.0, kind=float)
+        return {str(k): float(b) for k, b in v.items()}
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), b) for k, b in (self.logit_bias or {}).items())
 
 
 def normalize_prompt(v) -> list[str | list[int]]:
@@ -187,10 +284,18 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions shape, one entry per token (the prompt's first, with echo: null)."""
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     # vLLM's return_token_ids; left out of the JSON unless asked for
     token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
@@ -224,8 +329,8 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable",
-               500: "server_error"}
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+               503: "service_unavailable", 500: "server_error"}
 
 
 class ErrorDetail(BaseModel):
@@ -273,6 +378,9 @@ def validation_error(errors: list[dict]) -> tuple[str, str | None]:
         return msg.removeprefix("Value error, "), field
     if err.get("type") == "missing":
         return f"{field} is required", field
+    if err.get("type") == "extra_forbidden":
+        return (f"{field} is not a field this server knows: refused rather than ignored "
+                "(see the OpenAPI schema at /openapi.json)"), field
     if field is None:                       # the body itself is not a JSON object
         return f"the request body must be a JSON object: {msg}", None
     return f"{field}={_short(err.get('input'))}: {msg}", field

@@ -14,20 +14,28 @@ import contextlib
 import itertools
 import json
 import logging
+import os
+import signal
+import sys
 import uuid
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orca_lab.engine.detokenizer import Detokenizer
 from orca_lab.engine.request import SamplingParams
 from orca_lab.serving.engine_core import SHUTTING_DOWN, EngineProcess, EngineRecipe
 from orca_lab.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from orca_lab.serving.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, ErrorResponse,
-                                       ModelCard, ModelList, RunPage, Usage, error_body, validation_error)
+from orca_lab.serving.chat import (ChatRequest, DetokenizeRequest, TokenizeRequest, chat_chunk, chat_response,
+                                   render)
+from orca_lab.serving.logprob_text import LogprobText, merged
+from orca_lab.serving.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+                                       ErrorResponse, ModelCard, ModelList, RunPage, Usage, error_body,
+                                       validation_error)
 
 log = logging.getLogger("orca_lab.serve")
 RETRY_AFTER_S = 1
@@ -50,6 +58,8 @@ class Event:
     text: str
     finish_reason: str | None = None
     error: str | None = None
+    logprob: object = None              # the token's TokenLogprob, if the request asked
+    prompt_logprobs: list | None = None  # with a request's first event, if it asked (echo)
 
 
 @dataclass(eq=False)
@@ -65,6 +75,8 @@ class Stream:
     last: float = 0.0              # engine clock of its last token
     output: list[int] = field(default_factory=list)
     detokenizer: Detokenizer | None = None     # its text (None: the model has no tokenizer)
+    prompt_text: str = ""                      # what echo puts before the completion
+    echo_only: bool = False                    # max_tokens=0 with echo: the engine's one token is dropped
 
     def text(self, tokens: list[int], finish_reason: str | None, stop_at: int | None) -> str:
         """The text that ``tokens`` (one, or none when the request ended without one) made visible."""
@@ -122,6 +134,12 @@ class EngineClient:
     def cancel(self, streams: list[Stream]):
         self._send(("abort", [s.sid for s in streams]))
 
+    def abort_all(self):
+        """End every request the engine holds with "abort" (the drain time is over): each stream's
+        client reads its end, as the engine's answer comes back like any other."""
+        if self.streams:
+            self._send(("abort", list(self.streams)))
+
     def call(self, name: str, *args) -> asyncio.Future:
         """``name(engine, *args)`` run by the engine between two iterations (``EngineLoop._call``)."""
         fut = self._expect([])
@@ -178,15 +196,18 @@ class EngineClient:
         self._on_stats(stats)                          # first: a client that reads /metrics as soon
         for n in iteration_tokens:                     # as it got a token sees the state it came from
             m.iteration_tokens.observe(n)
-        for sid, token, reason, stop_at in items:
+        for sid, token, reason, stop_at, lp, plp in items:
             s = self.streams.get(sid)
             if s is None:
                 continue
+            if s.echo_only:                            # the prompt alone was asked for
+                token, lp, reason = None, None, reason and ("abort" if reason == "abort" else "length")
             if token is not None:
                 (m.ttft if not s.output else m.itl).observe(now - s.last)
                 s.last = now
                 s.output.append(token)
-            out.append((s, Event(token, s.text([] if token is None else [token], reason, stop_at), reason)))
+            text = "" if s.echo_only else s.text([] if token is None else [token], reason, stop_at)
+            out.append((s, Event(token, text, reason, logprob=lp, prompt_logprobs=plp)))
             if reason is not None:
                 del self.streams[sid]
                 m.requests.labels(reason).inc()
@@ -262,10 +283,11 @@ class HTTPRecord:
 
 
 def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, model_name: str | None = None,
-              ready=None, stop_timeout: float = 5.0, debug: bool = False) -> FastAPI:
+              ready=None, stop_timeout: float = 5.0, debug: bool = False, chat_template: str | None = None) -> FastAPI:
     """The FastAPI app over a started engine process; its lifespan's end stops that engine (which
     cancels what is left and stops its workers). ``ready(app)`` is called once it serves.
-    ``debug``: serve ``GET /debug/run``, the engine's own records."""
+    ``debug``: serve ``GET /debug/run``, the engine's own records. ``chat_template``: the Jinja
+    template of /v1/chat/completions (default: the tokenizer's ``chat_template``, if it has one)."""
     metrics = ServerMetrics()
     state = ServerState(model_name or core.info.cfg.name, system, EngineClient(core, metrics, max_queue), metrics)
 
@@ -311,6 +333,13 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
     async def models():
         return ModelList(data=[_model_card(state)])
 
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(404))
+    async def model(model_id: str):
+        if model_id != state.model_name:
+            raise HTTPError(404, f"model={model_id!r} does not exist: this server serves {state.model_name!r}",
+                            "model")
+        return _model_card(state)
+
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics_page():
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
@@ -330,23 +359,91 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
         **_errors(400, 404, 503), 200: {"content": {"text/event-stream": {"schema": SSE_EVENT}},
                                         "description": "the completion, or with stream=true its server-sent events"}})
     async def completions(body: CompletionRequest, request: Request):
-        arrival = request.scope["orca_arrival"]
-        streams = _streams(state, body, arrival)
-        cid = f"cmpl-{uuid.uuid4().hex}"
+        return await _complete(state, body, request)
+
+    tokenizer = core.info.tokenizer
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+
+    def prompt_of(messages, add_generation_prompt: bool) -> str:
+        if template is None:
+            raise HTTPError(400, f"model {state.model_name!r} has no chat template (its tokenizer carries none): "
+                            "use /v1/completions, or start the server with --chat-template FILE (Jinja)", "messages")
         try:
-            await state.pool.submit(streams)
-        except (ValueError, TypeError) as e:
-            raise HTTPError(400, _http_names(str(e)), _param_of(str(e))) from None
-        rec = HTTPRecord([s.rid for s in streams], arrival)
-        state.record(cid, rec)
-        if body.stream:
-            return StreamingResponse(_sse(state, body, cid, streams, rec), media_type="text/event-stream")
+            return render(template, messages, add_generation_prompt, tokenizer)
+        except ValueError as e:
+            raise HTTPError(400, str(e), "messages") from None
+
+    @app.post("/v1/chat/completions", responses={
+        **_errors(400, 404, 503), 200: {"content": {"text/event-stream": {"schema": SSE_EVENT}},
+                                        "description": "the chat completion, or with stream=true its events"}})
+    async def chat_completions(body: ChatRequest, request: Request):
+        """A completion of the text the chat template makes of ``messages``."""
+        text = prompt_of(body.messages, body.add_generation_prompt)
         try:
-            return await _until_done_or_gone(state, request, _collect(state, body, cid, streams), streams)
-        finally:
-            rec.finish = state.pool.clock.now()
+            comp = CompletionRequest(prompt=text, **body.completion_fields(await request.json()))
+        except ValidationError as e:
+            raise HTTPError(400, *validation_error(e.errors())) from None
+        out = await _complete(state, comp, request)
+        if isinstance(out, StreamingResponse):
+            started = set()
+            events = out.body_iterator
+            return StreamingResponse((chat_chunk(data, started) async for data in events),
+                                     media_type="text/event-stream")
+        if isinstance(out, CompletionResponse):
+            return JSONResponse(chat_response(out.model_dump(mode="json")))
+        return out
+
+    @app.post("/tokenize", responses=_errors(400, 404))
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's: the token ids of ``prompt`` (or of ``messages`` through the chat template)."""
+        _check_model(state, body.model)
+        if tokenizer is None:
+            raise HTTPError(400, f"model {state.model_name!r} has no tokenizer: it takes token ids only", "prompt")
+        if body.prompt is None and body.messages is None:
+            raise HTTPError(400, "give prompt (text) or messages (a chat)", "prompt")
+        text = body.prompt if body.prompt is not None else prompt_of(body.messages, body.add_generation_prompt)
+        ids = tokenizer.encode(text)
+        return {"count": len(ids), "max_model_len": core.info.cfg.max_seq_len, "tokens": ids,
+                "token_strs": [tokenizer.decode([t]) for t in ids] if body.return_token_strs else None}
+
+    @app.post("/detokenize", responses=_errors(400, 404))
+    async def detokenize(body: DetokenizeRequest):
+        """vLLM's: the text of ``tokens``."""
+        _check_model(state, body.model)
+        if tokenizer is None:
+            raise HTTPError(400, f"model {state.model_name!r} has no tokenizer: it takes token ids only", "tokens")
+        vocab = core.info.cfg.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise HTTPError(400, f"tokens holds {bad}: out of the vocabulary, allowed [0, {vocab - 1}]", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     return app
+
+
+def _check_model(state: ServerState, model: str | None):
+    if model is not None and model != state.model_name:
+        raise HTTPError(404, f"model={model!r} does not exist: this server serves {state.model_name!r}", "model")
+
+
+async def _complete(state: ServerState, body: CompletionRequest, request: Request):
+    """A completion request, from its checks to its answer: the whole ``CompletionResponse``, a
+    stream of server-sent events, or 499 when its client left first."""
+    arrival = request.scope["orca_arrival"]
+    streams = _streams(state, body, arrival)
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    try:
+        await state.pool.submit(streams)
+    except (ValueError, TypeError) as e:
+        raise HTTPError(400, _http_names(str(e)), _param_of(str(e))) from None
+    rec = HTTPRecord([s.rid for s in streams], arrival)
+    state.record(cid, rec)
+    if body.stream:
+        return StreamingResponse(_sse(state, body, cid, streams, rec), media_type="text/event-stream")
+    try:
+        return await _until_done_or_gone(state, request, _collect(state, body, cid, streams), streams)
+    finally:
+        rec.finish = state.pool.clock.now()
 
 
 # one server-sent event of a streamed completion (Open API 3.1: an event stream's schema is each event's)
@@ -398,9 +495,7 @@ def _streams(state: ServerState, body: CompletionRequest, arrival: float) -> lis
     engine) if the server is draining or the model is not this one."""
     if state.draining:
         raise HTTPError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_S)})
-    if body.model is not None and body.model != state.model_name:
-        raise HTTPError(404, f"model={body.model!r} does not exist: this server serves "
-                        f"{state.model_name!r}", "model")
+    _check_model(state, body.model)
     tokenizer = state.pool.core.info.tokenizer
     prompts = [_encode(tokenizer, p, i, len(body.prompt)) for i, p in enumerate(body.prompt)]
     out, q = [], asyncio.Queue()
@@ -408,15 +503,23 @@ def _streams(state: ServerState, body: CompletionRequest, arrival: float) -> lis
         for j in range(body.n):
             seed = None if body.seed is None else body.seed + j       # n samples, n different draws
             try:
-                params = SamplingParams(max_gen_tokens=body.max_tokens, temperature=body.temperature,
+                params = SamplingParams(max_gen_tokens=max(1, body.max_tokens), temperature=body.temperature,
                                         top_k=body.top_k, top_p=body.top_p, seed=seed,
                                         ignore_eos=body.ignore_eos, stop=tuple(body.stop),
-                                        stop_token_ids=tuple(body.stop_token_ids or ()))
+                                        stop_token_ids=tuple(body.stop_token_ids or ()),
+                                        logprobs=body.logprobs,
+                                        prompt_logprobs=body.logprobs if body.echo else None,
+                                        logit_bias=body.bias_pairs(), presence_penalty=body.presence_penalty,
+                                        frequency_penalty=body.frequency_penalty,
+                                        repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens)
             except ValueError as e:
                 raise HTTPError(400, _http_names(str(e)), _param_of(str(e))) from None
             decode = state.pool.decode
+            prompt = body.prompt[i]
+            echo = "" if not body.echo else prompt if isinstance(prompt, str) else decode(ids) if decode else ""
             out.append(Stream(len(out), ids, params, arrival, q,
-                              detokenizer=None if decode is None else Detokenizer(decode, params.stop)))
+                              detokenizer=None if decode is None else Detokenizer(decode, params.stop),
+                              prompt_text=echo, echo_only=body.max_tokens == 0))
     return out
 
 
@@ -441,10 +544,11 @@ def _http_names(message: str) -> str:
 
 
 def _param_of(message: str) -> str | None:
-    for name in ("prompt", "max_tokens", "max_gen_tokens", "stop_token_ids", "stop", "top_p", "top_k",
-                 "temperature", "seed", "eos_token_id"):
+    for name in ("prompt_logprobs", "prompt", "max_tokens", "max_gen_tokens", "stop_token_ids", "stop", "top_p",
+                 "top_k", "temperature", "seed", "eos_token_id", "logprobs", "logit_bias", "min_tokens",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty"):
         if message.startswith(name):
-            return "max_tokens" if name == "max_gen_tokens" else name
+            return {"max_gen_tokens": "max_tokens", "prompt_logprobs": "logprobs"}.get(name, name)
     return "prompt" if "prompt" in message else None
 
 
@@ -458,26 +562,57 @@ async def _events(streams: list[Stream]):
         yield index, ev
 
 
-def _usage(streams, outputs) -> Usage:
-    prompt = sum(len(s.prompt) for s in streams)
+def _usage(streams, outputs, n: int) -> Usage:
+    """The prompt counted once per prompt whatever ``n`` (as OpenAI, vLLM and SGLang count it): the
+    ``n`` choices of one prompt are consecutive streams."""
+    prompt = sum(len(s.prompt) for s in streams[::n])
     completion = sum(len(o) for o in outputs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
+class ChoiceWriter:
+    """What one choice's events add to its answer: the echoed prompt before its first event, and its
+    log-probabilities in OpenAI's shape if asked (the same for a stream's chunks and a whole answer)."""
+
+    def __init__(self, stream: Stream, body: CompletionRequest, decode):
+        self.stream, self.started = stream, False
+        self.logprobs = LogprobText(decode) if body.logprobs is not None else None
+
+    def text(self, ev: Event) -> str:
+        return ev.text if self.started else self.stream.prompt_text + ev.text
+
+    def logprobs_of(self, ev: Event) -> dict | None:
+        """This event's entries (the prompt's too with its first, for echo); marks the choice started."""
+        first, self.started = not self.started, True
+        if self.logprobs is None:
+            return None
+        pairs = list(zip(self.stream.prompt, ev.prompt_logprobs)) if first and ev.prompt_logprobs else []
+        if ev.token is not None:
+            pairs.append((ev.token, ev.logprob))
+        return self.logprobs.chunk(pairs)
+
+
 async def _collect(state: ServerState, body: CompletionRequest, cid: str, streams: list[Stream]):
     outputs, texts, reasons = [[] for _ in streams], [[] for _ in streams], [None] * len(streams)
+    writers = [ChoiceWriter(s, body, state.pool.decode) for s in streams]
+    logprobs = [[] for _ in streams]
     async for i, ev in _events(streams):
         if ev.error is not None:            # the engine died: no answer, not a partial one
             raise HTTPError(503, ev.error)
         if ev.token is not None:
             outputs[i].append(ev.token)
-        texts[i].append(ev.text)
+        texts[i].append(writers[i].text(ev))
+        logprobs[i].append(writers[i].logprobs_of(ev))
         reasons[i] = ev.finish_reason
+    if state.draining and "abort" in reasons:    # cut short at shutdown: say so, not a partial answer
+        raise HTTPError(503, "the server is shutting down: the request was aborted once --drain-s ran out")
     ids = body.return_token_ids
     choices = [CompletionChoice(index=i, text="".join(texts[i]), finish_reason=reasons[i],
+                                logprobs=None if body.logprobs is None else CompletionLogprobs(**merged(logprobs[i])),
                                 token_ids=outputs[i] if ids else None,
                                 prompt_token_ids=streams[i].prompt if ids else None) for i in range(len(streams))]
-    return CompletionResponse(id=cid, model=state.model_name, choices=choices, usage=_usage(streams, outputs))
+    return CompletionResponse(id=cid, model=state.model_name, choices=choices,
+                              usage=_usage(streams, outputs, body.n))
 
 
 async def _until_done_or_gone(state: ServerState, request: Request, work, streams: list[Stream]):
@@ -504,6 +639,7 @@ async def _sse(state: ServerState, body: CompletionRequest, cid: str, streams: l
     the usage chunk if asked, then ``[DONE]``. A client that disconnects (the stream is cancelled)
     cancels its unfinished requests: their slots are free within one iteration."""
     outputs, done = [[] for _ in streams], [False] * len(streams)
+    writers = [ChoiceWriter(s, body, state.pool.decode) for s in streams]
     head = CompletionResponse(id=cid, model=state.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
     head = json.dumps(head)[:-1] + ', "choices": ['       # every token chunk starts the same way
     try:
@@ -511,7 +647,8 @@ async def _sse(state: ServerState, body: CompletionRequest, cid: str, streams: l
             if ev.token is not None:
                 outputs[i].append(ev.token)
             done[i] = ev.finish_reason is not None
-            choice = {"index": i, "text": ev.text, "logprobs": None, "finish_reason": ev.finish_reason}
+            choice = {"index": i, "text": writers[i].text(ev), "logprobs": writers[i].logprobs_of(ev),
+                      "finish_reason": ev.finish_reason}
             if body.return_token_ids:
                 choice["token_ids"] = [] if ev.token is None else [ev.token]
             # a CompletionResponse with this one choice, written by hand: a token's chunk is the
@@ -522,7 +659,7 @@ async def _sse(state: ServerState, body: CompletionRequest, cid: str, streams: l
             yield data
         if body.include_usage:
             yield _chunk(CompletionResponse(id=cid, model=state.model_name, choices=[],
-                                            usage=_usage(streams, outputs)))
+                                            usage=_usage(streams, outputs, body.n)))
         yield "data: [DONE]\n\n"
     finally:
         rec.finish = state.pool.clock.now()            # [DONE] has been handed over, or the client left
@@ -536,25 +673,49 @@ def _chunk(resp: CompletionResponse) -> str:
 
 
 # -- running it ----------------------------------------------------------------------------------
+ABORT_GRACE_S = 3.0     # after the drain, for the aborted requests' last chunks and error bodies
+
+
 class _Server:
     """uvicorn's server, told about SIGINT/SIGTERM: the endpoint stops accepting at once (503),
-    uvicorn closes the port and waits up to ``drain_s`` for requests in flight, cancels the rest,
-    and the lifespan's end stops the engine thread and its workers."""
+    uvicorn closes the port and waits up to ``drain_s`` for requests in flight; then every request
+    still running is aborted through the engine, so its client reads the end (a stream its
+    ``finish_reason: "abort"`` and ``[DONE]``, a non-streaming request a JSON 503), and the
+    lifespan's end stops the engine and its workers. uvicorn cancels only what is left
+    ``ABORT_GRACE_S`` later (a client that does not read)."""
 
     def __init__(self, app: FastAPI, sock, drain_s: float):
         import uvicorn
+        state = app.state.orca
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame):
-                app.state.orca.draining = True
+                state.draining = True
                 super().handle_exit(sig, frame)
 
-        config = uvicorn.Config(app, timeout_graceful_shutdown=drain_s, log_level="warning", lifespan="on",
-                                access_log=False)
+            async def shutdown(self, sockets=None):
+                state.draining = True
+                timer = asyncio.get_running_loop().call_later(drain_s, state.pool.abort_all)
+                try:
+                    await super().shutdown(sockets)
+                finally:
+                    timer.cancel()
+
+        config = uvicorn.Config(app, timeout_graceful_shutdown=drain_s + ABORT_GRACE_S, log_level="warning",
+                                lifespan="on", access_log=False)
         self.server, self.sock = Server(config), sock
 
     def run(self):
+        # uvicorn raises the signal it drained for again once it is done (the engine stopped and
+        # joined by then): SIGTERM then ends the process with code 0, as fast as the signal's
+        # default action did (no interpreter teardown), instead of "killed by SIGTERM"
+        signal.signal(signal.SIGTERM, _exit_0)
         self.server.run(sockets=[self.sock])
+
+
+def _exit_0(sig, frame):
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
 
 
 def listen(host: str, port: int):
@@ -564,11 +725,12 @@ def listen(host: str, port: int):
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(2048)       # now: a client that read the printed URL connects before uvicorn accepts
     return sock
 
 
 def serve(recipe: EngineRecipe, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 1024,
-          drain_s: float = 5.0, model_name: str | None = None, debug: bool = False):
+          drain_s: float = 5.0, model_name: str | None = None, debug: bool = False, chat_template: str | None = None):
     """Serve the model of ``recipe`` until SIGINT/SIGTERM; prints its URL once it accepts requests.
     The port is taken first (a busy one fails at once), then the engine process builds the model."""
     sock = listen(host, port)
@@ -580,7 +742,8 @@ def serve(recipe: EngineRecipe, host: str = "127.0.0.1", port: int = 8000, max_q
         sock.close()
         raise
     try:
-        _Server(build_app(core, recipe.system, max_queue, model_name, ready, debug=debug), sock, drain_s).run()
+        app = build_app(core, recipe.system, max_queue, model_name, ready, debug=debug, chat_template=chat_template)
+        _Server(app, sock, drain_s).run()
     except KeyboardInterrupt:          # uvicorn re-raises the SIGINT it drained for: we are done
         pass
     finally:

@@ -1,0 +1,352 @@
+"""What real clients send to ``/v1/completions``, over HTTP with the official ``openai`` client:
+logprobs and echo (against transformers' GPT-2 on the same weights, and streamed equal to whole),
+the sampling fields, usage, the models routes, error bodies, every field of the request schema
+honoured or refused, and a shutdown past ``--drain-s``."""
+import json
+import math
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from orca_lab import LLM, SamplingParams
+from orca_lab.serving.launch import ServerProcess
+from orca_lab.serving.protocol import NEUTRAL
+
+from helpers import random_prompts
+
+CHATML = Path(__file__).parent / "chat" / "chatml.jinja"
+from server_helpers import metrics
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--model", "tiny", "--seed", "0", "--max-bs", "8", "--n-slots", "2048",
+                      "--chat-template", CHATML).start()
+    yield s
+    assert s.stop() < 15 and s.proc.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(llm, tmp_path_factory):
+    """``log_softmax`` of transformers' logits of a whole sequence, fp32, computed apart."""
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("tiny")
+    llm.save_pretrained(path)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(path).eval().float()
+
+    def logprobs(ids):
+        with torch.inference_mode():
+            return hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    return logprobs
+
+
+def text_of(t: int) -> str:
+    return LLM("tiny").tokenizer.decode([t])
+
+
+def check_choice(lp, ids, row_of, k, first_null=False):
+    """An OpenAI logprobs object against the reference rows: token texts, logprobs, top k, offsets."""
+    assert lp.tokens == [text_of(t) for t in ids]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    for i, t in enumerate(ids):
+        if first_null and i == 0:
+            assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+            continue
+        row = row_of(i)
+        assert math.isclose(lp.token_logprobs[i], row[t].item(), abs_tol=1e-4)
+        want = {}
+        for j, v in zip(row.topk(k).indices.tolist(), row.topk(k).values.tolist()):
+            want.setdefault(text_of(j), v)
+        want.setdefault(text_of(t), row[t].item())
+        got = lp.top_logprobs[i]
+        assert got.keys() == want.keys() and all(math.isclose(got[x], want[x], abs_tol=1e-4) for x in want)
+
+
+def test_logprobs_equal_log_softmax_of_the_models_logits_streamed_and_whole(client, reference):
+    prompts = random_prompts(3, 256, lo=2, hi=20, seed=1)
+    for k in (0, 3, 20):
+        kw = dict(model="tiny", prompt=prompts, max_tokens=5, temperature=0, logprobs=k,
+                  extra_body={"return_token_ids": True, "ignore_eos": True})
+        whole = sorted(client.completions.create(**kw).choices, key=lambda c: c.index)
+        for prompt, c in zip(prompts, whole):
+            ids = c.model_extra["token_ids"]
+            lp = reference(prompt + ids)
+            check_choice(c.logprobs, ids, lambda i: lp[len(prompt) + i - 1], k)
+        chunks = {}
+        for chunk in client.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                chunks.setdefault(c.index, []).append(c)
+        for c in whole:
+            parts = chunks[c.index]
+            assert "".join(p.text for p in parts) == c.text
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                assert [x for p in parts for x in getattr(p.logprobs, key)] == getattr(c.logprobs, key)
+
+
+def test_echo_gives_the_prompts_logprobs_first_token_null(client, reference):
+    prompt = random_prompts(1, 256, lo=12, hi=13, seed=8)[0]
+    text = bytes(prompt).decode("utf-8", errors="replace")
+    # lm-eval's scoring request: the prompt only, max_tokens=0
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    c = r.choices[0]
+    lp = reference(prompt)
+    check_choice(c.logprobs, prompt, lambda i: lp[i - 1], 2, first_null=True)
+    assert c.text == text and c.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (12, 0)
+    # with a completion: prompt then tokens, one sequence
+    kw = dict(model="tiny", prompt=prompt, max_tokens=4, echo=True, logprobs=1, temperature=0,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    c = client.completions.create(**kw).choices[0]
+    ids = prompt + c.model_extra["token_ids"]
+    lp = reference(ids)
+    check_choice(c.logprobs, ids, lambda i: lp[i - 1], 1, first_null=True)
+    assert c.text.startswith(text)
+    parts = [ch.choices[0] for ch in client.completions.create(stream=True, **kw)]
+    assert "".join(p.text for p in parts) == c.text
+    assert [x for p in parts for x in p.logprobs.token_logprobs] == c.logprobs.token_logprobs
+    # echo without logprobs: the prompt's text before the completion
+    c2 = client.completions.create(model="tiny", prompt="ORCA", max_tokens=3, echo=True, temperature=0)
+    assert c2.choices[0].text.startswith("ORCA") and c2.choices[0].logprobs is None
+
+
+def test_sampling_fields_over_http_equal_the_engines(client, llm):
+    prompts = random_prompts(2, 256, lo=3, hi=15, seed=6)
+    cases = [
+        (dict(logit_bias={"65": 100}), dict(logit_bias={65: 100.0})),
+        (dict(frequency_penalty=1.5, presence_penalty=0.5), dict(frequency_penalty=1.5, presence_penalty=0.5)),
+        (dict(extra_body={"repetition_penalty": 1.7}), dict(repetition_penalty=1.7)),
+        (dict(extra_body={"min_tokens": 6, "stop_token_ids": [47]}), dict(min_tokens=6, stop_token_ids=(47,))),
+    ]
+    for http_kw, params in cases:
+        body = dict(http_kw.pop("extra_body", {}))
+        body.setdefault("ignore_eos", True)
+        body["return_token_ids"] = True
+        r = client.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0, extra_body=body,
+                                      **http_kw)
+        got = [c.model_extra["token_ids"] for c in sorted(r.choices, key=lambda c: c.index)]
+        want = llm.generate(prompts, sampling_params=SamplingParams(max_gen_tokens=8, **params))
+        assert got == want, http_kw
+    assert all(t == 65 for t in want_of(client, prompts))
+
+
+def want_of(client, prompts):
+    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=5, temperature=0.8, seed=1,
+                                  logit_bias={"65": 100}, extra_body={"return_token_ids": True})
+    return [t for c in r.choices for t in c.model_extra["token_ids"]]
+
+
+def test_usage_counts_each_prompt_once_whatever_n(client):
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    r = client.completions.create(model="tiny", prompt=prompts, n=3, max_tokens=2, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (8, 12, 20)
+    chunks = list(client.completions.create(model="tiny", prompt=prompts, n=3, max_tokens=2, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert chunks[-1].usage.prompt_tokens == 8 and chunks[-1].usage.completion_tokens == 12
+
+
+def test_models_route_and_error_bodies_in_openai_shape(server, client):
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert e.value.body["param"] == "model" and "gpt-4" in e.value.body["message"]
+    for method, path, code in (("GET", "/v1/nowhere", 404), ("DELETE", "/v1/completions", 405),
+                               ("POST", "/v1/models", 405)):
+        r = httpx.request(method, server.url + path)
+        assert r.status_code == code
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"} and r.json()["error"]["code"] == code
+
+
+# -- every field of the schema: honoured (tested above or in test_serving.py) or refused by name -----
+HONOURED = {"model", "prompt", "echo", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+            "stop_token_ids", "n", "stream", "stream_options", "ignore_eos", "return_token_ids", "logprobs",
+            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
+            "user",          # metadata: nothing to honour
+            "best_of"}       # 1 (or null) only: refused otherwise, below
+
+
+def off_value(neutral):
+    """A value that is not ``neutral``, of a kind a client would send (``0`` for ``false``: 0 == False)."""
+    return {bool: 0, float: 0.5, int: False, type(None): 1}[type(neutral)]
+
+
+def test_every_field_of_the_request_schema_is_honoured_or_refused_by_name(server):
+    schema = httpx.get(server.url + "/openapi.json").json()["components"]["schemas"]["CompletionRequest"]
+    fields = set(schema["properties"])
+    assert fields == HONOURED | set(NEUTRAL), fields ^ (HONOURED | set(NEUTRAL))
+    bodies = [(name, {name: off_value(neutral)}) for name, neutral in NEUTRAL.items()]
+    bodies += [(name, {name: v}) for name, v in (("best_of", 2), ("best_of", 0), ("use_beam_search", True),
+                                                ("not_a_field", 1), ("suffix", "x"))]
+    for name, extra in bodies:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1, **extra})
+        assert r.status_code == 400, (name, extra, r.text)
+        assert r.json()["error"]["param"] == name and name in r.json()["error"]["message"], r.text
+    for name, neutral in NEUTRAL.items():          # the neutral value (what clients send by default) passes
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1, name: neutral})
+        assert r.status_code == 200, (name, r.text)
+
+
+@pytest.mark.parametrize("body, field, words", [
+    ({"logprobs": 21}, "logprobs", "allowed [0, 20]"),
+    ({"logprobs": -1}, "logprobs", "allowed [0, 20]"),
+    ({"logprobs": True}, "logprobs", "not an integer"),
+    ({"max_tokens": 0}, "max_tokens", "0 with echo=true"),
+    ({"echo": 1}, "echo", "valid boolean"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream=true"),
+    ({"logit_bias": {"x": 1}}, "logit_bias", "not a token id"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "allowed [-100.0, 100.0]"),
+    ({"logit_bias": {"300": 1}}, "logit_bias", "out of the vocabulary"),
+    ({"logit_bias": [1, 2]}, "logit_bias", "must be an object"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "allowed [-2.0, 2.0]"),
+    ({"frequency_penalty": "1"}, "frequency_penalty", "not a number"),
+    ({"repetition_penalty": 5e-324}, "repetition_penalty", "allowed [0.01, 100.0]"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens", "allowed [0, 4]"),
+    ({"min_tokens": -1}, "min_tokens", "allowed [0, 4]"),
+])
+def test_bad_new_fields_get_a_400_naming_the_field(server, body, field, words):
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and words in err["message"], err
+
+
+# -- shutdown ---------------------------------------------------------------------------------
+def test_past_drain_every_running_request_ends_as_an_abort_its_client_reads_and_the_process_exits_0():
+    s = ServerProcess("--model", "tiny", "--seed", "0", "--max-bs", "4", "--n-slots", "2048", "--drain-s", "0.3")
+    s.start()
+    try:
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+        assert "--chat-template" in r.json()["error"]["message"]
+        got, body = {}, {"prompt": "ORCA", "max_tokens": 1000, "ignore_eos": True}
+
+        def whole():
+            got["whole"] = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+
+        def stream():
+            with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                got["stream"] = [line for line in r.iter_lines() if line]
+
+        threads = [threading.Thread(target=whole), threading.Thread(target=stream)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 30
+        while time.time() < deadline and metrics(s.url).get("orca_lab_requests_running", 0) < 2:
+            time.sleep(0.05)
+        s.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert s.proc.wait(30) == 0
+    finally:
+        s.kill()
+    r = got["whole"]
+    assert r.status_code == 503 and "--drain-s" in r.json()["error"]["message"]
+    lines = got["stream"]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][len("data: "):])["choices"][0]["finish_reason"] == "abort"
+
+
+# -- chat, tokenize --------------------------------------------------------------------------------
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is ORCA?"}]
+
+
+def test_chat_is_the_completion_of_its_template_streamed_and_whole(server, client):
+    import jinja2
+    want_prompt = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(
+        CHATML.read_text()).render(messages=MESSAGES, add_generation_prompt=True)
+    ids = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    assert ids == list(want_prompt.encode())
+    kw = dict(model="tiny", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(messages=MESSAGES, **kw)
+    comp = client.completions.create(prompt=want_prompt, **kw)
+    assert chat.choices[0].message.content == comp.choices[0].text and chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens == len(ids) and chat.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(messages=MESSAGES, stream=True, stream_options={"include_usage": True},
+                                                 **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-2].choices[0].finish_reason == "length"
+    # stop: the text ends before the stop string, finish_reason "stop"
+    text = chat.choices[0].message.content
+    stop = next(ch for ch in text[2:] if ch.isprintable() and ch != "\ufffd")
+    stopped = client.chat.completions.create(messages=MESSAGES, stop=[stop], **kw).choices[0]
+    assert stopped.message.content == text[:text.index(stop)] and stopped.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("body, field, words", [
+    ({"messages": []}, "messages", "empty"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "role='robot'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content", "only"),
+    ({"messages": MESSAGES, "logprobs": True}, "logprobs", "not supported"),
+    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"messages": MESSAGES, "temperature": 3}, "temperature", "[0.0, 2.0]"),
+    ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options", "stream=true"),
+    ({"messages": MESSAGES, "best_of": 2}, "best_of", "not a field"),
+])
+def test_bad_chat_input_gets_a_400_naming_the_field(server, body, field, words):
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field and words in r.json()["error"]["message"], r.json()
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(server):
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "ORCA", "return_token_strs": True}).json()
+    assert r == {"count": 4, "max_model_len": 1024, "tokens": list(b"ORCA"), "token_strs": list("ORCA")}
+    assert httpx.post(server.url + "/detokenize", json={"tokens": list(b"ORCA")}).json() == {"prompt": "ORCA"}
+    r = httpx.post(server.url + "/detokenize", json={"tokens": [1, 999]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens" and "999" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "a", "model": "other"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+@pytest.mark.parametrize("text, message", [(None, "cannot read it"), ("{% for m in messages %}", "not a Jinja template")])
+def test_serve_refuses_a_bad_chat_template_before_it_starts(tmp_path, capsys, text, message):
+    from orca_lab.cli import main
+    path = tmp_path / "template.jinja"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--chat-template", str(path)])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("system", ["ft", "chunked"])
+def test_logprobs_over_http_are_the_same_on_the_other_systems(client, system):
+    """The request-level baseline hands a request all its tokens at once, the chunked policy splits
+    prompts: the endpoint pairs each token with its own entry all the same."""
+    prompts = random_prompts(3, 256, lo=20, hi=40, seed=12)
+    kw = dict(model="tiny", prompt=prompts, max_tokens=5, temperature=0, logprobs=3, echo=True,
+              extra_body={"ignore_eos": True})
+    want = sorted(client.completions.create(**kw).choices, key=lambda c: c.index)
+    with ServerProcess("--model", "tiny", "--seed", "0", "--max-bs", "4", "--n-slots", "2048", "--system", system,
+                       "--max-num-batched-tokens", "16") as s:
+        other = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        got = sorted(other.completions.create(**kw).choices, key=lambda c: c.index)
+        chunks = {}
+        for chunk in other.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                chunks.setdefault(c.index, []).append(c)
+    for w, g in zip(want, got):
+        assert g.text == w.text and g.logprobs.tokens == w.logprobs.tokens
+        assert g.logprobs.text_offset == w.logprobs.text_offset
+        assert all((a is None and b is None) or math.isclose(a, b, abs_tol=1e-4)
+                   for a, b in zip(g.logprobs.token_logprobs, w.logprobs.token_logprobs))
+        streamed = [x for p in chunks[g.index] for x in p.logprobs.token_logprobs]
+        assert streamed == g.logprobs.token_logprobs
