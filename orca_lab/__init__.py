@@ -1,6 +1,6 @@
 """orca_lab: ORCA (OSDI'22) rebuilt to be read, run and measured."""
 from orca_lab.config import PRESETS, EngineConfig, ModelConfig
-from orca_lab.engine.request import SamplingParams
+from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.llm import LLM
 
 __version__ = "0.1.0"

@@ -16,7 +16,7 @@ from orca_lab.engine.engine import Engine, RunResult
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.kv_manager import KVPool
 from orca_lab.engine.policies import SYSTEMS, new_kv, new_scheduler
-from orca_lab.engine.request import SamplingParams
+from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.model.cuda_graphs import decode_graphs_for
 from orca_lab.model.executor import LocalExecutor
 from orca_lab.model.gpt import GPT, checkpoint_config

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from orca_lab.config import check_range
-from orca_lab.engine.request import SamplingParams
+from orca_lab.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from orca_lab.distributed.channels import Inbox, connect
 from orca_lab.distributed.messages import ControlMessage, Hello, Reset, StageReport, Stop, WorkerError
 from orca_lab.distributed.pool import WorkerPool
 from orca_lab.distributed.wire import ControlError, decode, encode
-from orca_lab.engine.request import SamplingParams
+from orca_lab.engine.sampling_params import SamplingParams
 
 SECRET = bytes(range(32))
 MESSAGES = [

@@ -108,7 +108,8 @@ class CountingDecode:
 def test_a_request_decodes_each_token_a_bounded_number_of_times():
     """Stop strings are checked after every token, and the text streamed by differences: the tokens
     decoded stay a few per token (it was the whole output again after every token: O(n^2))."""
-    from orca_lab.engine.request import Request, SamplingParams
+    from orca_lab.engine.request import Request
+    from orca_lab.engine.sampling_params import SamplingParams
     decode, n = CountingDecode(), 2000
     req = Request(0, [1], SamplingParams(max_gen_tokens=n, stop=("\x00never",)), detokenize=decode)
     shown = ""

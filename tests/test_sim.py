@@ -9,7 +9,8 @@ import torch
 from helpers import random_prompts
 from orca_lab import LLM, EngineConfig
 from orca_lab.engine.batch import Batch
-from orca_lab.engine.request import Request, SamplingParams
+from orca_lab.engine.request import Request
+from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.sim import params as P
 from orca_lab.sim.cost import AnalyticalCost, Efficiency
 from orca_lab.sim.executor import IterationCost, SimExecutor

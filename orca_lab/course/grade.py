@@ -19,7 +19,8 @@ from orca_lab.engine.engine import Engine, RequestRecord, RunResult
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.policies import _Victims
-from orca_lab.engine.request import Request, RequestState, SamplingParams
+from orca_lab.engine.request import Request, RequestState
+from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler
 from orca_lab.course.plug import PluggedSelect, PluggedSlots
 from orca_lab.metrics import per_request

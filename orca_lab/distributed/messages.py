@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from orca_lab.engine.batch import Batch
-from orca_lab.engine.request import SamplingParams
+from orca_lab.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import hmac
 import json
 
 from orca_lab.distributed.messages import MESSAGES, ControlMessage
-from orca_lab.engine.request import SamplingParams
+from orca_lab.engine.sampling_params import SamplingParams
 
 TAG_BYTES = hashlib.sha256().digest_size
 

@@ -31,7 +31,7 @@ from orca_lab.distributed.wire import ControlError, decode
 from orca_lab.engine.clock import StageClock
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.kv_manager import KVPool
-from orca_lab.engine.request import SamplingParams
+from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.model.gpt import CheckpointWeights, RandomWeights, StateDictWeights
 from orca_lab.model.kv_sizing import rank_shares, size_kv_pool
 from orca_lab.model.sampler import sample

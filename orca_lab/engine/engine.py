@@ -28,7 +28,8 @@ import json
 from collections import deque
 from dataclasses import dataclass, field
 
-from orca_lab.engine.request import HOST_STATE, Request, SamplingParams
+from orca_lab.engine.sampling_params import HOST_STATE, SamplingParams
+from orca_lab.engine.request import Request
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from orca_lab.config import check_range
-from orca_lab.engine.request import MAX_LOGPROBS, MIN_REPETITION_PENALTY
+from orca_lab.engine.sampling_params import MAX_LOGPROBS, MIN_REPETITION_PENALTY
 
 MAX_TOKENS = 1 << 20
 MAX_N = 16

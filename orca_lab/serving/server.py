@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orca_lab.engine.detokenizer import Detokenizer
-from orca_lab.engine.request import SamplingParams
+from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.serving.engine_core import SHUTTING_DOWN, EngineProcess, EngineRecipe
 from orca_lab.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from orca_lab.serving.chat import (ChatRequest, DetokenizeRequest, TokenizeRequest, chat_chunk, chat_response,

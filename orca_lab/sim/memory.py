@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from orca_lab.engine.request import SamplingParams
+from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.workload import TraceItem, paper_trace
 
 SCHEMES = ("max_seq_len", "max_tokens", "true_length", "paged")

@@ -1,0 +1,131 @@
+"""How a request wants its tokens chosen and when it stops: ``SamplingParams``, checked field by
+field where it is made."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orca_lab.config import check_range
+
+MIN_REPETITION_PENALTY = 0.01
+MAX_LOGPROBS = 20      # most likely tokens a request may ask for at each position (vLLM's default cap)
+# the sampling fields that read a request's tokens or write its logprobs, and their "off" value
+HOST_STATE = (("logprobs", None), ("prompt_logprobs", None), ("logit_bias", ()), ("presence_penalty", 0.0),
+              ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0))
+GREEDY_BELOW = 1e-5    # a temperature under this is greedy (vLLM's _SAMPLING_EPS): logits / 1e-300 overflow
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Greedy by default (and at any temperature below ``GREEDY_BELOW``); EOS ignored by default,
+    as in the paper's workload.
+
+    ``top_k`` (0 = off) and ``top_p`` (1 = off) narrow the distribution after ``temperature``;
+    ``seed`` makes a sampled request draw the same tokens whatever it is batched with. A request
+    stops at ``max_gen_tokens``, at EOS unless ``ignore_eos``, at any of ``stop_token_ids``, or once
+    its detokenized output contains one of the ``stop`` strings (the engine needs a tokenizer then).
+
+    ``logprobs=k`` (0..MAX_LOGPROBS): each generated token's log-probability and the ``k`` most
+    likely tokens at its position; ``prompt_logprobs=k``: the same for every prompt token but the
+    first (the prefill then computes the logits of all its positions, for this request only). Both
+    come from the model's own distribution, ``log_softmax`` of the raw logits in fp32, before any
+    penalty, bias, temperature, top-k or top-p (vLLM's default, ``raw_logprobs``): what the model
+    thinks, not what the sampler drew from.
+
+    Applied to the logits before sampling, per request, in vLLM's order (``penalties.py``):
+    ``min_tokens`` (EOS and the stop token ids are masked until that many tokens are out),
+    ``logit_bias`` (``{token id: bias in [-100, 100]}``, added), ``repetition_penalty`` ([0.01, 100], 1 = off;
+    over prompt and output), ``frequency_penalty`` and ``presence_penalty`` ([-2, 2], 0 = off; over the
+    output), as OpenAI and vLLM define them.
+    """
+    max_gen_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = True
+    eos_token_id: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+
+    def __post_init__(self):
+        check_range("max_gen_tokens", self.max_gen_tokens, 1, 1 << 20)
+        check_range("temperature", self.temperature, 0.0, 100.0, kind=float)
+        check_range("top_k", self.top_k, 0, 1 << 24)
+        check_range("top_p", self.top_p, 0.0, 1.0, kind=float)
+        if self.top_p == 0:
+            raise ValueError("top_p=0 is out of range: allowed (0, 1]")
+        if self.seed is not None:
+            check_range("seed", self.seed, 0, 2 ** 63 - 1)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False")
+        if self.eos_token_id is not None:
+            check_range("eos_token_id", self.eos_token_id, 0, (1 << 24) - 1)
+        ids = _as_tuple("stop_token_ids", self.stop_token_ids, int)
+        for t in ids:
+            check_range("stop_token_ids", t, 0, (1 << 24) - 1)
+        stop = _as_tuple("stop", self.stop, str)
+        if any(not s for s in stop):
+            raise ValueError(f"stop={list(stop)!r} holds an empty string: each stop string needs >= 1 character")
+        object.__setattr__(self, "stop_token_ids", ids)     # tuples: the params stay hashable
+        object.__setattr__(self, "stop", stop)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                check_range(name, getattr(self, name), 0, MAX_LOGPROBS)
+        check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, kind=float)
+        check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, kind=float)
+        # (vLLM takes any positive value; 5e-324 divides a logit to infinity, and the draw fails)
+        check_range("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, 100.0, kind=float)
+        check_range("min_tokens", self.min_tokens, 0, self.max_gen_tokens)
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before it picks (``penalties.py``)."""
+        return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_host_state(self) -> bool:
+        """Whether sampling reads the request's own tokens or writes its logprobs: only the engine's
+        own process can (worker processes know a request's slots and params, not its tokens)."""
+        return any(getattr(self, name) != off for name, off in HOST_STATE)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
+
+
+def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted ``(token id, bias)`` pairs, from a dict or pairs (JSON has lists)."""
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        pairs = [tuple(p) for p in items]
+    except TypeError:
+        raise ValueError(f"logit_bias={value!r} must map token ids to biases") from None
+    out = {}
+    for p in pairs:
+        if len(p) != 2:
+            raise ValueError(f"logit_bias={value!r} must map token ids to biases")
+        check_range(f"logit_bias[{p[0]!r}]", p[1], -100.0, 100.0, kind=float)
+        out[check_range("logit_bias token id", p[0], 0, (1 << 24) - 1)] = float(p[1])
+    return tuple(sorted(out.items()))
+
+
+def _as_tuple(name: str, value, kind) -> tuple:
+    """One ``kind`` or a list of them, as a tuple."""
+    items = (value,) if isinstance(value, kind) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        raise ValueError(f"{name}={value!r} must be a {kind.__name__} or a list of them") from None
+    if any(not isinstance(x, kind) or isinstance(x, bool) for x in items):
+        raise ValueError(f"{name}={value!r} must be a {kind.__name__} or a list of them")
+    return items
+
