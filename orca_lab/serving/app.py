@@ -1,0 +1,322 @@
+"""The endpoint: the FastAPI app, its routes and the checks at its door, the OpenAI error shapes
+and the schema it publishes (``/openapi.json``)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from orca_lab.engine.detokenizer import Detokenizer
+from orca_lab.engine.sampling_params import SamplingParams
+from orca_lab.serving.chat import ChatRequest, DetokenizeRequest, TokenizeRequest, chat_chunk, chat_response, render
+from orca_lab.serving.completions import sse_answer, whole_answer
+from orca_lab.serving.engine_client import RETRY_AFTER_S, EngineClient, HTTPError, Stream
+from orca_lab.serving.engine_core import EngineProcess
+from orca_lab.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from orca_lab.serving.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    RunPage,
+    error_body,
+    validation_error,
+)
+from orca_lab.serving.state import HTTPRecord, ServerState
+
+
+def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, model_name: str | None = None,
+              ready=None, stop_timeout: float = 5.0, debug: bool = False, chat_template: str | None = None) -> FastAPI:
+    """The FastAPI app over a started engine process; its lifespan's end stops that engine (which
+    cancels what is left and stops its workers). ``ready(app)`` is called once it serves.
+    ``debug``: serve ``GET /debug/run``, the engine's own records. ``chat_template``: the Jinja
+    template of /v1/chat/completions (default: the tokenizer's ``chat_template``, if it has one)."""
+    metrics = ServerMetrics()
+    state = ServerState(model_name or core.info.cfg.name, system, EngineClient(core, metrics, max_queue), metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.pool.start(asyncio.get_running_loop())
+        if ready is not None:
+            ready(app)
+        try:
+            yield
+        finally:
+            state.draining = True
+            state.pool.stop()
+            await asyncio.to_thread(core.join, stop_timeout)   # the loop reads the engine's last words
+            state.pool.close()
+
+    app = FastAPI(title="orca_lab", lifespan=lifespan)
+    app.openapi = _openapi_of(app)
+    app.state.orca = state
+    app.add_middleware(_StampArrival, clock=state.pool.clock)
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(request, e: HTTPError):
+        return JSONResponse(error_body(e.status, e.message, e.param), e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette_error(request, e: StarletteHTTPException):
+        """Starlette's own refusals (a body it cannot parse, an unknown path) in OpenAI's shape too."""
+        return JSONResponse(error_body(e.status_code, str(e.detail)), e.status_code, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        message, param = validation_error(e.errors())
+        return JSONResponse(error_body(400, message, param), 400)
+
+    @app.get("/health", responses=_errors(503))
+    async def health():
+        if state.pool.error or not state.pool.alive:
+            raise HTTPError(503, state.pool.error or "the engine is not running")
+        return {"status": "ok"}
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models():
+        return ModelList(data=[_model_card(state)])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(404))
+    async def model(model_id: str):
+        if model_id != state.model_name:
+            raise HTTPError(404, f"model={model_id!r} does not exist: this server serves {state.model_name!r}",
+                            "model")
+        return _model_card(state)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics_page():
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/debug/run", include_in_schema=debug, response_model=RunPage, responses=_errors(400, 503))
+    async def run_records(since: float = Query(0.0, ge=0.0, allow_inf_nan=False)):
+        """The engine's ``RunResult`` of what is new since ``since`` (engine clock, seconds:
+        requests not finished by then, iterations ended after it, with their HTTP records by
+        completion id) and ``now``, the ``since`` of the next page. Only with ``--debug``."""
+        if not debug:
+            raise HTTPError(404, "GET /debug/run is off: start the server with orca-lab serve --debug")
+        engine_part = await state.pool.call("records", since)              # JSON made by the engine
+        http_part = await state.completions_json(since)
+        return Response(engine_part[:-1] + b', "completions": ' + http_part + b"}", media_type="application/json")
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={
+        **_errors(400, 404, 503), 200: {"content": {"text/event-stream": {"schema": SSE_EVENT}},
+                                        "description": "the completion, or with stream=true its server-sent events"}})
+    async def completions(body: CompletionRequest, request: Request):
+        return await _complete(state, body, request)
+
+    tokenizer = core.info.tokenizer
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+
+    def prompt_of(messages, add_generation_prompt: bool) -> str:
+        if template is None:
+            raise HTTPError(400, f"model {state.model_name!r} has no chat template (its tokenizer carries none): "
+                            "use /v1/completions, or start the server with --chat-template FILE (Jinja)", "messages")
+        try:
+            return render(template, messages, add_generation_prompt, tokenizer)
+        except ValueError as e:
+            raise HTTPError(400, str(e), "messages") from None
+
+    @app.post("/v1/chat/completions", responses={
+        **_errors(400, 404, 503), 200: {"content": {"text/event-stream": {"schema": SSE_EVENT}},
+                                        "description": "the chat completion, or with stream=true its events"}})
+    async def chat_completions(body: ChatRequest, request: Request):
+        """A completion of the text the chat template makes of ``messages``."""
+        text = prompt_of(body.messages, body.add_generation_prompt)
+        try:
+            comp = CompletionRequest(prompt=text, **body.completion_fields(await request.json()))
+        except ValidationError as e:
+            raise HTTPError(400, *validation_error(e.errors())) from None
+        out = await _complete(state, comp, request)
+        if isinstance(out, StreamingResponse):
+            started = set()
+            events = out.body_iterator
+            return StreamingResponse((chat_chunk(data, started) async for data in events),
+                                     media_type="text/event-stream")
+        if isinstance(out, CompletionResponse):
+            return JSONResponse(chat_response(out.model_dump(mode="json")))
+        return out
+
+    @app.post("/tokenize", responses=_errors(400, 404))
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's: the token ids of ``prompt`` (or of ``messages`` through the chat template)."""
+        _check_model(state, body.model)
+        if tokenizer is None:
+            raise HTTPError(400, f"model {state.model_name!r} has no tokenizer: it takes token ids only", "prompt")
+        if body.prompt is None and body.messages is None:
+            raise HTTPError(400, "give prompt (text) or messages (a chat)", "prompt")
+        text = body.prompt if body.prompt is not None else prompt_of(body.messages, body.add_generation_prompt)
+        ids = tokenizer.encode(text)
+        return {"count": len(ids), "max_model_len": core.info.cfg.max_seq_len, "tokens": ids,
+                "token_strs": [tokenizer.decode([t]) for t in ids] if body.return_token_strs else None}
+
+    @app.post("/detokenize", responses=_errors(400, 404))
+    async def detokenize(body: DetokenizeRequest):
+        """vLLM's: the text of ``tokens``."""
+        _check_model(state, body.model)
+        if tokenizer is None:
+            raise HTTPError(400, f"model {state.model_name!r} has no tokenizer: it takes token ids only", "tokens")
+        vocab = core.info.cfg.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise HTTPError(400, f"tokens holds {bad}: out of the vocabulary, allowed [0, {vocab - 1}]", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    return app
+
+
+def _check_model(state: ServerState, model: str | None):
+    if model is not None and model != state.model_name:
+        raise HTTPError(404, f"model={model!r} does not exist: this server serves {state.model_name!r}", "model")
+
+
+async def _complete(state: ServerState, body: CompletionRequest, request: Request):
+    """A completion request, from its checks to its answer: the whole ``CompletionResponse``, a
+    stream of server-sent events, or 499 when its client left first."""
+    arrival = request.scope["orca_arrival"]
+    streams = _streams(state, body, arrival)
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    try:
+        await state.pool.submit(streams)
+    except (ValueError, TypeError) as e:
+        raise HTTPError(400, _http_names(str(e)), _param_of(str(e))) from None
+    rec = HTTPRecord([s.rid for s in streams], arrival)
+    state.record(cid, rec)
+    if body.stream:
+        return StreamingResponse(sse_answer(state, body, cid, streams, rec), media_type="text/event-stream")
+    try:
+        return await _until_done_or_gone(state, request, whole_answer(state, body, cid, streams), streams)
+    finally:
+        rec.finish = state.pool.clock.now()
+
+
+# one server-sent event of a streamed completion (Open API 3.1: an event stream's schema is each event's)
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
+    "type": "string", "description": "a CompletionResponse chunk as JSON (one token of one choice, or the usage), "
+                                     "then [DONE]"}}}
+
+
+def _errors(*codes: int) -> dict:
+    """The error answers an endpoint gives, for its OpenAPI schema: OpenAI's error body."""
+    return {code: {"model": ErrorResponse} for code in codes}
+
+
+def _openapi_of(app: FastAPI):
+    """FastAPI's schema without the 422 it documents for every route: a request that fails
+    validation is answered 400 here, as OpenAI answers it (``_invalid``)."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            for operations in schema["paths"].values():
+                for op in operations.values():
+                    op["responses"].pop("422", None)
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(unused, None)
+        return app.openapi_schema
+    return openapi
+
+
+class _StampArrival:
+    """ASGI middleware: a request's arrival is the first moment the app sees it (engine clock), before
+    its body is read and checked, so the server's records count that time too."""
+
+    def __init__(self, app, clock):
+        self.app, self.clock = app, clock
+
+    async def __call__(self, scope, receive, send):
+        scope["orca_arrival"] = self.clock.now()
+        await self.app(scope, receive, send)
+
+
+def _model_card(state: ServerState) -> ModelCard:
+    ec, cfg = state.pool.core.info.engine_config, state.pool.core.info.cfg
+    return ModelCard(id=state.model_name, max_model_len=cfg.max_seq_len, vocab_size=cfg.vocab_size,
+                     system=state.system, max_bs=ec.max_bs, n_slots=ec.n_slots)
+
+
+def _streams(state: ServerState, body: CompletionRequest, arrival: float) -> list[Stream]:
+    """One stream per prompt and per ``n``: token ids, sampling parameters; refused here (before the
+    engine) if the server is draining or the model is not this one."""
+    if state.draining:
+        raise HTTPError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_S)})
+    _check_model(state, body.model)
+    tokenizer = state.pool.core.info.tokenizer
+    prompts = [_encode(tokenizer, p, i, len(body.prompt)) for i, p in enumerate(body.prompt)]
+    out, q = [], asyncio.Queue()
+    for i, ids in enumerate(prompts):
+        for j in range(body.n):
+            seed = None if body.seed is None else body.seed + j       # n samples, n different draws
+            try:
+                params = SamplingParams(max_gen_tokens=max(1, body.max_tokens), temperature=body.temperature,
+                                        top_k=body.top_k, top_p=body.top_p, seed=seed,
+                                        ignore_eos=body.ignore_eos, stop=tuple(body.stop),
+                                        stop_token_ids=tuple(body.stop_token_ids or ()),
+                                        logprobs=body.logprobs,
+                                        prompt_logprobs=body.logprobs if body.echo else None,
+                                        logit_bias=body.bias_pairs(), presence_penalty=body.presence_penalty,
+                                        frequency_penalty=body.frequency_penalty,
+                                        repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens)
+            except ValueError as e:
+                raise HTTPError(400, _http_names(str(e)), _param_of(str(e))) from None
+            decode = state.pool.decode
+            prompt = body.prompt[i]
+            echo = "" if not body.echo else prompt if isinstance(prompt, str) else decode(ids) if decode else ""
+            out.append(Stream(len(out), ids, params, arrival, q,
+                              detokenizer=None if decode is None else Detokenizer(decode, params.stop),
+                              prompt_text=echo, echo_only=body.max_tokens == 0))
+    return out
+
+
+def _encode(tokenizer, prompt, i: int, n: int) -> list[int]:
+    if not isinstance(prompt, str):
+        return prompt
+    if tokenizer is None:
+        where = "prompt" if n == 1 else f"prompt[{i}]"
+        raise HTTPError(400, f"{where} is text but this model has no tokenizer: send token ids", "prompt")
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise HTTPError(400, f"prompt={prompt!r} encodes to no token: allowed 1 to max_seq_len - max_tokens "
+                        "tokens", "prompt")
+    return ids
+
+
+def _http_names(message: str) -> str:
+    """The engine speaks the paper's names; the HTTP client sent OpenAI's."""
+    if "max_gen_tokens" in message:
+        message += " (max_gen_tokens is the request's max_tokens)"
+    return message
+
+
+def _param_of(message: str) -> str | None:
+    for name in ("prompt_logprobs", "prompt", "max_tokens", "max_gen_tokens", "stop_token_ids", "stop", "top_p",
+                 "top_k", "temperature", "seed", "eos_token_id", "logprobs", "logit_bias", "min_tokens",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if message.startswith(name):
+            return {"max_gen_tokens": "max_tokens", "prompt_logprobs": "logprobs"}.get(name, name)
+    return "prompt" if "prompt" in message else None
+
+
+async def _until_done_or_gone(state: ServerState, request: Request, work, streams: list[Stream]):
+    """Await ``work``; a client that disconnects first cancels its requests (vLLM does the same)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():                 # the client left first: its requests are cancelled
+            task.cancel()
+            state.pool.cancel(streams)
+    return task.result() if task.done() else Response(status_code=499)   # (a cancelled task is not done yet)
+
+
+async def _disconnected(request: Request):
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+

@@ -1,0 +1,223 @@
+"""The endpoint's side of the engine process: the request pool's door (submit, cancel, call) and
+the reader that turns each iteration's message into tokens, text and metrics, on the event loop."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+from orca_lab.engine.detokenizer import Detokenizer
+from orca_lab.engine.sampling_params import SamplingParams
+from orca_lab.serving.engine_core import SHUTTING_DOWN, EngineProcess
+from orca_lab.serving.metrics import ServerMetrics
+
+log = logging.getLogger("orca_lab.serve")
+RETRY_AFTER_S = 1
+
+
+class HTTPError(Exception):
+    """Refuse a request with an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a choice receives: a token (None when it ends without one), the text that became
+    visible with it, its finish reason once it is done, and why the engine failed if it did."""
+    token: int | None
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+    logprob: object = None              # the token's TokenLogprob, if the request asked
+    prompt_logprobs: list | None = None  # with a request's first event, if it asked (echo)
+
+
+@dataclass(eq=False)
+class Stream:
+    """One prompt of a completion request (one choice), as the endpoint follows it."""
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    arrival: float                 # at the endpoint, on the engine's clock
+    out: asyncio.Queue             # shared by the choices of one HTTP request: (index, Event)
+    sid: int = -1                  # the endpoint's name for it, known to the engine
+    rid: int | None = None         # the engine's, once it holds it
+    last: float = 0.0              # engine clock of its last token
+    output: list[int] = field(default_factory=list)
+    detokenizer: Detokenizer | None = None     # its text (None: the model has no tokenizer)
+    prompt_text: str = ""                      # what echo puts before the completion
+    echo_only: bool = False                    # max_tokens=0 with echo: the engine's one token is dropped
+
+    def text(self, tokens: list[int], finish_reason: str | None, stop_at: int | None) -> str:
+        """The text that ``tokens`` (one, or none when the request ended without one) made visible."""
+        if self.detokenizer is None:
+            return ""
+        return self.detokenizer.update(tokens, finish_reason, stop_at)
+
+
+class EngineClient:
+    """The endpoint's side of the engine process: the request pool's door (``submit``, ``cancel``,
+    ``call``), and the reader that turns each iteration's message into tokens, text and metrics.
+    Everything here runs on the event loop: no lock."""
+
+    def __init__(self, core: EngineProcess, metrics: ServerMetrics, max_queue: int):
+        self.core, self.metrics, self.max_queue = core, metrics, max_queue
+        self.decode = getattr(core.info.tokenizer, "decode", None)   # None: answers carry token ids only
+        self.streams: dict[int, Stream] = {}          # sid -> stream the engine holds
+        self.pending: dict[int, tuple[asyncio.Future, list[Stream]]] = {}   # adds and calls unanswered
+        self.error: str | None = None                 # why the engine stopped, if it failed
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._keys, self._sids = itertools.count(), itertools.count()
+        self.stopping = False                         # asked to stop: its exit is no failure
+        self._in_inbox = 0                            # sent to the engine, not answered yet
+        self._waiting = 0                             # never scheduled (engine), as last reported
+
+    @property
+    def clock(self):
+        return self.core.clock
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self.core.proc.is_alive()
+
+    def start(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        loop.add_reader(self.core.receive.fileno(), self._on_readable)
+
+    def submit(self, streams: list[Stream]) -> asyncio.Future:
+        """Send ``streams`` to the engine; the future settles once the engine took them all (or
+        refused them: ValueError/TypeError). Past ``max_queue`` waiting requests: 503."""
+        if not self.alive:
+            raise HTTPError(503, self.error or "the engine is not running")
+        waiting = self._in_inbox + self._waiting
+        if waiting + len(streams) > self.max_queue:
+            raise HTTPError(503, f"the server is overloaded: {waiting} requests waiting, max_queue="
+                            f"{self.max_queue}; retry after {RETRY_AFTER_S} s",
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
+        for s in streams:
+            s.sid = next(self._sids)
+        self._in_inbox += len(streams)
+        fut = self._expect(streams)
+        self._send(("add", fut.key, [(s.sid, s.prompt, s.params, s.arrival) for s in streams]))
+        return fut
+
+    def cancel(self, streams: list[Stream]):
+        self._send(("abort", [s.sid for s in streams]))
+
+    def abort_all(self):
+        """End every request the engine holds with "abort" (the drain time is over): each stream's
+        client reads its end, as the engine's answer comes back like any other."""
+        if self.streams:
+            self._send(("abort", list(self.streams)))
+
+    def call(self, name: str, *args) -> asyncio.Future:
+        """``name(engine, *args)`` run by the engine between two iterations (``EngineLoop._call``)."""
+        fut = self._expect([])
+        self._send(("call", fut.key, name, args))
+        return fut
+
+    def stop(self):
+        """Ask the engine to cancel what is left and exit (then ``core.join``)."""
+        self._send(("stop",))
+        self.stopping = True
+
+    def close(self):
+        if not self.core.receive.closed:
+            self.loop.remove_reader(self.core.receive.fileno())
+        self.core.send.close(), self.core.receive.close()
+
+    def _expect(self, streams) -> asyncio.Future:
+        fut = self.loop.create_future()
+        fut.key = next(self._keys)
+        self.pending[fut.key] = (fut, streams)
+        return fut
+
+    def _send(self, msg):
+        if self.error is None:
+            try:
+                self.core.send.send(msg)
+            except OSError as e:
+                self._failed(f"the engine process is gone: {e!r}")
+
+    # -- what the engine sends --------------------------------------------------------------------
+    def _on_readable(self):
+        try:
+            while self.error is None and self.core.receive.poll():
+                msg = self.core.receive.recv()
+                getattr(self, "_on_" + msg[0])(*msg[1:])
+        except (EOFError, OSError):
+            self.core.proc.join(0.5)                  # its exit code, once it has one
+            self._failed("the server is shutting down" if self.stopping else
+                         f"the engine process exited (code {self.core.proc.exitcode})")
+
+    def _on_added(self, key, answer):
+        fut, streams = self.pending.pop(key)
+        self._in_inbox -= len(streams)
+        if isinstance(answer, list):
+            for s, rid in zip(streams, answer):
+                s.rid, s.last = rid, s.arrival
+                self.streams[s.sid] = s
+            _settle(fut)
+        else:
+            _settle(fut, error=HTTPError(503, "the server is shutting down") if answer is SHUTTING_DOWN else answer)
+
+    def _on_out(self, now, items, stats, iteration_tokens):
+        m, out = self.metrics, []
+        self._on_stats(stats)                          # first: a client that reads /metrics as soon
+        for n in iteration_tokens:                     # as it got a token sees the state it came from
+            m.iteration_tokens.observe(n)
+        for sid, token, reason, stop_at, lp, plp in items:
+            s = self.streams.get(sid)
+            if s is None:
+                continue
+            if s.echo_only:                            # the prompt alone was asked for
+                token, lp, reason = None, None, reason and ("abort" if reason == "abort" else "length")
+            if token is not None:
+                (m.ttft if not s.output else m.itl).observe(now - s.last)
+                s.last = now
+                s.output.append(token)
+            text = "" if s.echo_only else s.text([] if token is None else [token], reason, stop_at)
+            out.append((s, Event(token, text, reason, logprob=lp, prompt_logprobs=plp)))
+            if reason is not None:
+                del self.streams[sid]
+                m.requests.labels(reason).inc()
+        for s, ev in out:
+            s.out.put_nowait((s.index, ev))
+
+    def _on_stats(self, stats):
+        self._waiting = stats.waiting
+        self.metrics.set_state(stats, self._in_inbox)
+
+    def _on_result(self, key, value):
+        fut, _ = self.pending.pop(key)
+        _settle(fut, error=value) if isinstance(value, Exception) else _settle(fut, value)
+
+    def _on_failed(self, why: str):
+        self._failed(why)
+
+    def _failed(self, why: str):
+        """The engine is gone: every waiting future gets 503, every running stream ends with
+        "abort", and /health says why."""
+        if self.error is not None:
+            return
+        if not self.stopping:
+            log.error(why)
+        self.error = why
+        self.loop.remove_reader(self.core.receive.fileno())
+        for fut, _ in self.pending.values():
+            _settle(fut, error=HTTPError(503, why))
+        self.pending.clear()
+        for s in self.streams.values():
+            s.out.put_nowait((s.index, Event(None, s.text([], "abort", None), "abort", error=why)))
+            self.metrics.requests.labels("abort").inc()
+        self.streams.clear()
+
+
+def _settle(fut: asyncio.Future, result=None, error=None):
+    if not fut.done():                            # a client that left cancelled it
+        fut.set_exception(error) if error is not None else fut.set_result(result)
+

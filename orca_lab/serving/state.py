@@ -1,0 +1,47 @@
+"""What the endpoint holds between requests: the engine client, the metrics, the HTTP records of
+the last completions (for ``/debug/run``), whether it is draining."""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+from orca_lab.serving.engine_client import EngineClient
+from orca_lab.serving.metrics import ServerMetrics
+
+MAX_RECORDS = 100_000          # completions whose HTTP records /debug/run keeps
+
+
+# -- the endpoint --------------------------------------------------------------------------------
+@dataclass
+class ServerState:
+    model_name: str
+    system: str
+    pool: EngineClient
+    metrics: ServerMetrics
+    draining: bool = False
+    completions: dict = field(default_factory=dict)   # completion id -> HTTPRecord (the last MAX_RECORDS)
+
+    def record(self, cid: str, rec: "HTTPRecord"):
+        self.completions[cid] = rec
+        if len(self.completions) > MAX_RECORDS:
+            del self.completions[next(iter(self.completions))]
+
+    async def completions_json(self, since: float) -> bytes:
+        """The completions not finished by ``since`` (engine clock), as JSON, encoded in a thread:
+        there may be 100k, and the event loop has streams to serve."""
+        records = list(self.completions.items())           # a snapshot: the loop adds more meanwhile
+        encode = lambda: json.dumps({c: vars(r) for c, r in records if r.finish is None or r.finish > since})
+        return (await asyncio.to_thread(encode)).encode()
+
+
+@dataclass
+class HTTPRecord:
+    """One completion as the endpoint served it (engine clock): arrival at the app, the first chunk
+    holding a token handed to the connection (streams only), the last byte handed over (or when
+    its client left)."""
+    rids: list[int]
+    arrival: float
+    first_token: float | None = None
+    finish: float | None = None
+
