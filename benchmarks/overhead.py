@@ -6,7 +6,7 @@
 For each batch size B: B paper-shaped prompts are prefilled in one iteration, then ``--iters``
 increment-phase iterations (one new token per request) run through ``Engine.step`` with a timer
 around each part of it. The parts are timed where the engine calls them, so the sum is the engine's
-real work; "bookkeeping" is the rest of the step (Algorithm 1's loop, ``on_return``, the trace record).
+real work; "bookkeeping" is the rest of the step (Algorithm 1's loop, ``on_batch_return``, the trace record).
 The bare model forward on the same flat batch (metadata built beforehand) is timed alone next to it.
 Engine overhead = everything but the model forward, as a share of the iteration.
 """

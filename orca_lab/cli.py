@@ -60,7 +60,7 @@ def compare(args) -> dict:
 
 def serve(args):
     """``orca-lab serve``: the OpenAI-compatible endpoint (orca_lab.serving.server)."""
-    from orca_lab.serving.engine_core import EngineRecipe
+    from orca_lab.serving.engine_core import EngineArgs
     from orca_lab.serving.server import serve as run
     check_range("max_queue", args.max_queue, 1, 1 << 20)
     check_range("drain_s", args.drain_s, 0.0, 3600.0, kind=float)
@@ -77,7 +77,7 @@ def serve(args):
             template = check_template(Path(args.chat_template).read_text(), args.chat_template)
         except OSError as e:
             raise ValueError(f"--chat-template {args.chat_template}: cannot read it ({e.strerror})") from None
-    run(EngineRecipe(args.model, args.seed, engine, args.system, args.threads), args.host, args.port,
+    run(EngineArgs(args.model, args.seed, engine, args.system, args.threads), args.host, args.port,
         args.max_queue, args.drain_s, model_name=args.model, debug=args.debug, chat_template=template)
 
 

@@ -27,15 +27,15 @@ class LoopOverPipes:
         inbox, self._to_engine = mp.Pipe(duplex=False)
         self._from_engine, outbox = mp.Pipe(duplex=False)
         self.loop = EngineLoop(engine, inbox, outbox)
-        self.events: dict[int, list[tuple]] = {}          # sid -> (token, finish_reason) as sent
+        self.events: dict[int, list[tuple]] = {}          # stream_id -> (token, finish_reason) as sent
 
     def read(self):
         while self._from_engine.poll():
             msg = self._from_engine.recv()
             assert msg[0] != "failed", msg[1]
             if msg[0] == "out":
-                for sid, token, reason, _ in msg[2]:
-                    self.events.setdefault(sid, []).append((token, reason))
+                for stream_id, token, reason, *_ in msg[2]:
+                    self.events.setdefault(stream_id, []).append((token, reason))
 
     def close(self):
         self._to_engine.close()                           # the loop's reader thread sees EOF and ends
@@ -72,36 +72,36 @@ def test_the_engine_loop_survives_aborts_at_every_moment(tiny_llm, system):
     try:
         for turn in range(400):
             if prompts and rng.random() < 0.5:
-                sid, prompt, n = len(wanted), prompts.pop(), rng.randint(1, 10)
-                lp.loop.handle(("add", sid, [(sid, prompt, SamplingParams(max_gen_tokens=n), None)]))
-                wanted[sid] = (prompt, n)
-            at = {sid: moment(engine.requests[rid]) for sid, rid in sorted(lp.loop.rids.items())}
-            new = [sid for sid, m in at.items() if m not in hit]          # a moment not tried yet first
+                stream_id, prompt, n = len(wanted), prompts.pop(), rng.randint(1, 10)
+                lp.loop.handle(("add", stream_id, [(stream_id, prompt, SamplingParams(max_gen_tokens=n), None)]))
+                wanted[stream_id] = (prompt, n)
+            at = {stream_id: moment(engine.requests[rid]) for stream_id, rid in sorted(lp.loop.rids.items())}
+            new = [stream_id for stream_id, m in at.items() if m not in hit]          # a moment not tried yet first
             if new or (at and rng.random() < 0.2):
-                sid = rng.choice(new or list(at))
-                hit.add(at[sid])
-                cancelled.add(sid)
+                stream_id = rng.choice(new or list(at))
+                hit.add(at[stream_id])
+                cancelled.add(stream_id)
                 running = engine.stats().running
-                lp.loop.handle(("abort", [sid]))
-                if at[sid] == "finished, held":               # it stays in its batch until it ends
+                lp.loop.handle(("abort", [stream_id]))
+                if at[stream_id] == "finished, held":               # it stays in its batch until it ends
                     assert engine.stats().running == running
             if engine.has_work():
                 lp.loop.turn()
             lp.read()
             if not prompts and not engine.has_work():
                 break
-        assert not engine.has_work() and not lp.loop.rids and not lp.loop.sids
+        assert not engine.has_work() and not lp.loop.rids and not lp.loop.stream_ids
         stats = engine.stats()
         assert (stats.waiting, stats.running, stats.kv_reserved) == (0, 0, 0)
     finally:
         lp.close()
     assert hit >= {"waiting", "in flight", "between iterations"} | ({"finished, held"} if system == "ft" else set())
     assert set(lp.events) == set(wanted)
-    for sid, (prompt, n) in wanted.items():
-        tokens = [t for t, _ in lp.events[sid] if t is not None]
-        reasons = [r for _, r in lp.events[sid]]
-        assert reasons[:-1] == [None] * (len(reasons) - 1), (sid, reasons)
-        if sid in cancelled:
+    for stream_id, (prompt, n) in wanted.items():
+        tokens = [t for t, _ in lp.events[stream_id] if t is not None]
+        reasons = [r for _, r in lp.events[stream_id]]
+        assert reasons[:-1] == [None] * (len(reasons) - 1), (stream_id, reasons)
+        if stream_id in cancelled:
             assert reasons[-1] == "abort" and tokens == alone(tiny_llm, tuple(prompt), n)[:len(tokens)]
         else:
             assert reasons[-1] == "length" and tokens == alone(tiny_llm, tuple(prompt), n)

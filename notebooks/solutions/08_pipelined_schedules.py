@@ -14,7 +14,7 @@ def loop(scheduler, executor, n_workers):
         if n_scheduled and (n_scheduled == n_workers or batch is None):
             done = executor.wait()                     # the oldest batch comes back
             n_scheduled -= 1
-            scheduler.on_return(done.batch, done.tokens, executor.clock.now())
+            scheduler.on_batch_return(done.batch, done.tokens, executor.clock.now())
 
 
 # %% exercise: ft_busy

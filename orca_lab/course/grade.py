@@ -91,7 +91,7 @@ def ft_finish_iterations(prompt_lens, gens, max_bs) -> list[int]:
     while sched.has_work():
         batch = sched.select(it)
         it += 1
-        sched.on_return(batch, [0] * len(batch), float(it))
+        sched.on_batch_return(batch, [0] * len(batch), float(it))
     assert len(reqs) == n
     return [int(r.t_finish) for r in reqs]
 
@@ -125,7 +125,7 @@ def _schedule(sched, arrivals, n_workers: int, limit: int = 500) -> list[tuple[l
             in_flight.append(batch)
         if in_flight and (batch is None or len(in_flight) == n_workers):
             done = in_flight.pop(0)
-            sched.on_return(done, [0] * len(done), float(it))
+            sched.on_batch_return(done, [0] * len(done), float(it))
     return log
 
 
@@ -348,7 +348,7 @@ def check_in_flight(loop, seed: int = 0):
             differ("(submit time, batch) in order, and each request's finish time",
                    f"case {case} ({system}, n_workers={n_workers}, max_bs={max_bs}, (prompt, gen) {lens})",
                    expected, got, "select while fewer than n_workers batches are in flight; "
-                   "then wait for the oldest and give its tokens to on_return")
+                   "then wait for the oldest and give its tokens to on_batch_return")
     correct(N_CASES, "Engine.run")
 
 

@@ -236,7 +236,7 @@ class Engine:
         self._admit_arrivals()
         now = self.clock.now()
         batch = self.scheduler.select(now)
-        ready = self.scheduler.take_ready()
+        ready = self.scheduler.take_delivered()
         if batch is not None:
             batch.iteration, self._iteration = self._iteration, self._iteration + 1
             self.executor.submit(batch)
@@ -247,7 +247,7 @@ class Engine:
             if done is not None:
                 self.n_scheduled -= 1
                 self._record(done)
-                ready += self.scheduler.on_return(done.batch, done.tokens, self.clock.now())
+                ready += self.scheduler.on_batch_return(done.batch, done.tokens, self.clock.now())
         elif batch is None and self._pending:
             self.clock.sleep_until(self._pending[0][0])      # idle until the next arrival
         elif batch is None and self.scheduler.has_work() and not ready:

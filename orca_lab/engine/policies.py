@@ -1,4 +1,4 @@
-"""Scheduling after ORCA, beside Algorithm 1 and behind the same ``add / select / on_return``.
+"""Scheduling after ORCA, beside Algorithm 1 and behind the same ``add / select / on_batch_return``.
 
 - ``PagedScheduler`` (``system="paged"``, vLLM's PagedAttention): K/V in blocks given out as a context
   grows (``blocks.py``) instead of ``max_tokens`` reserved at admission. A waiting request is admitted

@@ -1,4 +1,4 @@
-"""Schedulers behind one small interface: ``add``, ``select``, ``on_return``.
+"""Schedulers behind one small interface: ``add``, ``select``, ``on_batch_return``.
 
 ``OrcaScheduler`` is Algorithm 1's ``Select`` (iteration level, FCFS); ``RequestLevelScheduler`` is the
 FasterTransformer-style baseline (a batch enters and leaves whole). Neither knows which executor runs
@@ -71,8 +71,8 @@ class Scheduler:
         """Cancel ``req`` (finish_reason "abort"); False if it had already finished."""
         raise NotImplementedError
 
-    def take_ready(self) -> list[tuple[Request, int]]:
-        """Tokens delivered outside ``on_return`` since the last call (none here)."""
+    def take_delivered(self) -> list[tuple[Request, int]]:
+        """Tokens delivered outside ``on_batch_return`` since the last call (none here)."""
         return []
 
     def _finish(self, req: Request, now: float):
@@ -123,7 +123,7 @@ class OrcaScheduler(Scheduler):
         enqueue(self.running, req)
         return req
 
-    def on_return(self, batch: Batch, tokens: list[int], now: float) -> list[tuple[Request, int]]:
+    def on_batch_return(self, batch: Batch, tokens: list[int], now: float) -> list[tuple[Request, int]]:
         """A batch came back: every request got one token (all but a prefill chunk short of its
         context's end, ``policies.py``: ``batch.yields``); finished ones leave and free their slots.
         A request aborted while the batch was in flight leaves now, and its token is dropped."""
@@ -149,7 +149,7 @@ class OrcaScheduler(Scheduler):
 
     def abort(self, req: Request, now: float) -> bool:
         """Waiting or between iterations: it leaves the pool and frees its slots now. In flight: it
-        leaves when its batch returns (within one iteration), as ``on_return`` drops its token."""
+        leaves when its batch returns (within one iteration), as ``on_batch_return`` drops its token."""
         if req.finished:
             return False
         req.finish_reason = "abort"
@@ -186,7 +186,7 @@ class RequestLevelScheduler(Scheduler):
         self.active: list[Request] = []
         self.micro: list[_MicroBatch] = []
         self.n_positions = 0      # positions the active batch feeds: its longest request's, less one
-        self._ready: list = []    # tokens of a batch that ended outside on_return (see select)
+        self._delivered: list = []    # tokens of a batch that ended outside on_batch_return (see select)
 
     def reservation(self, req: Request) -> int:
         return self.max_seq_len
@@ -197,7 +197,7 @@ class RequestLevelScheduler(Scheduler):
     def select(self, now: float = 0.0) -> Batch | None:
         """The next step of the idle micro-batch that has run the fewest steps (they take turns
         through the pipeline), until the batch's longest request has produced its last token."""
-        self._ready += self._end_batch(now)     # a batch whose last running request was aborted
+        self._delivered += self._end_batch(now)     # a batch whose last running request was aborted
         if not self.active:
             self._form_batch(now)
         if self._batch_done():
@@ -228,7 +228,7 @@ class RequestLevelScheduler(Scheduler):
     def _batch_done(self) -> bool:
         return all(r.finished for r in self.active)
 
-    def on_return(self, batch: Batch, tokens: list[int], now: float) -> list[tuple[Request, int]]:
+    def on_batch_return(self, batch: Batch, tokens: list[int], now: float) -> list[tuple[Request, int]]:
         mb = next(m for m in self.micro if m.batches and m.batches[-1] is batch)
         last_pos = mb.start + mb.q_len - 1
         for req, tok, yields in zip(batch.requests, tokens, batch.yields):
@@ -257,8 +257,8 @@ class RequestLevelScheduler(Scheduler):
         self.active, self.micro = [], []
         return events
 
-    def take_ready(self) -> list[tuple[Request, int]]:
-        ready, self._ready = self._ready, []
+    def take_delivered(self) -> list[tuple[Request, int]]:
+        ready, self._delivered = self._delivered, []
         return ready
 
     def abort(self, req: Request, now: float) -> bool:

@@ -44,9 +44,9 @@ class Stream:
     params: SamplingParams
     arrival: float                 # at the endpoint, on the engine's clock
     out: asyncio.Queue             # shared by the choices of one HTTP request: (index, Event)
-    sid: int = -1                  # the endpoint's name for it, known to the engine
+    stream_id: int = -1            # the endpoint's name for it, known to the engine
     rid: int | None = None         # the engine's, once it holds it
-    last: float = 0.0              # engine clock of its last token
+    t_last: float = 0.0            # engine clock of its last token
     output: list[int] = field(default_factory=list)
     detokenizer: Detokenizer | None = None     # its text (None: the model has no tokenizer)
     prompt_text: str = ""                      # what echo puts before the completion
@@ -67,11 +67,11 @@ class EngineClient:
     def __init__(self, core: EngineProcess, metrics: ServerMetrics, max_queue: int):
         self.core, self.metrics, self.max_queue = core, metrics, max_queue
         self.decode = getattr(core.info.tokenizer, "decode", None)   # None: answers carry token ids only
-        self.streams: dict[int, Stream] = {}          # sid -> stream the engine holds
+        self.streams: dict[int, Stream] = {}          # stream_id -> stream the engine holds
         self.pending: dict[int, tuple[asyncio.Future, list[Stream]]] = {}   # adds and calls unanswered
         self.error: str | None = None                 # why the engine stopped, if it failed
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._keys, self._sids = itertools.count(), itertools.count()
+        self._call_ids, self._stream_ids = itertools.count(), itertools.count()
         self.stopping = False                         # asked to stop: its exit is no failure
         self._in_inbox = 0                            # sent to the engine, not answered yet
         self._waiting = 0                             # never scheduled (engine), as last reported
@@ -99,14 +99,14 @@ class EngineClient:
                             f"{self.max_queue}; retry after {RETRY_AFTER_S} s",
                             headers={"Retry-After": str(RETRY_AFTER_S)})
         for s in streams:
-            s.sid = next(self._sids)
+            s.stream_id = next(self._stream_ids)
         self._in_inbox += len(streams)
         fut = self._expect(streams)
-        self._send(("add", fut.key, [(s.sid, s.prompt, s.params, s.arrival) for s in streams]))
+        self._send(("add", fut.call_id, [(s.stream_id, s.prompt, s.params, s.arrival) for s in streams]))
         return fut
 
     def cancel(self, streams: list[Stream]):
-        self._send(("abort", [s.sid for s in streams]))
+        self._send(("abort", [s.stream_id for s in streams]))
 
     def abort_all(self):
         """End every request the engine holds with "abort" (the drain time is over): each stream's
@@ -117,7 +117,7 @@ class EngineClient:
     def call(self, name: str, *args) -> asyncio.Future:
         """``name(engine, *args)`` run by the engine between two iterations (``EngineLoop._call``)."""
         fut = self._expect([])
-        self._send(("call", fut.key, name, args))
+        self._send(("call", fut.call_id, name, args))
         return fut
 
     def stop(self):
@@ -132,8 +132,8 @@ class EngineClient:
 
     def _expect(self, streams) -> asyncio.Future:
         fut = self.loop.create_future()
-        fut.key = next(self._keys)
-        self.pending[fut.key] = (fut, streams)
+        fut.call_id = next(self._call_ids)
+        self.pending[fut.call_id] = (fut, streams)
         return fut
 
     def _send(self, msg):
@@ -154,13 +154,13 @@ class EngineClient:
             self._failed("the server is shutting down" if self.stopping else
                          f"the engine process exited (code {self.core.proc.exitcode})")
 
-    def _on_added(self, key, answer):
-        fut, streams = self.pending.pop(key)
+    def _on_added(self, call_id, answer):
+        fut, streams = self.pending.pop(call_id)
         self._in_inbox -= len(streams)
         if isinstance(answer, list):
             for s, rid in zip(streams, answer):
-                s.rid, s.last = rid, s.arrival
-                self.streams[s.sid] = s
+                s.rid, s.t_last = rid, s.arrival
+                self.streams[s.stream_id] = s
             _settle(fut)
         else:
             _settle(fut, error=HTTPError(503, "the server is shutting down") if answer is SHUTTING_DOWN else answer)
@@ -170,20 +170,20 @@ class EngineClient:
         self._on_stats(stats)                          # first: a client that reads /metrics as soon
         for n in iteration_tokens:                     # as it got a token sees the state it came from
             m.iteration_tokens.observe(n)
-        for sid, token, reason, stop_at, lp, plp in items:
-            s = self.streams.get(sid)
+        for stream_id, token, reason, stop_at, lp, plp in items:
+            s = self.streams.get(stream_id)
             if s is None:
                 continue
             if s.echo_only:                            # the prompt alone was asked for
                 token, lp, reason = None, None, reason and ("abort" if reason == "abort" else "length")
             if token is not None:
-                (m.ttft if not s.output else m.itl).observe(now - s.last)
-                s.last = now
+                (m.ttft if not s.output else m.itl).observe(now - s.t_last)
+                s.t_last = now
                 s.output.append(token)
             text = "" if s.echo_only else s.text([] if token is None else [token], reason, stop_at)
             out.append((s, Event(token, text, reason, logprob=lp, prompt_logprobs=plp)))
             if reason is not None:
-                del self.streams[sid]
+                del self.streams[stream_id]
                 m.requests.labels(reason).inc()
         for s, ev in out:
             s.out.put_nowait((s.index, ev))
@@ -192,8 +192,8 @@ class EngineClient:
         self._waiting = stats.waiting
         self.metrics.set_state(stats, self._in_inbox)
 
-    def _on_result(self, key, value):
-        fut, _ = self.pending.pop(key)
+    def _on_result(self, call_id, value):
+        fut, _ = self.pending.pop(call_id)
         _settle(fut, error=value) if isinstance(value, Exception) else _settle(fut, value)
 
     def _on_failed(self, why: str):

@@ -10,14 +10,14 @@ of Python to itself, and what it sends is one small message per iteration.
 The two ends talk over two one-way pipes between this parent and its own child (no port, no other
 peer), as pickled tuples:
 
-    endpoint -> engine   ("add", key, [(sid, prompt, params, arrival)])   ("abort", [sid])
-                         ("call", key, name, args)                        ("stop",)
-    engine -> endpoint   ("ready", EngineInfo)   ("added", key, [rid] | exception | None)
-                         ("out", now, [(sid, token, finish_reason, stop_at, logprob, prompt_logprobs)],
+    endpoint -> engine   ("add", call_id, [(stream_id, prompt, params, arrival)])   ("abort", [stream_id])
+                         ("call", call_id, name, args)                        ("stop",)
+    engine -> endpoint   ("ready", EngineInfo)   ("added", call_id, [rid] | exception | None)
+                         ("out", now, [(stream_id, token, finish_reason, stop_at, logprob, prompt_logprobs)],
                           stats, [n_tokens])
-                         ("stats", stats)        ("result", key, value | exception)   ("failed", why)
+                         ("stats", stats)        ("result", call_id, value | exception)   ("failed", why)
 
-``sid`` is the endpoint's name for a stream: the endpoint can cancel a stream before the engine's
+``stream_id`` is the endpoint's name for a stream: the endpoint can cancel a stream before the engine's
 answer with its rid has come back. A finish reason comes with a stream's last token only. Text is
 made on the endpoint's side from the token ids (each stream's ``Detokenizer``): detokenizing is not
 the engine's work, except for requests with stop strings, whose end it decides (``stop_at`` None
@@ -43,7 +43,7 @@ SHUTTING_DOWN = None      # an "added" answer: the engine is stopping and took n
 
 
 @dataclass(frozen=True)
-class EngineRecipe:
+class EngineArgs:
     """What the engine process builds its ``LLM`` from: a preset (random weights of ``seed``) or a
     checkpoint directory, the engine's settings, the system, and torch's intra-op threads."""
     model: str
@@ -78,7 +78,7 @@ class EngineInfo:
 
 
 # -- the engine's side (the child process) ---------------------------------------------------------
-def engine_main(recipe: EngineRecipe, inbox, outbox, t0: float):
+def engine_main(recipe: EngineArgs, inbox, outbox, t0: float):
     # Ctrl-C and a service manager's SIGTERM reach the whole process group: the endpoint drains its
     # requests first and then stops us, or we stop when it is gone (the pipe closes).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -104,8 +104,8 @@ class EngineLoop:
     def __init__(self, engine, inbox, outbox):
         self.engine, self.outbox = engine, outbox
         self.messages: queue.SimpleQueue = queue.SimpleQueue()
-        self.rids: dict[int, int] = {}           # sid -> rid, while the request runs
-        self.sids: dict[int, int] = {}           # rid -> sid
+        self.rids: dict[int, int] = {}           # stream_id -> rid, while the request runs
+        self.stream_ids: dict[int, int] = {}     # rid -> stream_id
         self.n_sent: dict[int, int] = {}         # rid -> tokens delivered, of requests that ask for logprobs
         self._n_records = 0
         # A thread empties the pipe as messages come, so the endpoint never blocks on a full pipe
@@ -155,39 +155,39 @@ class EngineLoop:
         except queue.Empty:
             return msgs
 
-    def _add(self, key, items):
+    def _add(self, call_id, items):
         """All of a completion's prompts or none (``Engine.add_requests``)."""
         try:
             reqs = self.engine.add_requests([(prompt, params, arrival) for _, prompt, params, arrival in items])
         except (ValueError, TypeError) as e:
-            self._send(("added", key, e))
+            self._send(("added", call_id, e))
             return
-        for (sid, *_), req in zip(items, reqs):
-            self.rids[sid], self.sids[req.rid] = req.rid, sid
-        self._send(("added", key, [req.rid for req in reqs]))
+        for (stream_id, *_), req in zip(items, reqs):
+            self.rids[stream_id], self.stream_ids[req.rid] = req.rid, stream_id
+        self._send(("added", call_id, [req.rid for req in reqs]))
 
-    def _abort(self, sids):
+    def _abort(self, stream_ids):
         """The client is gone: its stream ends with "abort" whatever the engine answers. A request
         that already finished but is held in the request-level baseline's batch (``abort`` says
         False) computes on until the batch ends; its tokens are dropped then."""
         out = []
-        for sid in sids:
-            rid = self.rids.pop(sid, None)
+        for stream_id in stream_ids:
+            rid = self.rids.pop(stream_id, None)
             if rid is None:                        # delivered whole already, or never added
                 continue
-            del self.sids[rid]
+            del self.stream_ids[rid]
             self.engine.abort(rid)
             self.n_sent.pop(rid, None)
-            out.append((sid, None, "abort", None, None, None))
+            out.append((stream_id, None, "abort", None, None, None))
         if out:
             self._send(("out", self.engine.clock.now(), out, self.engine.stats(), []))
 
-    def _call(self, key, name, args=()):
+    def _call(self, call_id, name, args=()):
         try:
             value = {"records": records_json}[name](self.engine, *args)
         except Exception as e:
             value = e
-        self._send(("result", key, value))
+        self._send(("result", call_id, value))
 
     def _deliver(self, events):
         """Each token to its stream; a request's finish reason goes with its last token only (the
@@ -195,15 +195,15 @@ class EngineLoop:
         last = {req.rid: i for i, (req, _) in enumerate(events)}
         out = []
         for i, (req, token) in enumerate(events):
-            sid = self.sids.get(req.rid)
-            if sid is None:                        # aborted meanwhile: its token is dropped
+            stream_id = self.stream_ids.get(req.rid)
+            if stream_id is None:                        # aborted meanwhile: its token is dropped
                 continue
             lp, plp = self._logprobs(req) if req.params.needs_host_state else (None, None)
             if not (req.finished and last[req.rid] == i):
-                out.append((sid, token, None, None, lp, plp))
+                out.append((stream_id, token, None, None, lp, plp))
                 continue
-            out.append((sid, token, req.finish_reason, req.stop_at, lp, plp))
-            del self.sids[req.rid], self.rids[sid]
+            out.append((stream_id, token, req.finish_reason, req.stop_at, lp, plp))
+            del self.stream_ids[req.rid], self.rids[stream_id]
             self.n_sent.pop(req.rid, None)
         records = self.engine.records
         tokens = [r.n_tokens for r in records[self._n_records:] if r.stage == 0]
@@ -247,7 +247,7 @@ class EngineProcess:
     """Starts the engine process and waits until it serves; the endpoint's ``EngineClient`` then
     talks to it."""
 
-    def __init__(self, recipe: EngineRecipe, start_timeout: float = 600.0):
+    def __init__(self, recipe: EngineArgs, start_timeout: float = 600.0):
         ctx = mp.get_context("spawn")              # a fresh interpreter: no inherited threads or CUDA state
         engine_in, self.send = ctx.Pipe(duplex=False)       # (reader, writer)
         self.receive, engine_out = ctx.Pipe(duplex=False)

@@ -22,7 +22,7 @@ import sys
 from fastapi import FastAPI
 
 from orca_lab.serving.app import build_app
-from orca_lab.serving.engine_core import EngineProcess, EngineRecipe
+from orca_lab.serving.engine_core import EngineProcess, EngineArgs
 
 log = logging.getLogger("orca_lab.serve")
 
@@ -84,7 +84,7 @@ def listen(host: str, port: int):
     return sock
 
 
-def serve(recipe: EngineRecipe, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 1024,
+def serve(recipe: EngineArgs, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 1024,
           drain_s: float = 5.0, model_name: str | None = None, debug: bool = False, chat_template: str | None = None):
     """Serve the model of ``recipe`` until SIGINT/SIGTERM; prints its URL once it accepts requests.
     The port is taken first (a busy one fails at once), then the engine process builds the model."""
