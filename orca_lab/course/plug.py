@@ -2,6 +2,8 @@
 and the package does the rest (the engine's loop, the model, the K/V pool)."""
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import numpy as np
 import torch
 
@@ -152,7 +154,7 @@ class PluggedLookup:
 
     def lookup(self, req) -> list[int]:
         kv, tokens = self.kv, req.prompt + req.output
-        n = self.cached_prefix(dict(kv.block_of), tokens, kv.block_size) // kv.block_size
+        n = self.cached_prefix(MappingProxyType(kv.block_of), tokens, kv.block_size) // kv.block_size
         return [kv.block_of[h] for h in self.block_hashes(tokens, kv.block_size)[:n]]
 
 
