@@ -6,6 +6,7 @@ import json
 import pytest
 
 from orca_lab.course import grade, solve
+from orca_lab.engine.prefix_cache import block_hash, chain_hashes
 from orca_lab.engine.request import RequestState
 
 
@@ -103,3 +104,30 @@ class LowestFirst:
 def test_the_slot_grader_wants_contiguous_runs():
     with pytest.raises(grade.Mismatch, match="one contiguous run"):
         grade.check_slot_manager(LowestFirst)
+
+
+def cached_run(cache, tokens, block_size) -> int:
+    """Tokens of the longest run of cached full blocks of ``tokens``."""
+    n = 0
+    for name in chain_hashes(tokens, block_size, len(tokens) // block_size):
+        if name not in cache:
+            break
+        n += block_size
+    return n
+
+
+def test_the_prefix_grader_wants_full_blocks_short_of_the_last_token():
+    with pytest.raises(grade.Mismatch, match="the last prompt token is always computed"):
+        grade.check_prefix_lookup(cached_run)                 # a prompt of whole blocks found all cached
+    with pytest.raises(grade.Mismatch, match="full blocks only"):
+        def with_partial(cache, prompt, bs):                  # counts the last, partial block's tokens too
+            n = cached_run(cache, prompt[:-1], bs)
+            return n and len(prompt) - 1
+        grade.check_prefix_lookup(with_partial)
+    with pytest.raises(grade.Mismatch, match="stop at the first block"):
+        grade.check_prefix_lookup(lambda cache, prompt, bs: bs * sum(
+            name in cache for name in chain_hashes(prompt, bs, (len(prompt) - 1) // bs)))
+    grade.check_prefix_lookup(lambda cache, prompt, bs: cached_run(cache, prompt[:-1], bs))
+    with pytest.raises(grade.Mismatch, match="block i's parent is block i-1's name"):
+        grade.check_block_hashes(lambda tokens, bs: [block_hash(None, tokens[i:i + bs])
+                                                     for i in range(0, len(tokens) - bs + 1, bs)])

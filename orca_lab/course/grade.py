@@ -19,6 +19,7 @@ from orca_lab.engine.engine import Engine, RequestRecord, RunResult
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.policies import _Victims
+from orca_lab.engine.prefix_cache import PrefixCachingBlockManager, chain_hashes
 from orca_lab.engine.request import Request, RequestState
 from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler
@@ -418,3 +419,91 @@ def check_victim(fn, seed: int = 0):
                    getattr(got, "rid", None),
                    "the latest arrival after it that holds blocks, is between iterations and not in this batch")
     correct(N_CASES, "the paged scheduler's victims")
+
+
+# -- 12: prefix caching ---------------------------------------------------------------------------
+def check_block_hashes(fn, seed: int = 0):
+    """``fn(tokens, block_size) -> [name of each full block]``, each ``block_hash(parent's name,
+    its tokens)``, against ``prefix_cache.chain_hashes`` on random token lists."""
+    rng = random.Random(seed)
+    for case in range(N_CASES):
+        bs = rng.randint(1, 8)
+        tokens = [rng.randrange(4) for _ in range(rng.randint(0, 5 * bs + 3))]
+        expected, got = chain_hashes(tokens, bs, len(tokens) // bs), list(fn(tokens, bs))
+        if got != expected:
+            hint = "full blocks only: len(tokens) // block_size names" if len(got) != len(expected) else \
+                "the first block's parent is None: block_hash(None, tokens[:block_size])" if got[:1] != expected[:1] \
+                else "block i's parent is block i-1's name: block_hash(hashes[i - 1], tokens of block i)"
+            differ("the block names", f"case {case} (tokens {tokens}, block_size {bs})", expected, got, hint)
+    correct(N_CASES, "orca_lab.engine.prefix_cache.chain_hashes")
+
+
+def _serve_and_free(kv, rid: int, prompt: list[int]):
+    """``prompt`` computed and finished on ``kv``: its full blocks stay cached (some may evict others)."""
+    req = request(rid, len(prompt), 1)
+    req.prompt = list(prompt)
+    hit = kv.lookup(req)
+    if not kv.can_admit(len(prompt) - len(hit) * kv.block_size, hit):
+        return
+    kv.share(req, hit)
+    kv.grow(req, len(prompt))
+    kv.cache(req, len(prompt))
+    kv.release(req)
+
+
+def _prefix_case(rng):
+    """A block size, a small pool, earlier prompts sharing roots, and a new prompt: a cut of an
+    earlier one and a random tail, or (a quarter of the cases) an earlier one cut to whole blocks."""
+    bs = rng.randint(1, 8)
+    roots = [[rng.randrange(4) for _ in range(rng.randint(0, 4 * bs))] for _ in range(2)]
+    past = [rng.choice(roots) + [rng.randrange(4) for _ in range(rng.randint(0, 3 * bs))]
+            for _ in range(rng.randint(1, 6))]
+    base = rng.choice(past)
+    if rng.random() < 0.25 and len(base) >= bs:
+        prompt = base[:len(base) // bs * bs]                       # re-sent whole, all of it cached
+    else:
+        prompt = base[:rng.randint(0, len(base))] + [rng.randrange(4) for _ in range(rng.randint(0, 2 * bs))]
+    return bs, rng.randint(3, 10), past, prompt or [rng.randrange(4)]
+
+
+def _forget_one(kv, prompt: list[int], rng):
+    """Forget one cached block of ``prompt``'s chain that a later cached one follows (an eviction out
+    of the package's tail-first order, which never leaves such a hole): the lookup stops there."""
+    names = chain_hashes(prompt, kv.block_size, (len(prompt) - 1) // kv.block_size)
+    held = [i for i, h in enumerate(names) if h in kv.block_of][:-1]
+    if not held:
+        return ""
+    i = rng.choice(held)
+    del kv.hash_of[kv.block_of.pop(names[i])]
+    return f"; then its block {i} forgotten"
+
+
+def _lookup_hint(expected: int, got: int, prompt: list[int], bs: int) -> str:
+    if got >= len(prompt):
+        return "at most len(prompt) - 1 tokens: the last prompt token is always computed (its logits give the first output)"
+    if got % bs:
+        return "full blocks only: a multiple of block_size (a partial block is never cached)"
+    if got > expected:
+        return "stop at the first block whose name is not cached: a later one does not count"
+    return "every full block of prompt[:-1], in order, while its chained name is in the cache"
+
+
+def check_prefix_lookup(fn, seed: int = 0):
+    """``fn(cache, prompt, block_size) -> tokens of prompt found cached`` (``cache``: the names of
+    the cached blocks) against ``PrefixCachingBlockManager.lookup``, after earlier prompts were
+    served and freed on a pool small enough to evict."""
+    rng = random.Random(seed)
+    for case in range(N_CASES):
+        bs, n_blocks, past, prompt = _prefix_case(rng)
+        kv = PrefixCachingBlockManager(n_blocks * bs, bs)
+        for rid, p in enumerate(past):
+            _serve_and_free(kv, rid, p)
+        hole = _forget_one(kv, prompt, rng) if case % 4 == 1 else ""
+        query = request(len(past), len(prompt), 1)
+        query.prompt = list(prompt)
+        expected = len(kv.lookup(query)) * bs
+        got = fn(dict(kv.block_of), list(prompt), bs)
+        if got != expected:
+            differ("the cached prefix (tokens)", f"case {case} (block_size {bs}, {n_blocks} blocks; prompts served "
+                   f"before {past}, in order; prompt {prompt}{hole})", expected, got, _lookup_hint(expected, got, prompt, bs))
+    correct(N_CASES, "PrefixCachingBlockManager.lookup")

@@ -2,6 +2,8 @@
 and the package does the rest (the engine's loop, the model, the K/V pool)."""
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import numpy as np
 import torch
 
@@ -136,4 +138,31 @@ def use_victim(engine, victim):
     if engine.scheduler.name not in PAGED:
         raise ValueError(f"use_victim takes an engine of system {PAGED}, not {engine.scheduler.name!r}")
     engine.scheduler.victims = lambda running, chosen: LearnerVictims(victim, running, chosen)
+    return engine
+
+
+class PluggedLookup:
+    """A prefix cache (``PrefixCachingBlockManager``) whose lookup is the learner's: ``cached_prefix(
+    cache, prompt, block_size)`` tokens found, the blocks named by ``block_hashes(tokens, block_size)``
+    (notebook 12). The rest (sharing, registering, eviction) is the package's."""
+
+    def __init__(self, kv, block_hashes, cached_prefix):
+        self.kv, self.block_hashes, self.cached_prefix = kv, block_hashes, cached_prefix
+
+    def __getattr__(self, name):
+        return getattr(self.kv, name)
+
+    def lookup(self, req) -> list[int]:
+        kv, tokens = self.kv, req.prompt + req.output
+        n = self.cached_prefix(MappingProxyType(kv.block_of), tokens, kv.block_size) // kv.block_size
+        return [kv.block_of[h] for h in self.block_hashes(tokens, kv.block_size)[:n]]
+
+
+def use_lookup(engine, block_hashes, cached_prefix):
+    """``engine`` (fresh, of an LLM with ``prefix_caching=True``) finding each new request's cached
+    prefix with the learner's functions. Only its scheduler sees them: the LLM keeps the package's
+    cache for its later engines."""
+    if not hasattr(engine.scheduler.kv, "block_of"):
+        raise ValueError("use_lookup takes an engine with prefix caching (EngineConfig(prefix_caching=True))")
+    engine.scheduler.kv = PluggedLookup(engine.scheduler.kv, block_hashes, cached_prefix)
     return engine

@@ -1,0 +1,28 @@
+"""Solutions of notebook 12_prefix_caching, merged by `python -m orca_lab.course.solve`."""
+# Each section is a notebook cell: it reads names the cells before it define.
+# ruff: noqa: F821, E402, E741
+
+
+# %% exercise: block_hashes
+from orca_lab.engine.prefix_cache import block_hash
+
+def block_hashes(tokens, block_size):
+    names = []
+    for i in range(len(tokens) // block_size):                  # full blocks only
+        names.append(block_hash(names[-1] if names else None, tokens[i * block_size:(i + 1) * block_size]))
+    return names
+
+
+# %% exercise: cached_prefix
+def cached_prefix(cache, prompt, block_size):
+    n = 0
+    for name in block_hashes(prompt[:-1], block_size):         # the last token is always computed
+        if name not in cache:
+            break                                               # the prefix ends at the first miss
+        n += block_size
+    return n
+
+
+# %% exercise: hit_tokens
+hit_tokens = 24
+prefill_tokens = 13
