@@ -18,14 +18,12 @@ rounds, not between the figures compared). The goal: at most 1.5x at 4k tokens o
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 from orca_lab.engine.detokenizer import Detokenizer
-from orca_lab.environment import environment
+from orca_lab.results import write_report
 from orca_lab.tokenizer import ByteTokenizer, gpt2_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,11 +99,7 @@ def main(argv=None):
         growth[name] = {k: mine[hi][k] / mine[lo][k] for k in ("before_us_per_token", "after_us_per_token")}
         print(f"{name}: per-token time at {hi} over {lo} tokens: before {growth[name]['before_us_per_token']:.2f}x, "
               f"after {growth[name]['after_us_per_token']:.2f}x (goal <= 1.5x)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "environment": environment(), "stop": STOP, "rows": rows,
-                               "growth_longest_over_shortest": growth}, indent=1))
-    print(f"wrote {out}", file=sys.stderr)
+    write_report(args.out, args, {"stop": STOP, "rows": rows, "growth_longest_over_shortest": growth})
 
 
 if __name__ == "__main__":

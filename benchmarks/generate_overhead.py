@@ -12,16 +12,14 @@ stage times), so overhead = call - iteration. The target: reused overhead <= 2 m
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from orca_lab import LLM, EngineConfig
-from orca_lab.environment import environment
+from orca_lab.results import write_report
 
 MODES = ("reused", "allocated per call")
 TARGET_MS = 2.0
@@ -95,11 +93,7 @@ def main(argv=None):
               f"{r['overhead_p90_ms']:7.2f}")
     ok = rows["reused"]["overhead_ms"] <= TARGET_MS
     print(f"reused: call <= iteration + {TARGET_MS:g} ms: {'yes' if ok else 'NO'}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "environment": environment(), "pool_mib": pool_mb,
-                               "rows": rows, "target_ms": TARGET_MS, "within_target": ok}, indent=1))
-    print(f"wrote {out}")
+    write_report(args.out, args, {"pool_mib": pool_mb, "rows": rows, "target_ms": TARGET_MS, "within_target": ok})
     return rows
 
 

@@ -1,7 +1,7 @@
 """What logprobs, echo and the sampling fields cost, and that a request asking for none of them pays
 nothing: generated tokens per second of one batch, in process, for
 
-    before            the sampler of the code before this change (``orca_lab/model/sampler.py`` at
+    before            the sampler of the code before this change (``orca_lab/engine/sampler.py`` at
                       ``--base``, read with ``git show``), with no prompt-logprob check in the executor
     after             this code, the requests asking for nothing
     logprobs=5        every request asking for its tokens' top-5 logprobs
@@ -18,7 +18,6 @@ to "before", measured side by side in one run.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -29,8 +28,8 @@ from pathlib import Path
 import torch
 
 from orca_lab import LLM, EngineConfig, SamplingParams
-from orca_lab.engine import executor, logprobs
-from orca_lab.environment import environment
+from orca_lab.model import executor, logprobs
+from orca_lab.results import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("before", "after", "logprobs=5", "echo", "penalties")
@@ -38,10 +37,10 @@ MODES = ("before", "after", "logprobs=5", "echo", "penalties")
 
 def old_sampler(base: str):
     """The sampler module of commit ``base``, loaded apart from the package."""
-    src = subprocess.run(["git", "show", f"{base}:orca_lab/model/sampler.py"], cwd=ROOT, capture_output=True,
+    src = subprocess.run(["git", "show", f"{base}:orca_lab/engine/sampler.py"], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
     mod = types.ModuleType("sampler_before")
-    exec(compile(src, f"{base}:orca_lab/model/sampler.py", "exec"), mod.__dict__)
+    exec(compile(src, f"{base}:orca_lab/engine/sampler.py", "exec"), mod.__dict__)
     return mod
 
 
@@ -111,10 +110,7 @@ def main(argv=None):
     for m, row in rows.items():
         print(f"{m:>12s} {row['tokens_per_s']:10.1f} {row['ratio_to_before']:10.3f} {row['tokens_per_cpu_s']:13.1f} "
               f"{row['cpu_ratio_to_before']:10.3f}")
-    out = ROOT / args.out if not Path(args.out).is_absolute() else Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "environment": environment(), "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    write_report(ROOT / args.out, args, {"rows": rows})
     return rows
 
 

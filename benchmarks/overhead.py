@@ -13,19 +13,17 @@ Engine overhead = everything but the model forward, as a share of the iteration.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
 from orca_lab import LLM, EngineConfig, SamplingParams
 from orca_lab.engine.batch import Batch
-from orca_lab.environment import environment
+from orca_lab.results import write_report
 from orca_lab.model import executor as executor_mod
 from orca_lab.model import gpt as model_mod
 from orca_lab.workload import paper_trace
@@ -156,10 +154,7 @@ def main(argv=None):
           f"{args.iters} iterations")
     rows = [measure(llm, b, args.iters, args.scale, args.seed) for b in args.batch_sizes]
     print_table(rows)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "environment": environment(), "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    write_report(args.out, args, {"rows": rows})
     return rows
 
 

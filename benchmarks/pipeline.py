@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-from pathlib import Path
 
 from orca_lab import LLM, EngineConfig
 from orca_lab.config import model_config
 from orca_lab.distributed.pool import WorkerPool
-from orca_lab.environment import environment
+from orca_lab.results import write_report
 from orca_lab.metrics import summarize
 from orca_lab.viz.timeline import busy_fraction
 from orca_lab.workload import paper_trace
@@ -80,10 +78,7 @@ def main(argv=None):
             rows.append(run(llm, trace, f"orca({args.max_bs})", "orca"))
             rows += [run(llm, trace, f"ft({args.max_bs},{mbs})", "ft", mbs) for mbs in args.mbs]
     print_table(rows, args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "environment": environment(), "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    write_report(args.out, args, {"rows": rows})
 
 
 def print_table(rows, args):

@@ -16,16 +16,14 @@ on ``tiny``; the script exits 1 if it is not met.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from orca_lab import LLM, EngineConfig
-from orca_lab.environment import environment
+from orca_lab.results import write_report
 from orca_lab.metrics import distribution, per_request
 from orca_lab.sim.sweep import Curve
 from orca_lab.sim.backends import SimBackend
@@ -128,12 +126,10 @@ def main(argv=None):
     sim = simulate_13b(args)
     print(table(f"gpt3-13b on one A100-40GB, simulated, {args.system}({args.sim_max_bs})", sim))
     w, wo = tiny[MODES[0]], tiny[MODES[1]]
-    report = {"args": vars(args), "environment": environment(), "tiny_measured": tiny, "gpt3_13b_simulated": sim,
+    report = {"tiny_measured": tiny, "gpt3_13b_simulated": sim,
               "ttft_median_ratio": wo["ttft_median_ms"] / w["ttft_median_ms"], "target_ratio": 2.0,
               "load_average_1_5_15min": {"before": load_before, "after": os.getloadavg()}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
-    print(f"wrote {args.out}")
+    write_report(args.out, args, report)
     return 0 if report["ttft_median_ratio"] >= 2.0 else 1
 
 

@@ -14,17 +14,15 @@ chunked on a pool that makes them preempt while the queue waits.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from orca_lab import SamplingParams
 from orca_lab.config import model_config
 from orca_lab.engine.engine import Engine
 from orca_lab.engine.policies import new_kv, new_scheduler
-from orca_lab.environment import environment
+from orca_lab.results import write_report
 from orca_lab.sim.cost import AnalyticalCost
 from orca_lab.sim.executor import SimExecutor
 
@@ -98,11 +96,7 @@ def main(argv=None):
         flat[case] = {c: max(r[c] for r in mine) / min(r[c] for r in mine) for c in COLUMNS}
     print("largest / smallest over the queue lengths (flat: <= 2): " + "; ".join(
         f"{case} " + ", ".join(f"{c.removesuffix('_us')} {v:.2f}" for c, v in f.items()) for case, f in flat.items()))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "environment": environment(), "rows": rows,
-                               "max_over_min": flat}, indent=1))
-    print(f"wrote {out}")
+    write_report(args.out, args, {"rows": rows, "max_over_min": flat})
     return rows
 
 

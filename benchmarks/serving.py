@@ -26,18 +26,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from orca_lab import LLM, EngineConfig
-from orca_lab.environment import environment
+from orca_lab.results import write_report
 from orca_lab.metrics import summarize
 from orca_lab.serving.bench import DebugRun, make_trace, run_load, server_records
 from orca_lab.serving.launch import ServerProcess
@@ -196,12 +193,7 @@ def main(argv=None):
         print(f"  token by token, the client's gap over the iteration that made it: median "
               f"{ll['median_itl_over_own_iteration']:.2f}, p99 {ll['p99_itl_over_own_iteration']:.2f} (goal <= 1.5); "
               f"the host's own p99/median on fixed work of one iteration: {ll['host_p99_over_median']:.2f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "environment": environment(), "saturation": sat,
-                               "saturation_median_ratio": ratio, "light_load": light,
-                               "load_average_1_5_15min": load}, indent=1))
-    print(f"wrote {out}", file=sys.stderr)
+    write_report(args.out, args, {"saturation": sat, "saturation_median_ratio": ratio, "light_load": light, "load_average_1_5_15min": load})
 
 
 if __name__ == "__main__":

@@ -20,3 +20,13 @@ def save_table(df: pd.DataFrame, out_dir, name: str, columns=None, **meta) -> li
                               "rows": json.loads(df.to_json(orient="records"))}, indent=1, default=str))
     return [csv, js]
 
+
+
+def write_report(out, args, fields: dict) -> Path:
+    """A benchmark's JSON at ``out``: its arguments, the machine and library versions it ran on, and
+    ``fields`` (its rows and what it concluded from them)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "environment": environment(), **fields}, indent=1, default=str))
+    print(f"wrote {out}")
+    return out

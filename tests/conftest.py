@@ -17,3 +17,12 @@ def tiny_llm():
     """The tiny preset on the CPU, fp32 (test_engine.py and test_model.py put a copy on ``helpers.DEVICE``)."""
     from orca_lab import LLM, EngineConfig
     return LLM("tiny", seed=1, engine=EngineConfig(max_bs=4, n_slots=4096))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small ops on a shared 2-core machine: one intra-op thread (see ``model/executor.py``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

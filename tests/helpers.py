@@ -34,3 +34,16 @@ def on_device(llm):
 def random_prompts(n, vocab, lo=1, hi=40, seed=0):
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def hf_log_softmax(llm, folder):
+    """``ids -> [len(ids), vocab]``: ``log_softmax`` of transformers' GPT-2 logits for a whole sequence,
+    fp32, on ``llm``'s weights saved to ``folder``: a reference computed apart from the engine."""
+    transformers = pytest.importorskip("transformers")
+    llm.save_pretrained(folder)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(folder).eval().float()
+
+    def logprobs(ids):
+        with torch.inference_mode():
+            return hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    return logprobs

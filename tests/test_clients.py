@@ -12,13 +12,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 
 from orca_lab import LLM, SamplingParams
 from orca_lab.serving.launch import ServerProcess
 from orca_lab.serving.protocol import NEUTRAL
 
-from helpers import random_prompts
+from helpers import hf_log_softmax, random_prompts
 
 CHATML = Path(__file__).parent / "chat" / "chatml.jinja"
 from server_helpers import metrics
@@ -45,15 +44,7 @@ def llm():
 @pytest.fixture(scope="module")
 def reference(llm, tmp_path_factory):
     """``log_softmax`` of transformers' logits of a whole sequence, fp32, computed apart."""
-    transformers = pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("tiny")
-    llm.save_pretrained(path)
-    hf = transformers.GPT2LMHeadModel.from_pretrained(path).eval().float()
-
-    def logprobs(ids):
-        with torch.inference_mode():
-            return hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
-    return logprobs
+    return hf_log_softmax(llm, tmp_path_factory.mktemp("tiny"))
 
 
 def text_of(t: int) -> str:

@@ -8,7 +8,7 @@ import torch
 
 from orca_lab import LLM, EngineConfig, SamplingParams
 
-from helpers import random_prompts
+from helpers import hf_log_softmax, random_prompts
 
 SYSTEMS = ("orca", "ft", "paged", "chunked")
 
@@ -22,15 +22,7 @@ def llm():
 @pytest.fixture(scope="module")
 def reference(llm, tmp_path_factory):
     """``log_softmax`` of transformers' logits for a whole sequence: ``[len(ids), vocab]``, fp32."""
-    transformers = pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("tiny")
-    llm.save_pretrained(path)
-    hf = transformers.GPT2LMHeadModel.from_pretrained(path).eval().float()
-
-    def logprobs(ids):
-        with torch.inference_mode():
-            return hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
-    return logprobs
+    return hf_log_softmax(llm, tmp_path_factory.mktemp("tiny"))
 
 
 def check_entry(entry, token, row, k):

@@ -3,7 +3,6 @@ alone under forced preemption and prompts longer than the budget, seeded samplin
 prompt is chunked, no leaks, FCFS, the simulator's batches, a pipeline of worker processes, and their
 refusals of bad settings."""
 import pytest
-import torch
 from helpers import random_prompts
 
 from orca_lab import LLM, EngineConfig, SamplingParams
@@ -26,13 +25,7 @@ def trace_of(vocab, n=9, seed=0, lo=1, hi=50):
     return [TraceItem(0.0, tuple(p), 2 + (5 * i + seed) % 11) for i, p in enumerate(prompts)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small ops on a shared 2-core machine: one intra-op thread (see ``engine/executor.py``)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -24,18 +24,14 @@ from orca_lab.sim.sweep import Curve
 from orca_lab.sim.backends import SimBackend
 from orca_lab.workload import TraceItem, few_shot_trace, mooncake_reuse, mooncake_trace, multi_turn_trace, prefix_reuse
 
+
 from server_helpers import metrics
 
 BS = 8
 SETTINGS = dict(max_bs=4, n_slots=1024, block_size=BS, max_num_batched_tokens=24)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 def make_waves(vocab=256, seed=0):

@@ -57,13 +57,18 @@ class BlockManager(KVSlotManager):
     def share(self, req, hit: list[int], first: bool = True):
         """Start ``req`` with the cached blocks ``hit`` (none here)."""
 
-    def grow(self, req, n_tokens: int):
-        """Extend ``req``'s block table to cover ``n_tokens`` tokens; the caller checked ``can_grow``."""
-        need = self.blocks_for(n_tokens) - self.blocks_held(req)
-        if need <= 0:
-            return
+    def blocks_to_grow(self, req, n_tokens: int) -> int:
+        """The blocks ``req`` lacks to cover ``n_tokens`` tokens (the caller checked ``can_grow``)."""
+        need = max(0, self.blocks_for(n_tokens) - self.blocks_held(req))
         if need > self.n_free_blocks:
             raise RuntimeError(f"cannot grow request {req.rid} by {need} blocks: {self.n_free_blocks} free")
+        return need
+
+    def grow(self, req, n_tokens: int):
+        """Extend ``req``'s block table to cover ``n_tokens`` tokens; the caller checked ``can_grow``."""
+        need = self.blocks_to_grow(req, n_tokens)
+        if not need:
+            return
         runs = self._take(need * self.block_size)
         self.n_reserved += need * self.block_size
         self._holders[req.rid] = req

@@ -120,11 +120,9 @@ class PrefixCachingBlockManager(BlockManager):
 
     # -- growth, writes and release ---------------------------------------------------------------
     def grow(self, req, n_tokens: int):
-        need = self.blocks_for(n_tokens) - self.blocks_held(req)
-        if need <= 0:
+        need = self.blocks_to_grow(req, n_tokens)
+        if not need:
             return
-        if need > self.n_free_blocks:
-            raise RuntimeError(f"cannot grow request {req.rid} by {need} blocks: {self.n_free_blocks} free")
         self._holders[req.rid] = req
         self._blocks.setdefault(req.rid, [])
         new = self._take_blocks(need)
