@@ -94,3 +94,9 @@ class BlockManager(KVSlotManager):
     def release(self, req):
         super().release(req)
         self._tables.pop(req.rid, None)
+
+    def block_table(self, req) -> list[int]:
+        """The request's blocks, in context order (block ``b`` holds slots ``[b*bs, (b+1)*bs)``)."""
+        if req.slots is None:
+            return []
+        return [int(s) // self.block_size for s in req.slots[::self.block_size]]
