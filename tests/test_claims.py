@@ -37,8 +37,9 @@ def test_notebook_09_claims_hold_at_three_other_seeds(tmp_path):
 def test_the_counts_notebook_09_asserts_hold_at_any_load():
     """What a busy neighbour can do to the notebook's runs is change the load their trace sees; on the
     simulator (the same engine loop and schedulers) its asserts hold from a quarter of the baseline's
-    capacity to 20 times it; the baseline's wasted rows from its capacity on (the notebook runs at
-    2.5 times it)."""
+    capacity to 20 times it. The baseline's wasted rows need its batches full (a batch of one wastes
+    nothing): the notebook asserts them offline, every request there at time 0. A run under two CPU
+    hogs once saw less than the baseline's capacity and no waste, at seeds 1 and 2."""
     from orca_lab.compare import trace_at
     from orca_lab.metrics import compare_table, summarize
     from orca_lab.sim.sweep import Curve
@@ -53,8 +54,9 @@ def test_the_counts_notebook_09_asserts_hold_at_any_load():
             o, f = t.loc["orca"], t.loc["ft"]
             assert o.n_iterations < f.n_iterations and o.tokens_per_iteration > f.tokens_per_iteration, (seed, load)
             assert o.wasted_rows_per_iteration == 0, (seed, load)
-            if load >= 1:      # lighter, a batch may hold a single request: nothing to waste
-                assert f.wasted_rows_per_iteration > 0, (seed, load)
+        # the baseline's waste, which the notebook asserts offline: exact, whatever the machine's speed
+        t = compare_table([sim.serve(Curve("orca", 8), offline), sim.serve(Curve("ft", 8, 8), offline)])
+        assert t.loc["orca"].wasted_rows_per_iteration == 0 < t.loc["ft"].wasted_rows_per_iteration, seed
 
 
 # -- the README's numbers come from committed files -----------------------------------------------
