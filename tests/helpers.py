@@ -47,3 +47,17 @@ def hf_log_softmax(llm, folder):
         with torch.inference_mode():
             return hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
     return logprobs
+
+
+def execute_notebook(*args, **kwargs):
+    """``papermill.execute_notebook``, tried again when the kernel died before it answered:
+    jupyter_client picks the kernel's TCP ports, closes them and lets the kernel bind them, and on a
+    busy host another process can take one in between ("Address already in use", seen in a
+    fresh-clone CI run beside two CPU hogs)."""
+    import papermill as pm
+    for attempt in range(3):
+        try:
+            return pm.execute_notebook(*args, **kwargs)
+        except RuntimeError as e:
+            if "Kernel died before replying to kernel_info" not in str(e) or attempt == 2:
+                raise

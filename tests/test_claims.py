@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import execute_notebook
+
 pm = pytest.importorskip("papermill")
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "09_end_to_end.ipynb"
@@ -22,7 +24,7 @@ def _run(seed, out):
     solved = out / NOTEBOOK.name            # the learner's exercise solved (orca_lab.course.solve)
     solve.dump(solve.solved(NOTEBOOK), solved)
     try:
-        pm.execute_notebook(str(solved), str(out / f"09_seed{seed}.ipynb"), parameters={"seed": seed},
+        execute_notebook(str(solved), str(out / f"09_seed{seed}.ipynb"), parameters={"seed": seed},
                             kernel_name="python3", progress_bar=False, cwd=str(NOTEBOOK.parent))
         return None
     except pm.PapermillExecutionError as e:

@@ -25,6 +25,8 @@ import pytest
 
 from orca_lab.course import solve
 
+from helpers import execute_notebook
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = solve.course()
 IDS = [p.stem for p in NOTEBOOKS]
@@ -118,7 +120,7 @@ def test_papermill_stops_at_the_first_cell_on_a_bad_parameter(tmp_path):
     papermill = pytest.importorskip("papermill")
     out = tmp_path / "out.ipynb"
     with pytest.raises(papermill.PapermillExecutionError) as err:
-        papermill.execute_notebook(str(ROOT / "notebooks" / "08_pipelined_schedules.ipynb"), str(out),
+        execute_notebook(str(ROOT / "notebooks" / "08_pipelined_schedules.ipynb"), str(out),
                                    parameters={"n_workers": 0}, kernel_name="python3", progress_bar=False)
     assert "n_workers=0 is out of range: allowed [1, 8]" in str(err.value)
     ran = [c for c in code_cells(load(out)) if c.get("execution_count")]

@@ -17,6 +17,8 @@ import torch
 from orca_lab.sim import params as P
 from orca_lab.sim.sweep import CSV_COLUMNS
 
+from helpers import execute_notebook
+
 pm = pytest.importorskip("papermill")
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "reproduce"
@@ -59,7 +61,7 @@ BAD = {     # a bad parameter, and the message it must stop with (every check: t
 
 def _execute(name, params, out):
     try:
-        pm.execute_notebook(str(NOTEBOOKS / f"{name}.ipynb"), str(out / f"{name}.ipynb"),
+        execute_notebook(str(NOTEBOOKS / f"{name}.ipynb"), str(out / f"{name}.ipynb"),
                             parameters={**params, "out_dir": str(out)}, kernel_name="python3", progress_bar=False)
         return None
     except pm.PapermillExecutionError as e:
