@@ -23,9 +23,11 @@ from orca_lab.engine.sampling_params import SamplingParams
 SECRET = bytes(range(32))
 MESSAGES = [
     ControlMessage(7, (3, 9), (0, 12), (5, 1), ((1, 2, 3, 4, 5), (8,)), ("prefill", "decode"), (False, True), False,
-                   {3: ((0, 1, 2, 3, 4, 5, 6), SamplingParams(max_gen_tokens=3, temperature=0.5, top_k=4, seed=1))},
+                   {3: ((0, 1, 2, 3, 4, 5, 6), SamplingParams(max_gen_tokens=3, temperature=0.5, top_k=4, seed=1), ()),
+                    9: ((7, 8), SamplingParams(logit_bias={5: -2.5}, repetition_penalty=1.5, prompt_logprobs=1), (8, 1, 2))},
                    (2,)),
     Reset(), Stop(), StageReport(7, 1, 1.5, 2.25, [4, 5]), StageReport(7, 0, 1.0, 1.5), WorkerError(3, "Traceback"),
+    StageReport(7, 1, 1.5, 2.25, [4, 5], [[3, [4, -0.25, [[4, -0.25], [9, -2.0]]], [None, [2, -1.5, []]]]]),
     Hello(-1),
 ]
 

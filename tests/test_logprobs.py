@@ -1,6 +1,8 @@
 """Log-probabilities, echo and the sampling fields, in process on every system: each against a plain
 reference computed apart (transformers' GPT-2 on the same weights, full sequences, fp32), and each
 request batched equal to the same request alone."""
+import dataclasses
+import json
 import math
 
 import pytest
@@ -175,11 +177,50 @@ def test_a_bias_outside_the_vocabulary_is_refused_by_the_engine(llm):
         engine.close()
 
 
-def test_worker_processes_refuse_the_fields_that_need_the_engines_tokens():
-    """Workers sample knowing a request's slots and params, not its tokens: refused, by name."""
-    llm = LLM("tiny", seed=0, engine=EngineConfig(max_bs=4, n_slots=1024, pipeline_parallel=2))
+# -- on worker processes -------------------------------------------------------------------------
+def test_a_logprob_entry_crosses_the_control_plane_unchanged():
+    from orca_lab.model.logprobs import TokenLogprob, from_plain, to_plain
+    entry = TokenLogprob(7, -0.5, ((7, -0.5), (3, -1.25)))
+    assert from_plain(json.loads(json.dumps(to_plain(entry)))) == entry
+    assert from_plain(to_plain(None)) is None
+
+
+@pytest.mark.parametrize("degree", ["pipeline_parallel", "tensor_parallel"])
+def test_worker_processes_honour_every_sampling_field(llm, degree):
+    """The last stage samples with each request's prompt and output and scores the logits gathered
+    over the tensor ranks: every field gives the tokens and log-probabilities of the engine sampling
+    in its own process, on every system (the chunked prompts' prompt_logprobs arrive a chunk at a
+    time), batched with requests that ask for nothing."""
+    from orca_lab.distributed.pool import WorkerPool
+    prompts = random_prompts(3, 257, lo=2, hi=20, seed=11)     # each field changes its request's output
+    fields = [*FIELDS.values(), dict(logprobs=3, prompt_logprobs=2),
+              dict(temperature=0.9, seed=3, frequency_penalty=0.8, logprobs=1)]
+    params = [SamplingParams(max_gen_tokens=8, **f) for f in fields] + [SamplingParams(max_gen_tokens=8)] * 2
+    batch = [prompts[i % 3] for i in range(len(params))]
+    plain = llm.generate(batch, sampling_params=[SamplingParams(max_gen_tokens=8, ignore_eos=p.ignore_eos,
+                                                                 stop_token_ids=p.stop_token_ids) for p in params])
+    workers = LLM(gpt=llm.model, engine=dataclasses.replace(llm.engine_config, **{degree: 2}))
+    with WorkerPool(workers):
+        for system in SYSTEMS:
+            want = llm.complete(batch, system=system, sampling_params=params)
+            assert all(w.token_ids != q for w, q in zip(want[:len(FIELDS)], plain)), system   # each field acts
+            for w, g in zip(want, workers.complete(batch, system=system, sampling_params=params)):
+                assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason), system
+                for lp, lw in ((g.logprobs, w.logprobs), (g.prompt_logprobs, w.prompt_logprobs)):
+                    assert (lp is None) == (lw is None) and len(lp or ()) == len(lw or ()), system
+                    for a, b in zip(lp or (), lw or ()):
+                        assert (a is None) == (b is None), system
+                        if a is not None:
+                            assert a.token == b.token and [t for t, _ in a.top] == [t for t, _ in b.top]
+                            assert math.isclose(a.logprob, b.logprob, abs_tol=1e-4), system
+
+
+def test_the_simulator_refuses_the_fields_that_need_a_models_logits():
+    """A cost model has no logits to shape or score: refused by name, not ignored."""
+    from orca_lab.sim.backends import SimBackend
+    from orca_lab.sim.sweep import Curve
+    engine = SimBackend("tiny", n_slots=1024).new_engine(Curve("orca", 4))
     for kw in (dict(logprobs=1), dict(prompt_logprobs=0), dict(min_tokens=2), dict(logit_bias={5: 1.0})):
-        name = next(iter(kw))
-        with pytest.raises(ValueError, match=f"^{name}=.*worker processes"):
-            llm.generate([[1, 2, 3]], sampling_params=SamplingParams(max_gen_tokens=2, **kw))
-    assert llm.generate([[1, 2, 3]], max_gen_tokens=2) == LLM("tiny", seed=0).generate([[1, 2, 3]], 2)
+        with pytest.raises(ValueError, match=f"^{next(iter(kw))}=.*the simulator's cost model"):
+            engine.add_request([1, 2, 3], SamplingParams(max_gen_tokens=2, **kw))
+    engine.close()

@@ -12,10 +12,13 @@ from orca_lab.distributed.pool import WorkerPool, attached
 from orca_lab.engine.clock import RealClock
 from orca_lab.engine.executor import Completion, StageTime
 from orca_lab.engine.request import RequestState
+from orca_lab.model import logprobs
 
 
 class WorkerExecutor:
-    """The executor interface over a WorkerPool (see ``executor.py``)."""
+    """The executor interface over a WorkerPool (see ``executor.py``). The last stage samples with
+    each request's prompt and output and computes its log-probabilities, as ``LocalExecutor`` does."""
+    has_logits = True
 
     def __init__(self, pool: WorkerPool, owns_pool: bool = False):
         self.pool, self.owns_pool = pool, owns_pool
@@ -43,7 +46,8 @@ class WorkerExecutor:
         for r in batch.requests:
             if self.known.get(r.rid, (None, None))[1] is not r.slots:   # new, or its blocks changed
                 self.known[r.rid] = (r, r.slots)
-                reserve[r.rid] = (tuple(r.slots.tolist() if torch.is_tensor(r.slots) else r.slots), r.params)
+                prompt = tuple(r.prompt) if r.params.needs_host_state else ()
+                reserve[r.rid] = (tuple(r.slots.tolist() if torch.is_tensor(r.slots) else r.slots), r.params, prompt)
         iteration = self.pool.next_iteration()
         self.pool.send(ControlMessage.of(batch, iteration, reserve, release))
         self.in_flight.append((iteration, batch))
@@ -55,6 +59,7 @@ class WorkerExecutor:
         if reports is None:
             return None
         self.in_flight.popleft()
+        record_scores(batch, reports[-1].scores)
         stages = [StageTime(r.stage, r.start - self._wall0, r.end - self._wall0) for r in reports]
         return Completion(batch, reports[-1].tokens, stages)
 
@@ -74,4 +79,15 @@ class WorkerExecutor:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def record_scores(batch, scores):
+    """Hand the log-probabilities the last stage computed to the engine's own requests, where the
+    in-process sampler would have written them."""
+    by_rid = {r.rid: r for r in batch.requests}
+    for rid, sampled, prompt in scores:
+        req = by_rid[rid]
+        if sampled is not None:
+            req.logprobs.append(logprobs.from_plain(sampled))
+        req.prompt_logprobs.extend(logprobs.from_plain(e) for e in prompt)
 

@@ -27,8 +27,9 @@ class ControlMessage:
     yields: tuple[bool, ...]         # which requests the last stage samples (``Batch.yields``)
     padded: bool
     # The worker side of the K/V manager: slots and sampling of requests the workers have not seen
-    # yet, and the requests the scheduler finished (their slots may be handed to new requests).
-    reserve: dict[int, tuple[tuple[int, ...], SamplingParams]] = field(default_factory=dict)
+    # yet, and the requests the scheduler finished (their slots may be handed to new requests). The
+    # prompt travels only with a request whose sampling reads it (``SamplingParams.needs_host_state``).
+    reserve: dict[int, tuple[tuple[int, ...], SamplingParams, tuple[int, ...]]] = field(default_factory=dict)
     release: tuple[int, ...] = ()
 
     @classmethod
@@ -57,12 +58,15 @@ class Stop:
 @dataclass(frozen=True)
 class StageReport:
     """A stage finished an iteration: its times (wall clock, seconds) and, from the last stage, the
-    tokens. Earlier stages report only their times, for the pipeline trace."""
+    tokens, and the log-probabilities it computed for the requests that ask (``[rid, that token's
+    entry or None, new prompt entries]``, each entry ``logprobs.to_plain``). Earlier stages report
+    only their times, for the pipeline trace."""
     iteration: int
     stage: int
     start: float
     end: float
     tokens: list[int] | None = None
+    scores: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)

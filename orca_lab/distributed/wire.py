@@ -26,8 +26,8 @@ def encode(msg, secret: bytes) -> bytes:
     """``tag + JSON``: the tag is the HMAC-SHA256 of the JSON under the pool's secret."""
     fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
     if isinstance(msg, ControlMessage):       # int keys and a dataclass inside: as plain lists
-        fields["reserve"] = [[rid, slots, dataclasses.asdict(params)]
-                             for rid, (slots, params) in msg.reserve.items()]
+        fields["reserve"] = [[rid, slots, dataclasses.asdict(params), prompt]
+                             for rid, (slots, params, prompt) in msg.reserve.items()]
     body = json.dumps([type(msg).__name__, fields], separators=(",", ":")).encode()
     return hmac.digest(secret, body, "sha256") + body
 
@@ -42,8 +42,8 @@ def decode(raw: bytes, secret: bytes):
         kind, fields = json.loads(body)
         cls = MESSAGES[kind]
         if cls is ControlMessage:
-            fields["reserve"] = {rid: (tuple(slots), SamplingParams(**params))
-                                 for rid, slots, params in fields["reserve"]}
+            fields["reserve"] = {rid: (tuple(slots), SamplingParams(**params), tuple(prompt))
+                                 for rid, slots, params, prompt in fields["reserve"]}
         return cls(**fields)
     except (ValueError, KeyError, TypeError) as e:
         raise ControlError(f"refused a signed control frame that is not a valid message ({e!r})") from None

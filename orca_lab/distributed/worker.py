@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ from orca_lab.engine.clock import StageClock
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.kv_manager import KVPool
 from orca_lab.engine.sampling_params import SamplingParams
+from orca_lab.model import logprobs
 from orca_lab.model.gpt import CheckpointWeights, RandomWeights, StateDictWeights
 from orca_lab.model.kv_sizing import rank_shares, size_kv_pool
 from orca_lab.model.sampler import sample
@@ -73,12 +74,18 @@ class WorkerSpec:
 
 @dataclass(eq=False)
 class RemoteRequest:
-    """The worker's record of a request: the K/V slots the master reserved for it, and what the
-    sampler reads (``params``, ``rid``, its ``generator``) on the last stage."""
+    """The worker's record of a request: the K/V slots the master reserved for it, and on the last
+    stage what the sampler reads and writes, the fields of ``Request`` it shares: ``params``, ``rid``,
+    its ``generator``, its ``prompt`` (sent only when its sampling reads it), the ``output`` this
+    stage sampled for it, and the log-probabilities computed so far (``penalties.py``, ``logprobs.py``)."""
     rid: int
     slots: torch.Tensor
     params: SamplingParams
+    prompt: list[int] = field(default_factory=list)
     generator: object = None
+    output: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
 
 
 class Worker:
@@ -183,12 +190,12 @@ class Worker:
         """This stage's share of one iteration."""
         for rid in msg.release:
             self.requests.pop(rid, None)
-        for rid, (slots, params) in msg.reserve.items():
+        for rid, (slots, params, prompt) in msg.reserve.items():
             slots = torch.tensor(slots, dtype=torch.int64)
-            if rid in self.requests:        # a paged request's blocks changed: keep its generator
+            if rid in self.requests:        # a paged request's blocks changed: keep its generator and tokens
                 self.requests[rid].slots = slots
             else:
-                self.requests[rid] = RemoteRequest(rid, slots, params)
+                self.requests[rid] = RemoteRequest(rid, slots, params, list(prompt))
         batch = msg.batch(self.requests)
         bt = batch.tensors(self.device)
         # Busy from the moment its input is here. On a GPU a recv returns once queued, so the stage
@@ -201,21 +208,39 @@ class Worker:
             x = self.data.recv_prev((batch.n_tokens, self.spec.cfg.d_model), self.dtype)
             clock.mark()
         x = self.model.run_layers(x, bt, self.kv, 0, len(self.model.blocks))
-        tokens = None
+        tokens, scores = None, []
         if self.last:
-            tokens = self._sample(x, bt, batch)
+            tokens, scores = self._sample(x, bt, batch)
         else:
             self.data.send_next(x)
         if self.report is not None:
             clock.mark()
             start, end = clock.times()
-            self.report.send(StageReport(msg.iteration, self.stage, start, end, tokens))
+            self.report.send(StageReport(msg.iteration, self.stage, start, end, tokens, scores))
 
     def _sample(self, x, bt, batch):
-        logits = self.model.head(x, bt)                     # this rank's vocabulary rows
+        """The tokens and the new log-probabilities of the requests that ask, as the last stage's
+        tensor rank 0 reports them. Every rank of the stage gathers the logits, so each joins every
+        collective; rank 0 alone draws (and so alone keeps a request's output)."""
+        logits = self._logits_at(x, bt.last_idx)
+        before = [(len(r.logprobs), len(r.prompt_logprobs)) for r in batch.requests]
+        tokens = None
+        if self.tp_rank == 0:
+            tokens = sample(logits, batch)
+            for r, token in zip(batch.requests, tokens):
+                if token is not None:
+                    r.output.append(token)
+        if logprobs.wants_prompt(batch):
+            logprobs.record_prompt(self._logits_at, x, batch)
+        return tokens, new_scores(batch.requests, before) if self.tp_rank == 0 else []
+
+    def _logits_at(self, x, rows):
+        """The logits of the rows ``rows`` of ``x`` over the whole vocabulary (each tensor rank
+        projects onto its own rows of it)."""
+        logits = self.model.head_at(x, rows)
         if self.spec.tp > 1:
             logits = self.data.all_gather_last(logits)[:, :self.spec.cfg.vocab_size]
-        return sample(logits, batch) if self.tp_rank == 0 else None
+        return logits
 
     def close(self):
         self.data.close()
@@ -223,6 +248,17 @@ class Worker:
             if conn is not None:
                 conn.close()
         self.inbox.close()
+
+
+def new_scores(requests, before) -> list:
+    """``[rid, sampled entry or None, prompt entries]`` of each request whose log-probabilities
+    grew past its ``before`` counts, as plain lists for a ``StageReport``."""
+    scores = []
+    for r, (n, n_prompt) in zip(requests, before):
+        if len(r.logprobs) > n or len(r.prompt_logprobs) > n_prompt:
+            sampled = logprobs.to_plain(r.logprobs[n]) if len(r.logprobs) > n else None
+            scores.append([r.rid, sampled, [logprobs.to_plain(e) for e in r.prompt_logprobs[n_prompt:]]])
+    return scores
 
 
 def weight_source(spec: WorkerSpec, device, dtype):

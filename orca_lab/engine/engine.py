@@ -174,10 +174,10 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={list(params.stop)!r} needs a tokenizer to read the output as text: "
                              "give the LLM one, or use stop_token_ids")
-        if params.needs_host_state and not getattr(self.executor, "samples_here", False):
+        if params.needs_host_state and not getattr(self.executor, "has_logits", False):
             asked = [f"{name}={getattr(params, name)!r}" for name, off in HOST_STATE if getattr(params, name) != off]
-            raise ValueError(f"{', '.join(asked)}: needs the engine to sample in its own process, not with worker "
-                             "processes (tensor_parallel x pipeline_parallel > 1) or the simulator")
+            raise ValueError(f"{', '.join(asked)}: needs a model's logits, which the simulator's cost model "
+                             "does not compute")
         return params
 
     def abort(self, request) -> bool:

@@ -93,8 +93,8 @@ class SamplingParams:
 
     @property
     def needs_host_state(self) -> bool:
-        """Whether sampling reads the request's own tokens or writes its logprobs: only the engine's
-        own process can (worker processes know a request's slots and params, not its tokens)."""
+        """Whether sampling reads the request's own tokens or writes its logprobs: a worker's last
+        stage then needs the prompt too (the simulator, with no logits, cannot)."""
         return any(getattr(self, name) != off for name, off in HOST_STATE)
 
     @property

@@ -26,7 +26,7 @@ class LocalExecutor:
     without its concurrency (the worker processes give the concurrency). ``graphs`` (a
     ``DecodeGraphs``) runs decode-only iterations from padded CUDA graphs. It samples in the engine's
     process, on the engine's own ``Request`` objects: penalties and logprobs read and write them."""
-    samples_here = True
+    has_logits = True       # the sampling fields that shape or score logits apply (``Engine``)
 
     def __init__(self, model, kv, n_workers: int = 1, device="cpu", graphs=None):
         self.model, self.kv, self.device = model, kv, torch.device(device)

@@ -27,6 +27,18 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]
 
 
+def to_plain(entry: TokenLogprob | None) -> list | None:
+    """An entry as JSON's plain lists (a worker reports it over the control plane)."""
+    return None if entry is None else [entry.token, entry.logprob, [list(t) for t in entry.top]]
+
+
+def from_plain(plain: list | None) -> TokenLogprob | None:
+    if plain is None:
+        return None
+    token, logprob, top = plain
+    return TokenLogprob(token, logprob, tuple((int(t), float(v)) for t, v in top))
+
+
 def record_sampled(logits: torch.Tensor, batch, tokens: list[int | None]):
     """Append to each asking request that got a token the ``TokenLogprob`` of that token, from its
     row of the raw ``logits [B, vocab]``."""
