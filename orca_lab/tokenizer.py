@@ -35,6 +35,10 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token: int) -> bytes:
+        """A token's own bytes (a piece of a character too, whose text is U+FFFD)."""
+        return bytes([token]) if token < 256 else b""
+
 
 class TiktokenTokenizer:
     """A ``tiktoken.Encoding`` behind the encode/decode interface. Special tokens written in the text
@@ -49,6 +53,9 @@ class TiktokenTokenizer:
 
     def decode(self, ids) -> str:
         return self.encoding.decode(list(ids))       # an incomplete character decodes to U+FFFD
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.encoding.decode_single_token_bytes(token)
 
 
 def gpt2_ranks_path() -> Path | None:
@@ -126,6 +133,10 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids))
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of the token's text, as vLLM gives them (its decoder hides a byte-level piece)."""
+        return self.decode([token]).encode("utf-8")
 
 
 def load_tokenizer(path) -> HFTokenizer | None:

@@ -281,11 +281,39 @@ def test_chat_is_the_completion_of_its_template_streamed_and_whole(server, clien
     assert stopped.message.content == text[:text.index(stop)] and stopped.finish_reason == "stop"
 
 
+def test_chat_logprobs_are_the_completions_of_its_template_streamed_and_whole(server, client):
+    """``logprobs`` / ``top_logprobs`` as OpenAI's chat gives them: each output token with its
+    log-probability, its UTF-8 bytes and its k most likely tokens, the numbers of the same prompt's
+    completion; a stream's chunks add up to the whole answer."""
+    prompt = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    kw = dict(model="tiny", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    comp = client.completions.create(prompt=prompt, logprobs=3, **kw).choices[0].logprobs
+    chat = client.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=3, **kw).choices[0].logprobs
+    assert [c.token for c in chat.content] == comp.tokens
+    assert [c.logprob for c in chat.content] == comp.token_logprobs
+    answer = client.chat.completions.create(messages=MESSAGES, **kw).choices[0].message.content
+    assert bytes(b for c in chat.content for b in c.bytes).decode(errors="replace") == answer
+    for c, top in zip(chat.content, comp.top_logprobs):
+        assert len(c.bytes) == 1 and c.token == bytes(c.bytes).decode(errors="replace")    # one byte a token here
+        assert len(c.top_logprobs) == 3 and len({bytes(t.bytes) for t in c.top_logprobs}) == 3
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+        # the completions' top_logprobs keep one entry per text: pieces of a character share U+FFFD
+        assert all(top[t.token] == t.logprob for t in c.top_logprobs if t.token != "\ufffd")
+    chunks = client.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=3, stream=True, **kw)
+    streamed = [c for ch in chunks for choice in ch.choices if choice.logprobs for c in choice.logprobs.content]
+    assert streamed == chat.content
+    bare = client.chat.completions.create(messages=MESSAGES, logprobs=True, **kw).choices[0].logprobs
+    assert [c.logprob for c in bare.content] == comp.token_logprobs and all(c.top_logprobs == [] for c in bare.content)
+    assert client.chat.completions.create(messages=MESSAGES, **kw).choices[0].logprobs is None
+
+
 @pytest.mark.parametrize("body, field, words", [
     ({"messages": []}, "messages", "empty"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "role='robot'"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content", "only"),
-    ({"messages": MESSAGES, "logprobs": True}, "logprobs", "not supported"),
+    ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs", "needs logprobs=true"),
+    ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "allowed [0, 20]"),
+    ({"messages": MESSAGES, "logprobs": 1}, "logprobs", "valid boolean"),
     ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools", "not supported"),
     ({"messages": MESSAGES, "temperature": 3}, "temperature", "[0.0, 2.0]"),
     ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options", "stream=true"),
@@ -318,16 +346,18 @@ def test_serve_refuses_a_bad_chat_template_before_it_starts(tmp_path, capsys, te
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("system", ["ft", "chunked"])
-def test_logprobs_over_http_are_the_same_on_the_other_systems(client, system):
+@pytest.mark.parametrize("flags", [("--system", "ft"), ("--system", "chunked"), ("--system", "paged", "--tp", "2")],
+                         ids=["ft", "chunked", "paged-tp2-workers"])
+def test_logprobs_over_http_are_the_same_on_the_other_systems(client, flags):
     """The request-level baseline hands a request all its tokens at once, the chunked policy splits
-    prompts: the endpoint pairs each token with its own entry all the same."""
+    prompts, and worker processes sample on their last stage over logits gathered from two tensor
+    ranks: the endpoint pairs each token with its own entry all the same, penalties applied."""
     prompts = random_prompts(3, 256, lo=20, hi=40, seed=12)
     kw = dict(model="tiny", prompt=prompts, max_tokens=5, temperature=0, logprobs=3, echo=True,
-              extra_body={"ignore_eos": True})
+              frequency_penalty=0.5, extra_body={"ignore_eos": True})
     want = sorted(client.completions.create(**kw).choices, key=lambda c: c.index)
-    with ServerProcess("--model", "tiny", "--seed", "0", "--max-bs", "4", "--n-slots", "2048", "--system", system,
-                       "--max-num-batched-tokens", "16") as s:
+    with ServerProcess("--model", "tiny", "--seed", "0", "--max-bs", "4", "--n-slots", "2048",
+                       "--max-num-batched-tokens", "16", *flags) as s:
         other = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
         got = sorted(other.completions.create(**kw).choices, key=lambda c: c.index)
         chunks = {}

@@ -42,6 +42,17 @@ def test_gpt2_vocabulary_takes_and_returns_text():
     assert cut.token_ids == full.token_ids[:len(cut.token_ids)] and len(cut.token_ids) < 12
 
 
+@pytest.mark.parametrize("tokenizer", ["bytes", pytest.param("gpt2", marks=needs_gpt2)])
+def test_a_tokens_bytes_add_up_to_the_text_pieces_of_a_character_included(tokenizer):
+    """``token_bytes`` (the chat's logprobs ``bytes``): a token's own bytes, so a character split over
+    tokens (each decoding to U+FFFD alone) is whole again when its tokens' bytes are joined."""
+    tok = gpt2_tokenizer() if tokenizer == "gpt2" else default_tokenizer(257)
+    text = "orca 🐋 schedules — every iteration"
+    ids = tok.encode(text)
+    assert any(tok.decode([t]) == "\ufffd" for t in ids)
+    assert b"".join(tok.token_bytes(t) for t in ids).decode("utf-8") == text
+
+
 def test_missing_gpt2_ranks_are_named(tmp_path, monkeypatch):
     monkeypatch.setenv(GPT2_RANKS_ENV, str(tmp_path / "none.tiktoken"))
     if importlib.util.find_spec("tiktoken") is None:

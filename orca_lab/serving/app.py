@@ -18,6 +18,7 @@ from orca_lab.serving.chat import ChatRequest, DetokenizeRequest, TokenizeReques
 from orca_lab.serving.completions import sse_answer, whole_answer
 from orca_lab.serving.engine_client import RETRY_AFTER_S, EngineClient, HTTPError, Stream
 from orca_lab.serving.engine_core import EngineProcess
+from orca_lab.serving.logprob_text import ChatLogprobs, LogprobText
 from orca_lab.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from orca_lab.serving.protocol import (
     CompletionRequest,
@@ -133,7 +134,7 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
             comp = CompletionRequest(prompt=text, **body.completion_fields(await request.json()))
         except ValidationError as e:
             raise HTTPError(400, *validation_error(e.errors())) from None
-        out = await _complete(state, comp, request)
+        out = await _complete(state, comp, request, ChatLogprobs)
         if isinstance(out, StreamingResponse):
             started = set()
             events = out.body_iterator
@@ -176,9 +177,10 @@ def _check_model(state: ServerState, model: str | None):
         raise HTTPError(404, f"model={model!r} does not exist: this server serves {state.model_name!r}", "model")
 
 
-async def _complete(state: ServerState, body: CompletionRequest, request: Request):
+async def _complete(state: ServerState, body: CompletionRequest, request: Request, form=LogprobText):
     """A completion request, from its checks to its answer: the whole ``CompletionResponse``, a
-    stream of server-sent events, or 499 when its client left first."""
+    stream of server-sent events, or 499 when its client left first. ``form``: the shape of its
+    log-probabilities (``logprob_text.py``)."""
     arrival = request.scope["orca_arrival"]
     streams = _streams(state, body, arrival)
     cid = f"cmpl-{uuid.uuid4().hex}"
@@ -189,9 +191,9 @@ async def _complete(state: ServerState, body: CompletionRequest, request: Reques
     rec = HTTPRecord([s.rid for s in streams], arrival)
     state.record(cid, rec)
     if body.stream:
-        return StreamingResponse(sse_answer(state, body, cid, streams, rec), media_type="text/event-stream")
+        return StreamingResponse(sse_answer(state, body, cid, streams, rec, form), media_type="text/event-stream")
     try:
-        return await _until_done_or_gone(state, request, whole_answer(state, body, cid, streams), streams)
+        return await _until_done_or_gone(state, request, whole_answer(state, body, cid, streams, form), streams)
     finally:
         rec.finish = state.pool.clock.now()
 

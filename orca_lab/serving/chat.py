@@ -15,6 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, create_model, field_validator
 
+from orca_lab.config import check_range
+from orca_lab.engine.sampling_params import MAX_LOGPROBS
 from orca_lab.serving.protocol import MAX_TOKENS, CompletionRequest, _short
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -61,9 +63,11 @@ class ChatFields(BaseModel):
     max_tokens: int | None = Field(None, **{"json_schema_extra": {"minimum": 1, "maximum": MAX_TOKENS}})
     max_completion_tokens: int | None = Field(None, **{"json_schema_extra": {"minimum": 1, "maximum": MAX_TOKENS}})
     add_generation_prompt: StrictBool = True
+    logprobs: StrictBool = Field(False, description="each output token's log-probability")
+    top_logprobs: StrictInt | None = Field(None, description="with logprobs: the k most likely tokens at each "
+                                           "position too", **{"json_schema_extra": {"minimum": 0,
+                                                                                    "maximum": MAX_LOGPROBS}})
     # not implemented: the neutral value only
-    logprobs: StrictBool = Field(False, **{"json_schema_extra": {"enum": [False]}})
-    top_logprobs: int | None = Field(None, **{"json_schema_extra": {"enum": [None]}})
     tools: Any = Field(None, **{"json_schema_extra": {"enum": [None]}})
     tool_choice: Any = Field(None, **{"json_schema_extra": {"enum": [None, "none"]}})
     response_format: Any = Field(None, **{"json_schema_extra": {"enum": [None]}})
@@ -75,12 +79,19 @@ class ChatFields(BaseModel):
             raise ValueError("messages=[] is empty: a chat needs at least one message")
         return v
 
-    @field_validator("logprobs", "top_logprobs", "tools", "response_format")
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v, info):
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError(f"top_logprobs={v} needs logprobs=true")
+        return v if v is None else check_range("top_logprobs", v, 0, MAX_LOGPROBS)
+
+    @field_validator("tools", "response_format")
     @classmethod
     def _not_implemented(cls, v, info):
-        if v not in (None, False) or (info.field_name == "top_logprobs" and v is not None):
+        if v is not None:
             raise ValueError(f"{info.field_name}={_short(v)} is not supported by this server's chat endpoint: "
-                             "leave it out (logprobs: use /v1/completions)")
+                             "leave it out")
         return v
 
     @field_validator("tool_choice")
@@ -94,6 +105,8 @@ class ChatFields(BaseModel):
         """What the completions endpoint checks and runs: the shared fields as the client sent them
         (``raw``, the JSON body: pydantic's reading here would turn ``"0.5"`` into 0.5)."""
         out = {k: raw[k] for k in SHARED if k in raw}
+        if self.logprobs:
+            out["logprobs"] = self.top_logprobs or 0
         tokens = raw.get("max_completion_tokens", raw.get("max_tokens"))
         if tokens is not None:
             out["max_tokens"] = tokens
@@ -144,11 +157,12 @@ def check_template(template: str, where: str) -> str:
 
 
 def chat_response(completion: dict) -> dict:
-    """A completions answer (``CompletionResponse`` as a dict) as OpenAI's chat answer."""
+    """A completions answer (``CompletionResponse`` as a dict, its logprobs already in the chat's
+    shape) as OpenAI's chat answer."""
     return {"id": "chat" + completion["id"], "object": "chat.completion", "created": completion["created"],
             "model": completion["model"], "usage": completion["usage"],
             "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-                         "logprobs": None, "finish_reason": c["finish_reason"]} for c in completion["choices"]]}
+                         "logprobs": c["logprobs"], "finish_reason": c["finish_reason"]} for c in completion["choices"]]}
 
 
 def chat_chunk(data: str, started: set) -> str:
@@ -164,7 +178,7 @@ def chat_chunk(data: str, started: set) -> str:
         if c["index"] not in started:
             started.add(c["index"])
             delta = {"role": "assistant", **delta}
-        choices.append({"index": c["index"], "delta": delta, "logprobs": None, "finish_reason": c["finish_reason"]})
+        choices.append({"index": c["index"], "delta": delta, "logprobs": c["logprobs"], "finish_reason": c["finish_reason"]})
     out = {"id": "chat" + chunk["id"], "object": "chat.completion.chunk", "created": chunk["created"],
            "model": chunk["model"], "choices": choices, "usage": chunk.get("usage")}
     return f"data: {json.dumps(out)}\n\n"

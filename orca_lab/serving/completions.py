@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from orca_lab.serving.engine_client import Event, HTTPError, Stream
-from orca_lab.serving.logprob_text import LogprobText, merged
-from orca_lab.serving.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
+from orca_lab.serving.logprob_text import LogprobText
+from orca_lab.serving.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from orca_lab.serving.state import HTTPRecord, ServerState
 
 
@@ -30,11 +30,12 @@ def usage_of(streams, outputs, n: int) -> Usage:
 
 class ChoiceWriter:
     """What one choice's events add to its answer: the echoed prompt before its first event, and its
-    log-probabilities in OpenAI's shape if asked (the same for a stream's chunks and a whole answer)."""
+    log-probabilities if asked, in the shape ``form`` writes (``logprob_text.py``: the completions'
+    or the chat's), the same for a stream's chunks and a whole answer."""
 
-    def __init__(self, stream: Stream, body: CompletionRequest, decode):
+    def __init__(self, stream: Stream, body: CompletionRequest, tokenizer, form=LogprobText):
         self.stream, self.started = stream, False
-        self.logprobs = LogprobText(decode) if body.logprobs is not None else None
+        self.logprobs = form(tokenizer) if body.logprobs is not None else None
 
     def text(self, ev: Event) -> str:
         return ev.text if self.started else self.stream.prompt_text + ev.text
@@ -50,9 +51,9 @@ class ChoiceWriter:
         return self.logprobs.chunk(pairs)
 
 
-async def whole_answer(state: ServerState, body: CompletionRequest, cid: str, streams: list[Stream]):
+async def whole_answer(state: ServerState, body: CompletionRequest, cid: str, streams: list[Stream], form=LogprobText):
     outputs, texts, reasons = [[] for _ in streams], [[] for _ in streams], [None] * len(streams)
-    writers = [ChoiceWriter(s, body, state.pool.decode) for s in streams]
+    writers = [ChoiceWriter(s, body, state.pool.tokenizer, form) for s in streams]
     logprobs = [[] for _ in streams]
     async for i, ev in events_of(streams):
         if ev.error is not None:            # the engine died: no answer, not a partial one
@@ -66,19 +67,20 @@ async def whole_answer(state: ServerState, body: CompletionRequest, cid: str, st
         raise HTTPError(503, "the server is shutting down: the request was aborted once --drain-s ran out")
     ids = body.return_token_ids
     choices = [CompletionChoice(index=i, text="".join(texts[i]), finish_reason=reasons[i],
-                                logprobs=None if body.logprobs is None else CompletionLogprobs(**merged(logprobs[i])),
+                                logprobs=None if body.logprobs is None else form.whole(logprobs[i]),
                                 token_ids=outputs[i] if ids else None,
                                 prompt_token_ids=streams[i].prompt if ids else None) for i in range(len(streams))]
     return CompletionResponse(id=cid, model=state.model_name, choices=choices,
                               usage=usage_of(streams, outputs, body.n))
 
 
-async def sse_answer(state: ServerState, body: CompletionRequest, cid: str, streams: list[Stream], rec: HTTPRecord):
+async def sse_answer(state: ServerState, body: CompletionRequest, cid: str, streams: list[Stream], rec: HTTPRecord,
+                     form=LogprobText):
     """Server-sent events: one chunk per token of each choice, its finish reason on its last chunk,
     the usage chunk if asked, then ``[DONE]``. A client that disconnects (the stream is cancelled)
     cancels its unfinished requests: their slots are free within one iteration."""
     outputs, done = [[] for _ in streams], [False] * len(streams)
-    writers = [ChoiceWriter(s, body, state.pool.decode) for s in streams]
+    writers = [ChoiceWriter(s, body, state.pool.tokenizer, form) for s in streams]
     head = CompletionResponse(id=cid, model=state.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
     head = json.dumps(head)[:-1] + ', "choices": ['       # every token chunk starts the same way
     try:

@@ -66,7 +66,8 @@ class EngineClient:
 
     def __init__(self, core: EngineProcess, metrics: ServerMetrics, max_queue: int):
         self.core, self.metrics, self.max_queue = core, metrics, max_queue
-        self.decode = getattr(core.info.tokenizer, "decode", None)   # None: answers carry token ids only
+        self.tokenizer = core.info.tokenizer
+        self.decode = getattr(self.tokenizer, "decode", None)   # None: answers carry token ids only
         self.streams: dict[int, Stream] = {}          # stream_id -> stream the engine holds
         self.pending: dict[int, tuple[asyncio.Future, list[Stream]]] = {}   # adds and calls unanswered
         self.error: str | None = None                 # why the engine stopped, if it failed

@@ -292,10 +292,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatChoiceLogprobs(BaseModel):
+    """OpenAI's chat shape, one entry per output token (``/v1/chat/completions``)."""
+    content: list[ChatTokenLogprob]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: CompletionLogprobs | None = None
+    logprobs: CompletionLogprobs | ChatChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
     # vLLM's return_token_ids; left out of the JSON unless asked for
     token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
