@@ -361,6 +361,17 @@ def test_longest_prefix_first_serves_hits_first_and_starves_a_request_that_share
     assert hits.iloc[1] == 0 and (hits.iloc[2:] == 64).all()
 
 
+def test_longest_prefix_first_goes_fcfs_past_128_waiting_as_sglang_does(tiny_llm):
+    """Past ``LPM_MAX_WAITING`` waiting, the request that shares nothing starts in arrival order (no
+    lookup of every waiting request), where with 24 waiting it starts last (the test above)."""
+    from orca_lab.engine.policies import LPM_MAX_WAITING
+    trace = starving_trace(n_hits=LPM_MAX_WAITING + 40)
+    sim = SimBackend(tiny_llm.cfg, cost=AnalyticalCost(tiny_llm.cfg), n_slots=4096, block_size=BS,
+                     prefix_caching=True, schedule_policy="lpm")
+    run = sim.serve(Curve("paged", 2), trace)
+    assert first_iteration(run, 1) <= 1
+
+
 @pytest.mark.parametrize("system", ["paged", "chunked"])
 def test_simulator_and_engine_make_the_same_batches_on_a_prefix_shared_trace(tiny_llm, system):
     """A hit shortens the prefill in the simulator as in the engine: the same batches, new tokens,

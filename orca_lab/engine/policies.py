@@ -39,6 +39,11 @@ SYSTEMS = ("orca", "ft", "paged", "chunked")
 PAGED = ("paged", "chunked")
 
 
+# SGLang's bound: past it, looking up every waiting request's prefix each iteration costs more than
+# the order saves, and "lpm" admits in arrival order (O(batch) per iteration again)
+LPM_MAX_WAITING = 128
+
+
 class PagedScheduler(OrcaScheduler):
     name = "paged"
     budget: int | None = None       # new tokens per iteration; None: whole prompts (no chunking)
@@ -63,7 +68,8 @@ class PagedScheduler(OrcaScheduler):
         rest = [r for r in self.running if not _decoding(r)]
         chosen: set[int] = set()             # rids of this batch
         victims = self.victims(list(self.running), chosen)
-        order = self._longest_prefix_first if self.schedule_policy == "lpm" else None
+        lpm = self.schedule_policy == "lpm" and len(self.waiting) <= LPM_MAX_WAITING
+        order = self._longest_prefix_first if lpm else None
         for req in _then_waiting(ready + rest, self.waiting, lambda: admitting, order):
             if len(batch) == self.max_bs or left == 0:
                 break
@@ -111,9 +117,10 @@ class PagedScheduler(OrcaScheduler):
 
     def _longest_prefix_first(self, waiting) -> list[Request]:
         """SGLang's "lpm" order: the waiting requests with the longest cached prefix first, in arrival
-        order among equals. It looks up every waiting request each iteration (SGLang falls back to
-        FCFS past 128 waiting), and a request that shares nothing waits while requests that share
-        keep arriving: it may starve (``tests/test_prefix_caching.py`` measures it)."""
+        order among equals. It looks up every waiting request each iteration, so past
+        ``LPM_MAX_WAITING`` of them ``select`` goes FCFS, as SGLang does. A request that shares nothing
+        waits while requests that share keep arriving: it may starve (``tests/test_prefix_caching.py``
+        measures it)."""
         hits = {r.rid: len(self.kv.lookup(r)) for r in waiting}
         return sorted(waiting, key=lambda r: (-hits[r.rid], arrival_order(r)))
 
