@@ -5,9 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-import torch
-
-from orca_lab.distributed.messages import ControlMessage
+from orca_lab.distributed.messages import ControlMessage, reservation
 from orca_lab.distributed.pool import WorkerPool, attached
 from orca_lab.engine.clock import RealClock
 from orca_lab.engine.executor import Completion, StageTime
@@ -46,8 +44,7 @@ class WorkerExecutor:
         for r in batch.requests:
             if self.known.get(r.rid, (None, None))[1] is not r.slots:   # new, or its blocks changed
                 self.known[r.rid] = (r, r.slots)
-                prompt = tuple(r.prompt) if r.params.needs_host_state else ()
-                reserve[r.rid] = (tuple(r.slots.tolist() if torch.is_tensor(r.slots) else r.slots), r.params, prompt)
+                reserve[r.rid] = reservation(r)
         iteration = self.pool.next_iteration()
         self.pool.send(ControlMessage.of(batch, iteration, reserve, release))
         self.in_flight.append((iteration, batch))

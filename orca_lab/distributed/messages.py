@@ -45,6 +45,13 @@ class ControlMessage:
                      list(self.yields))
 
 
+def reservation(req) -> tuple:
+    """What the workers learn of a request new to them, or whose blocks changed: its K/V slots, its
+    sampling, and its prompt when its sampling reads it (``SamplingParams.needs_host_state``)."""
+    slots = req.slots.tolist() if hasattr(req.slots, "tolist") else req.slots
+    return tuple(slots), req.params, tuple(req.prompt) if req.params.needs_host_state else ()
+
+
 @dataclass(frozen=True)
 class Reset:
     """A new engine takes the workers over: forget every request of the previous one."""
