@@ -134,10 +134,6 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids))
 
-    def token_bytes(self, token: int) -> bytes:
-        """The bytes of the token's text, as vLLM gives them (its decoder hides a byte-level piece)."""
-        return self.decode([token]).encode("utf-8")
-
 
 def load_tokenizer(path) -> HFTokenizer | None:
     """The Hugging Face tokenizer saved in directory ``path``, or None if there is none."""

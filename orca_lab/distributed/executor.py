@@ -81,10 +81,11 @@ class WorkerExecutor:
 def record_scores(batch, scores):
     """Hand the log-probabilities the last stage computed to the engine's own requests, where the
     in-process sampler would have written them."""
+    if not scores:                  # no request of the batch asked: nothing to look up
+        return
     by_rid = {r.rid: r for r in batch.requests}
     for rid, sampled, prompt in scores:
         req = by_rid[rid]
         if sampled is not None:
             req.logprobs.append(logprobs.from_plain(sampled))
         req.prompt_logprobs.extend(logprobs.from_plain(e) for e in prompt)
-

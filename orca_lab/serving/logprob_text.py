@@ -14,12 +14,16 @@ from __future__ import annotations
 from orca_lab.serving.protocol import ChatChoiceLogprobs, CompletionLogprobs
 
 
+def token_text(decode, token: int) -> str:
+    return f"token_id:{token}" if decode is None else decode([token])
+
+
 class LogprobText:
     def __init__(self, tokenizer):
         self.decode, self.offset = getattr(tokenizer, "decode", None), 0
 
     def text_of(self, token: int) -> str:
-        return f"token_id:{token}" if self.decode is None else self.decode([token])
+        return token_text(self.decode, token)
 
     def chunk(self, pairs) -> dict:
         """``pairs``: ``(token id, TokenLogprob or None)`` in order (None: the prompt's first token)."""
@@ -41,7 +45,6 @@ class LogprobText:
             out["top_logprobs"].append(top)
         return out
 
-
     @staticmethod
     def whole(chunks: list[dict]) -> CompletionLogprobs:
         """Chunks of one choice as one."""
@@ -51,15 +54,17 @@ class LogprobText:
 
 class ChatLogprobs:
     """The chat's shape: ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob,
-    bytes}]}]}``, the ``top_logprobs`` most likely first. ``bytes`` come from the tokenizer, so a
-    byte-level token that is a piece of a character keeps its own byte (its text is U+FFFD)."""
+    bytes}]}]}``, the ``top_logprobs`` most likely first. ``bytes`` come from the tokenizer's
+    ``token_bytes``, so a byte-level token that is a piece of a character keeps its own byte (its
+    text is U+FFFD); a tokenizer without it (a Hugging Face one, whose decoder hides such a piece)
+    gives its text's bytes, as vLLM does."""
 
     def __init__(self, tokenizer):
         self.decode = getattr(tokenizer, "decode", None)
         self.token_bytes = getattr(tokenizer, "token_bytes", None)
 
     def item(self, token: int, logprob: float) -> dict:
-        text = f"token_id:{token}" if self.decode is None else self.decode([token])
+        text = token_text(self.decode, token)
         raw = self.token_bytes(token) if self.token_bytes is not None else text.encode("utf-8")
         return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
