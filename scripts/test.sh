@@ -2,7 +2,10 @@
 # Set up and run the whole test suite on a fresh machine (no GPU): the README's test command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q torch==2.13.0 -e ".[dev]"
+# The tested set (requirements/lock.txt, made by scripts/lock.sh) as constraints; ORCA_LAB_LOCK=
+# (empty) installs the newest versions pyproject.toml allows instead: scripts/test_newest.sh does.
+lock=${ORCA_LAB_LOCK-requirements/lock.txt}
+python3 -m pip install -q ${lock:+-c "$lock"} torch==2.13.0 -e ".[dev]"
 # GPT-2's BPE ranks (whisper/assets/gpt2.tiktoken) for the gpt2 tokenizer; whisper itself is never
 # imported, so none of its dependencies (numba, ...) is needed.
 python3 -m pip install -q --no-deps openai-whisper==20250625

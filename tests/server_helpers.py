@@ -1,5 +1,5 @@
-"""What the serving tests share: reading a server's gauges, waiting (bounded) for a condition, and
-checking that a server left no process and no port behind."""
+"""What the serving tests share: reading a server's gauges, waiting (bounded) for a condition,
+pausing a server's engine process, and checking that a server left no process and no port behind."""
 import contextlib
 import os
 import signal
@@ -70,3 +70,23 @@ def kill_left(tree: dict):
     for pid in running(tree):
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+
+
+def engine_pid(s) -> int:
+    """The pid of the engine process under server ``s`` (multiprocessing's spawned child, not its
+    resource tracker)."""
+    pids = [pid for pid, cmd in running(descendants(s.proc.pid)).items()
+            if "spawn_main" in cmd and "resource_tracker" not in cmd]
+    assert len(pids) == 1, f"expected one engine process under the server, found {pids}"
+    return pids[0]
+
+
+@contextlib.contextmanager
+def paused(pid: int):
+    """The process stopped (SIGSTOP) for the block: a test that needs a request still running holds
+    it this way, by something that cannot finish on its own, never by the host being slow enough."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)

@@ -20,7 +20,8 @@ from orca_lab.serving.launch import ServerProcess
 from orca_lab.serving.metrics import parse_metrics
 
 from helpers import random_prompts
-from server_helpers import assert_port_free, descendants, kill_left, metrics, running, wait_for
+from server_helpers import (assert_port_free, descendants, engine_pid, kill_left, metrics, paused, running,
+                            wait_for)
 
 N_SLOTS = 1000          # below the model's 1024 positions, so the slot check can refuse on its own
 
@@ -210,27 +211,29 @@ def test_overload_answers_503_and_loses_nothing_then_shuts_down_clean():
     s = ServerProcess("--max-bs", "1", "--max-queue", "2", "--drain-s", "1").start()
     try:
         assert_no_debug_run(s.url)
-        asyncio.run(_overload(s.url))
+        asyncio.run(_overload(s))
         _drain_on_sigterm(s)
     finally:
         s.kill()
     assert_port_free(s)
 
 
-async def _overload(url):
+async def _overload(s):
     """One request holds the only batch place (max_bs 1), two wait (max_queue 2): the next is
-    refused with 503 and Retry-After. The holder's client leaves; the two waiting still complete."""
-    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+    refused with 503 and Retry-After. The holder's client leaves; the two waiting still complete.
+    The engine is paused while the queue is full: the holder cannot finish, however fast the host."""
+    async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
         post = lambda: asyncio.ensure_future(http.post("/v1/completions", json={
             "prompt": "q", "max_tokens": 3, "temperature": 0, "ignore_eos": True}))
         async with http.stream("POST", "/v1/completions", json={"prompt": "q", "max_tokens": 1000,
                                                                 "stream": True, "ignore_eos": True}):
             await _until(http, lambda m: m["orca_lab_requests_running"] == 1)
-            queued = [post(), post()]
-            await _until(http, lambda m: m["orca_lab_requests_waiting"] == 2)
-            r = await http.post("/v1/completions", json={"prompt": "q", "max_tokens": 3})
-            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
-            assert "max_queue=2" in r.json()["error"]["message"]
+            with paused(engine_pid(s)):
+                queued = [post(), post()]
+                await _until(http, lambda m: m["orca_lab_requests_waiting"] == 2)
+                r = await http.post("/v1/completions", json={"prompt": "q", "max_tokens": 3})
+                assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+                assert "max_queue=2" in r.json()["error"]["message"]
         done = await asyncio.gather(*queued)
     assert [(d.status_code, d.json()["usage"]["completion_tokens"]) for d in done] == [(200, 3)] * 2
 
@@ -244,9 +247,10 @@ async def _until(http, cond, timeout=20.0):
     raise AssertionError("the server never reached the expected state")
 
 
-def _drain_on_sigterm(s):
+def _drain_on_sigterm(s, drain_s=1.0):
     """SIGTERM: a request that fits in --drain-s finishes, one that does not is cut, and the process
-    exits within 10 s."""
+    exits within 10 s. Once the short one is done the engine is paused until the drain is over, so
+    the long one cannot finish in it, however fast the host."""
     with httpx.Client(base_url=s.url, timeout=30) as http:
         short = {"prompt": "a", "max_tokens": 20, "stream": True, "ignore_eos": True}
         long = {**short, "max_tokens": 1000}
@@ -257,6 +261,8 @@ def _drain_on_sigterm(s):
             s.proc.send_signal(signal.SIGTERM)
             t0 = time.perf_counter()
             got1 = [ln for ln in lines1 if ln.startswith("data:")]
+            with paused(engine_pid(s)):
+                time.sleep(max(0.0, t0 + drain_s + 0.2 - time.perf_counter()))
             got2 = [ln for ln in lines2 if ln.startswith("data:")]       # aborted at the end of the drain
     assert got1[-1] == "data: [DONE]" and len(got1) == 20      # the 19 tokens left, then [DONE]
     assert got2[-1] == "data: [DONE]" and '"finish_reason": "abort"' in got2[-2] and len(got2) < 1000
@@ -334,12 +340,6 @@ def test_serve_refuses_bad_options_before_it_starts(flag, value, message, capsys
 
 
 # -- a third server: its engine process dies --------------------------------------------------------
-def _engine_pid(server_pid: int) -> int:
-    """The spawned engine process: the server's child running multiprocessing's spawn_main."""
-    return next(pid for pid, (_, cmd) in descendants(server_pid).items()
-                if "spawn_main" in cmd and "resource_tracker" not in cmd)
-
-
 def test_an_engine_that_dies_ends_its_streams_and_the_endpoint_says_why():
     """A stream in flight ends with "abort"; a non-streaming request in flight gets 503 naming the
     engine's exit code, not 200 with the text it had so far."""
@@ -352,7 +352,7 @@ def test_an_engine_that_dies_ends_its_streams_and_the_endpoint_says_why():
                 lines = r.iter_lines()
                 next(lines)
                 assert wait_for(lambda: metrics(s.url)["orca_lab_requests_running"] == 2)
-                os.kill(_engine_pid(s.proc.pid), signal.SIGKILL)
+                os.kill(engine_pid(s), signal.SIGKILL)
                 chunks = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
             assert chunks[-1]["choices"][0]["finish_reason"] == "abort" and len(chunks) < 999
             whole = whole.result()

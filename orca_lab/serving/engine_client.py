@@ -102,6 +102,7 @@ class EngineClient:
         for s in streams:
             s.stream_id = next(self._stream_ids)
         self._in_inbox += len(streams)
+        self.metrics.waiting.set(self._waiting + self._in_inbox)     # accepted is waiting, before the engine says so
         fut = self._expect(streams)
         self._send(("add", fut.call_id, [(s.stream_id, s.prompt, s.params, s.arrival) for s in streams]))
         return fut
