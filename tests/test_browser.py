@@ -129,7 +129,7 @@ def test_notebook_08_runs_and_plays_in_jupyterlab(jupyterlab, tmp_path):
             page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
             page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
 
-            page.wait_for_selector(frame, timeout=40_000)           # the widget rendered
+            page.wait_for_selector(frame, timeout=120_000)          # the widget rendered (a loaded host runs the cells slowly)
             assert page.get_attribute(frame, "data-frame") == "0"
             # all cells done, so the kernel is free to answer the slider
             page.wait_for_function("""() => [...document.querySelectorAll('.jp-InputPrompt')]
