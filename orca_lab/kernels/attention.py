@@ -13,6 +13,13 @@ the keys it needs from the slot pool through ``slot_ids`` (slots need not be con
   wasted query rows, and long contexts are split over keys (FlashDecoding) with a second small
   kernel merging the splits' softmax statistics.
 
+Grouped-query attention (Llama's ``num_key_value_heads``): the pools hold ``n_kv_heads`` per slot, a
+divisor of q's ``H``, and each K/V head serves ``group = H // n_kv_heads`` query heads. Both kernels
+read a K/V head once for its whole group: the ragged kernel's query block holds (query, head) rows of
+the group, so one K/V tile feeds them all through the same ``tl.dot``; the decode kernel's program
+owns a K/V head and its group. ``n_kv_heads`` is read from the pools' shape, so the multi-head path
+(GPT's) calls what it called before, and ``group = 1`` compiles to its old code.
+
 What the launches need from the host (offsets, the work map, which requests decode, the longest
 context) is worked out once per iteration from host arrays (``triton_plan``) and read by every layer,
 so no layer reads anything back from the device. Launch configurations are chosen per shape bucket
