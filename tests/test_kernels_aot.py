@@ -104,7 +104,7 @@ def test_one_merge_compile_serves_any_split_count(declared):
     merges = [r for r in declared if r["kernel"].endswith("_decode_reduce_kernel")]
     assert {r["constexprs"]["BLOCK_S"] for r in merges} == {str(MERGE_CHUNK)}
     paper = [r for r in merges if r["signature"]["out_ptr"] == "*bf16" and r["constexprs"]["BLOCK_D"] == "128"
-             and r["what"].endswith("40 heads of 128, torch.bfloat16") and r["signature"]["n_heads"] == "i32"
+             and r["signature"]["n_heads"] == "i32" and "n_heads" not in r["divisible_by_16"]   # GPT-3's 40
              and {"head_size", "stride_ot"} <= set(r["divisible_by_16"])]
     assert sorted(r["what"].split()[2] for r in paper) == ["4095", "4096"]
     assert sorted("n_splits" in r["divisible_by_16"] for r in paper) == [False, True]
