@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from orca_lab.kernels import (activation, apply_rotary, attention, cos_sin_cache, layernorm, ragged_attention,
-                              rms_norm, rmsnorm, rope_inv_freq, rotary, silu_and_mul)
+                              rms_norm, rmsnorm, rope_inv_freq, rotary, silu_and_mul, write_kv)
 from orca_lab.kernels.attention import ragged_attention_triton, triton_plan
 from helpers import DEVICE
 from test_decode_attention import make_batch, oracle
@@ -266,7 +266,8 @@ ERRORS = {
                                               cos_sin_cache=CACHE.half()), TypeError, "cos_sin_cache has dtype"),
     "rotary-positions-float": (apply_rotary, dict(x=torch.randn(2, 1, 8), positions=torch.zeros(2),
                                                   cos_sin_cache=CACHE), TypeError, "positions has dtype"),
-    "rotary-device": (apply_rotary, dict(x=torch.randn(2, 1, 8), positions=torch.empty(2, dtype=torch.int64, device=META),
+    "rotary-device": (apply_rotary, dict(x=torch.randn(2, 1, 8),
+                                         positions=torch.empty(2, dtype=torch.int64, device=META),
                                          cos_sin_cache=CACHE), ValueError, "positions is on meta"),
 }
 
@@ -277,3 +278,34 @@ def test_llama_kernels_refuse(no_launch, backend, case):
     fn, args, error, match = ERRORS[case]
     with pytest.raises(error, match=match):
         fn(**args, backend=backend)
+
+
+# -------------------------------------------------------------------- one Llama attention layer
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_llama_attention_layer_from_the_kernels_equals_transformers(backend):
+    """Rotary on q and k, k and v written to a pool of n_kv_heads per slot, grouped attention over it:
+    transformers' LlamaAttention (random weights, 6 query heads over 2 K/V heads of 16) on each of two
+    requests alone, against both requests flattened into one selectively batched pass."""
+    torch.manual_seed(9)
+    cfg = LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, rope_theta=10000.0,
+                      max_position_embeddings=64, attn_implementation="sdpa")
+    layer = transformers_llama.LlamaAttention(cfg, layer_idx=0).eval()
+    rope = transformers_llama.LlamaRotaryEmbedding(cfg)
+    lens = [7, 5]
+    xs = [torch.randn(1, n, 96) for n in lens]
+    with torch.no_grad():
+        expected = torch.cat([layer(x, rope(x, torch.arange(n)[None]), None)[0][0] for x, n in zip(xs, lens)])
+        x = torch.cat(xs, dim=1)[0].to(DEVICE)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
+        q = F.linear(x, layer.q_proj.weight.to(DEVICE)).view(-1, 6, 16)
+        k = F.linear(x, layer.k_proj.weight.to(DEVICE)).view(-1, 2, 16)
+        v = F.linear(x, layer.v_proj.weight.to(DEVICE)).view(-1, 2, 16)
+        cache = cos_sin_cache(rope.inv_freq.to(DEVICE), 64)
+        q, k = (apply_rotary(t, positions, cache, backend=backend) for t in (q, k))
+        k_pool, v_pool = (torch.randn(40, 2, 16, device=DEVICE) for _ in range(2))
+        slots = torch.tensor([3, 9, 4, 30, 31, 0, 7, 12, 13, 14, 15, 39], device=DEVICE)
+        write_kv(k, v, k_pool, v_pool, slots, backend=backend)
+        cu = torch.tensor([0, 7, 12], dtype=torch.int32, device=DEVICE)
+        out = ragged_attention(q, k_pool, v_pool, slots, cu, cu, backend=backend)
+        got = F.linear(out.reshape(-1, 96), layer.o_proj.weight.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-5)

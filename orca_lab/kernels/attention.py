@@ -626,9 +626,9 @@ def ragged_attention(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, sc
     ``slot_ids[cu_seqlens_k[b]:cu_seqlens_k[b+1]]`` (its context, new tokens included and already
     written). The pools ``[n_slots, n_kv_heads, D]`` may hold fewer heads than ``q``: grouped-query
     attention, query head h reading K/V head ``h // (H // n_kv_heads)`` (n_kv_heads must divide H;
-    equal to H is multi-head attention). Returns ``[T, H, D]`` in q's dtype. ``check=False`` skips the argument checks (for a
-    caller that built the arguments itself); ``tf32=True`` lets fp32 dots use TF32 on a GPU. This
-    wrapper reads the offsets back to the host; the engine's layers instead call the backends with
+    equal to H is multi-head attention). Returns ``[T, H, D]`` in q's dtype. ``check=False`` skips
+    the argument checks (for a caller that built the arguments itself); ``tf32=True`` lets fp32 dots
+    use TF32 on a GPU. This wrapper reads the offsets back to the host; the engine's layers instead call the backends with
     a plan built once per iteration from host data (``triton_plan`` / ``attention_plan``).
     """
     if check:
