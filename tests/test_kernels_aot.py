@@ -23,7 +23,9 @@ from orca_lab.kernels.attention import MERGE_CHUNK, prefill_candidates  # noqa: 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "aot_fixtures"
 KERNELS = {"orca_lab.kernels.attention._ragged_attention_kernel", "orca_lab.kernels.kv_write._write_kv_kernel",
-           "orca_lab.kernels.layernorm._layer_norm_kernel", "orca_lab.kernels.gelu._bias_gelu_kernel"}
+           "orca_lab.kernels.layernorm._layer_norm_kernel", "orca_lab.kernels.gelu._bias_gelu_kernel",
+           "orca_lab.kernels.rmsnorm._rms_norm_kernel", "orca_lab.kernels.activation._silu_and_mul_kernel",
+           "orca_lab.kernels.rotary._rotary_kernel"}
 
 
 def run(args, interpret="0", timeout=900):
@@ -55,6 +57,24 @@ def test_every_kernel_compiles_for_a100_and_h100_within_shared_memory(compiled):
     assert max(r["shared"] for r in attention) > 0     # its dots stage tiles in shared memory
 
 
+def test_grouped_query_launches_compile_for_a100_and_h100(compiled):
+    """Llama's attention at head size 128 and groups 1, 4 and 8 (CI's subset, bf16): the decode kernel
+    holding a K/V head's whole group (GROUPED, BLOCK_H = group), and the ragged kernel with the group
+    a runtime argument (groups 4 and 8 type the same and share one cubin; group 1 is a constant, as
+    in GPT's launches)."""
+    _, rows = compiled
+    for arch in (80, 90):
+        decode = [r for r in rows if r["arch"] == arch and r["kernel"].endswith("_decode_attention_kernel")
+                  and r["signature"]["q_ptr"] == "*bf16" and r["constexprs"]["BLOCK_D"] == "128"]
+        grouped = {(r["constexprs"]["GROUPED"], r["constexprs"]["BLOCK_H"]) for r in decode}
+        assert {("True", "4"), ("True", "8"), ("False", "2")} <= grouped, grouped
+        assert any("32 heads of 128" in r["what"] for r in decode)                      # group 1
+        prefill = [r for r in rows if r["arch"] == arch and r["kernel"].endswith("_ragged_attention_kernel")
+                   and r["signature"]["q_ptr"] == "*bf16" and r["constexprs"]["BLOCK_D"] == "128"]
+        assert {r["signature"]["group"] for r in prefill} == {"i32", "constexpr"}
+        assert all(r["shared"] <= SHARED_LIMITS[arch] and "error" not in r for r in decode + prefill)
+
+
 @pytest.fixture(scope="module")
 def declared(tmp_path_factory):
     """Every declared launch (what ``--full`` compiles), typed, and whether CI's subset compiles it."""
@@ -84,7 +104,8 @@ def test_one_merge_compile_serves_any_split_count(declared):
     merges = [r for r in declared if r["kernel"].endswith("_decode_reduce_kernel")]
     assert {r["constexprs"]["BLOCK_S"] for r in merges} == {str(MERGE_CHUNK)}
     paper = [r for r in merges if r["signature"]["out_ptr"] == "*bf16" and r["constexprs"]["BLOCK_D"] == "128"
-             and r["signature"]["n_heads"] == "i32" and {"head_size", "stride_ot"} <= set(r["divisible_by_16"])]
+             and r["signature"]["n_heads"] == "i32" and "n_heads" not in r["divisible_by_16"]   # GPT-3's 40
+             and {"head_size", "stride_ot"} <= set(r["divisible_by_16"])]
     assert sorted(r["what"].split()[2] for r in paper) == ["4095", "4096"]
     assert sorted("n_splits" in r["divisible_by_16"] for r in paper) == [False, True]
     # it reads fp32 partials whatever the model's dtype: CI compiles it writing each dtype

@@ -81,14 +81,15 @@ def declared_launches(modules) -> list[Launch]:
 
 
 def ci_subset(launches) -> list[Launch]:
-    """What CI compiles within a minute on 2 cores: of the quick launches, for each kernel and each
-    set of float dtypes it takes, the first declared (the wrapper's default) and the one with the
+    """What CI compiles within a minute or two on 2 cores: of the quick launches, for each kernel,
+    family (``Launch.family``: grouped-query attention's group sizes) and set of float dtypes it
+    takes, the first declared (the wrapper's default) and the one with the
     largest tiles (the product of its ``BLOCK_*`` constexprs and stages: the most shared memory).
     ``--full`` compiles every declared launch (a GPU host's many cores do it in minutes)."""
     groups: dict = {}
     for lc in launches:
         if lc.quick:
-            groups.setdefault((lc.name, _float_types(lc)), []).append(lc)
+            groups.setdefault((lc.name, lc.family, _float_types(lc)), []).append(lc)
     out = []
     for group in groups.values():
         biggest = max(group, key=_tiles)

@@ -13,6 +13,13 @@ the keys it needs from the slot pool through ``slot_ids`` (slots need not be con
   wasted query rows, and long contexts are split over keys (FlashDecoding) with a second small
   kernel merging the splits' softmax statistics.
 
+Grouped-query attention (Llama's ``num_key_value_heads``): the pools hold ``n_kv_heads`` per slot, a
+divisor of q's ``H``, and each K/V head serves ``group = H // n_kv_heads`` query heads. Both kernels
+read a K/V head once for its whole group: the ragged kernel's query block holds (query, head) rows of
+the group, so one K/V tile feeds them all through the same ``tl.dot``; the decode kernel's program
+owns a K/V head and its group. ``n_kv_heads`` is read from the pools' shape, so the multi-head path
+(GPT's) calls what it called before, and ``group = 1`` compiles to its old code.
+
 What the launches need from the host (offsets, the work map, which requests decode, the longest
 context) is worked out once per iteration from host arrays (``triton_plan``) and read by every layer,
 so no layer reads anything back from the device. Launch configurations are chosen per shape bucket
@@ -45,13 +52,15 @@ def _ragged_attention_kernel(
     stride_kn, stride_kh, stride_kd,
     stride_vn, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
-    qk_scale, head_size,
+    qk_scale, head_size, group,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    # Which request and which of its query blocks this program owns, and which head.
+    # Which request and which of its query blocks this program owns, and which K/V head. The block's
+    # rows are (query, head) pairs of the `group` query heads sharing that K/V head, query-major, so
+    # each K/V tile is loaded once and used by the whole group (one row per query without grouping).
     work = tl.program_id(0)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     req = tl.load(work_req_ptr + work)
     block = tl.load(work_blk_ptr + work)
     q_start = tl.load(cu_q_ptr + req)
@@ -59,11 +68,13 @@ def _ragged_attention_kernel(
     k_start = tl.load(cu_k_ptr + req)
     kv_len = tl.load(cu_k_ptr + req + 1) - k_start
 
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = offs_r // group                     # the query of each row
+    heads = kv_head * group + offs_r % group     # and its head
     offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < q_len
+    mask_m = offs_r < q_len * group
     mask_d = offs_d < head_size  # head sizes like 80 or 13 are padded to a power of two
-    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + heads[:, None] * stride_qh
                 + offs_d[None, :] * stride_qd, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     if INTERPRETED:  # bf16 arithmetic is wrong in the interpreter, so all math is fp32 there
         q = q.to(tl.float32)
@@ -71,7 +82,7 @@ def _ragged_attention_kernel(
     # Causal, aligned bottom-right: query m sees keys [0, kv_len - q_len + m].
     last_key = kv_len - q_len + offs_m
     # Keys past the block's last visible one are skipped, not just masked: prefill does half the work.
-    kv_end = tl.minimum(kv_len, kv_len - q_len + (block + 1) * BLOCK_M)
+    kv_end = tl.minimum(kv_len, kv_len - q_len + ((block + 1) * BLOCK_M - 1) // group + 1)
 
     # Online softmax in base 2 (exp2 is the fast instruction): running max m_i, sum l_i, output acc.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -81,9 +92,9 @@ def _ragged_attention_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_len
         slots = tl.load(slot_ptr + k_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-        kt = tl.load(k_ptr + slots[None, :] * stride_kn + head * stride_kh + offs_d[:, None] * stride_kd,
+        kt = tl.load(k_ptr + slots[None, :] * stride_kn + kv_head * stride_kh + offs_d[:, None] * stride_kd,
                      mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        v = tl.load(v_ptr + slots[:, None] * stride_vn + head * stride_vh + offs_d[None, :] * stride_vd,
+        v = tl.load(v_ptr + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :] * stride_vd,
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         if INTERPRETED:
             kt = kt.to(tl.float32)
@@ -101,7 +112,7 @@ def _ragged_attention_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
-    tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh
+    tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + heads[:, None] * stride_oh
              + offs_d[None, :] * stride_od, cast_rne(out, out_ptr.dtype.element_ty, INTERPRETED),
              mask=mask_m[:, None] & mask_d[None, :])
 
@@ -113,16 +124,31 @@ def _decode_attention_kernel(
     stride_kn, stride_kh, stride_kd,
     stride_vn, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
-    qk_scale, n_heads, head_size, partition,
-    SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    qk_scale, n_heads, head_size, partition, group,
+    SPLIT: tl.constexpr, GROUPED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     # Program (i, head group, split): the i-th one-token request, BLOCK_H of its heads, and the keys
-    # [split * partition, (split + 1) * partition) of its context. A slot's K (and V) row holds all
-    # heads side by side, so a head group reads BLOCK_H * D contiguous elements per key.
+    # [split * partition, (split + 1) * partition) of its context. Without grouped queries a slot's K
+    # (and V) row holds all heads side by side, so a head group reads BLOCK_H * D contiguous elements
+    # per key. GROUPED: the program owns one K/V head and the `group` query heads that share it, and
+    # reads that head's K/V once for all of them ([BLOCK_N, 1, BLOCK_D], broadcast over the group).
     i = tl.program_id(0)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
+    offs_d = tl.arange(0, BLOCK_D)
+    if GROUPED:
+        kv_head = tl.program_id(1)
+        offs_h = kv_head * group + tl.arange(0, BLOCK_H)
+        mask_h = tl.arange(0, BLOCK_H) < group
+        k_cols = kv_head * stride_kh + offs_d[None, None, :] * stride_kd
+        v_cols = kv_head * stride_vh + offs_d[None, None, :] * stride_vd
+        mask_kv = (offs_d < head_size)[None, None, :]
+    else:
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < n_heads
+        k_cols = offs_h[None, :, None] * stride_kh + offs_d[None, None, :] * stride_kd
+        v_cols = offs_h[None, :, None] * stride_vh + offs_d[None, None, :] * stride_vd
+        mask_kv = mask_h[None, :, None] & (offs_d < head_size)[None, None, :]
     req = tl.load(req_ptr + i)
     row = tl.load(cu_q_ptr + req)
     k_start = tl.load(cu_k_ptr + req)
@@ -131,15 +157,11 @@ def _decode_attention_kernel(
     hi = tl.minimum(kv_len, lo + partition)
 
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_h = offs_h < n_heads
     mask_hd = mask_h[:, None] & (offs_d < head_size)[None, :]
     # One query row: no tensor cores to feed, so all math is fp32 multiply-adds (also the
     # interpreter's only correct arithmetic for bf16 inputs).
     q = tl.load(q_ptr + row * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=mask_hd, other=0.0).to(tl.float32) * qk_scale                # [BLOCK_H, BLOCK_D]
-    k_cols = offs_h[None, :, None] * stride_kh + offs_d[None, None, :] * stride_kd
-    v_cols = offs_h[None, :, None] * stride_vh + offs_d[None, None, :] * stride_vd
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -148,7 +170,7 @@ def _decode_attention_kernel(
         n = start + offs_n
         mask_n = n < hi
         slots = tl.load(slot_ptr + k_start + n, mask=mask_n, other=0).to(tl.int64)
-        mask = mask_n[:, None, None] & mask_hd[None, :, :]
+        mask = mask_n[:, None, None] & mask_kv
         k = tl.load(k_ptr + slots[:, None, None] * stride_kn + k_cols, mask=mask, other=0.0)
         s = tl.sum(k.to(tl.float32) * q[None, :, :], 2)                           # [BLOCK_N, BLOCK_H]
         s = tl.where(mask_n[:, None], s, float("-inf"))
@@ -221,7 +243,8 @@ def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
 
 
 def ragged_attention_ref(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale=None):
-    """Plain PyTorch: one scaled-dot-product attention per request, causal aligned bottom-right."""
+    """Plain PyTorch: one scaled-dot-product attention per request, causal aligned bottom-right;
+    query head h reads K/V head ``h // group`` (grouped queries, as transformers' ``repeat_kv``)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = torch.empty_like(q)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -235,7 +258,7 @@ def ragged_attention_ref(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k
         vb = v_pool[slots].transpose(0, 1)
         lq, lk = qe - qs, ke - ks
         mask = causal_mask(lq, lk, q.device) if lq > 1 else None
-        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
+        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, **_gqa(q, k_pool))
         out[qs:qe] = ob.transpose(0, 1)
     return out
 
@@ -286,7 +309,8 @@ def _contiguous_runs(cu_k, ids: np.ndarray) -> list:
 
 
 def ragged_attention_torch(q, k_pool, v_pool, plan: AttentionPlan, scale: float, k=None, v=None):
-    """The PyTorch fast path, no argument checks (the caller built ``plan`` for these tensors).
+    """The PyTorch fast path, no argument checks (the caller built ``plan`` for these tensors);
+    grouped queries when the pools have fewer heads than ``q``.
 
     ``k, v``: the new tokens' keys and values, already written to the pools; a request whose
     context is all new (a fresh prompt) may read them there instead. Everything is viewed heads
@@ -296,6 +320,7 @@ def ragged_attention_torch(q, k_pool, v_pool, plan: AttentionPlan, scale: float,
         return torch.empty_like(q)
     # [1, H, rows, D] views; narrow() is the cheapest way to cut one request out of them
     qh, kh, vh = (_heads_first(x) for x in (q, k_pool, v_pool))
+    gqa = _gqa(q, k_pool)
     direct = k is not None and k.dtype == k_pool.dtype
     if direct:
         kn, vn = _heads_first(k), _heads_first(v)
@@ -309,8 +334,15 @@ def ragged_attention_torch(q, k_pool, v_pool, plan: AttentionPlan, scale: float,
             slots = plan.slot_ids[ks:ke]
             kb, vb = _heads_first(k_pool.index_select(0, slots)), _heads_first(v_pool.index_select(0, slots))
         outs.append(F.scaled_dot_product_attention(qh.narrow(2, qs, qe - qs), kb, vb, attn_mask=mask,
-                                                   is_causal=mask is None and qe - qs > 1, scale=scale))
+                                                   is_causal=mask is None and qe - qs > 1, scale=scale,
+                                                   **gqa))
     return torch.cat(outs, dim=2)[0].transpose(0, 1)                       # [T, H, D]
+
+
+def _gqa(q, k_pool) -> dict:
+    """SDPA's grouped-query flag where the pool has fewer heads than q; none otherwise, so the
+    multi-head path calls exactly what it called before grouped queries existed."""
+    return {"enable_gqa": True} if k_pool.shape[1] != q.shape[1] else {}
 
 
 def _heads_first(x):
@@ -343,6 +375,14 @@ class DecodeConfig:
 INTERPRETER_PREFILL = PrefillConfig(16, 16, 1, 1)
 INTERPRETER_DECODE = DecodeConfig(2, 16, 32, 1, 1)
 NO_SPLIT = 1 << 30      # the partition of an unsplit context: longer than any
+
+
+def interpreter_decode(n_heads: int, group: int = 1) -> DecodeConfig:
+    """INTERPRETER_DECODE narrowed to the heads there are, or holding a K/V head's whole group."""
+    block_h = next_pow2(group) if group > 1 else min(INTERPRETER_DECODE.block_h, next_pow2(n_heads))
+    return replace(INTERPRETER_DECODE, block_h=block_h)
+
+
 # Splits the merge kernel reads per step, whatever their count (one compile per dtype and BLOCK_D).
 # 16 takes in one step every split count up to 4k-16k-token contexts (partition 256-1024), GPT-3's
 # 2048 included, wasting at most 15 masked lanes; a [16, 256] fp32 tile is 32 values a thread over
@@ -374,14 +414,21 @@ def prefill_candidates(head_size: int, elem_bytes: int = 2) -> list[PrefillConfi
     return [c for c in cands if _prefill_shared(c, block_d, elem_bytes) <= SHARED_LIMIT] or [PrefillConfig(16, 16, 4, 1)]
 
 
-def decode_candidates(head_size: int, n_heads: int) -> list[DecodeConfig]:
-    """What the GPU tuner times for the decode kernel: head groups x key blocks x splits."""
+def decode_candidates(head_size: int, n_heads: int, group: int = 1) -> list[DecodeConfig]:
+    """What the GPU tuner times for the decode kernel: head groups x key blocks x splits. With
+    grouped queries a program holds one K/V head's whole group (``block_h = next_pow2(group)``) and
+    the key block shrinks to keep the [keys, heads, D] product tile as small as without."""
     wide = next_pow2(head_size, 16) > 128
-    shapes = ((2, 32, 4), (1, 64, 4), (4, 16, 4), (2, 64, 8), (4, 32, 8), (1, 128, 8))
+    if group > 1:
+        bh = next_pow2(group)
+        shapes = ((bh, max(8, 64 // bh), 4), (bh, max(8, 128 // bh), 8), (bh, max(8, 128 // bh), 4))
+    else:
+        shapes = ((2, 32, 4), (1, 64, 4), (4, 16, 4), (2, 64, 8), (4, 32, 8), (1, 128, 8))
     out = []
     for part in (512, 0, 256, 1024):
         for bh, bn, warps in shapes:
-            cfg = DecodeConfig(min(bh, next_pow2(n_heads)), bn // 2 if wide else bn, part, warps, 2)
+            bh = bh if group > 1 else min(bh, next_pow2(n_heads))
+            cfg = DecodeConfig(bh, max(8, bn // 2) if wide else bn, part, warps, 2)
             if cfg not in out:
                 out.append(cfg)
     return out
@@ -423,16 +470,17 @@ class TritonPlan:
     device: torch.device
     works: dict = field(default_factory=dict)
 
-    def work_map(self, block_m: int) -> torch.Tensor:
-        """Program id -> (request, query block): the per-request grids concatenated into one launch."""
-        work = self.works.get(block_m)
+    def work_map(self, block_m: int, group: int = 1) -> torch.Tensor:
+        """Program id -> (request, query block): the per-request grids concatenated into one launch.
+        A block holds ``block_m`` (query, head) rows of a K/V head's ``group`` query heads."""
+        work = self.works.get((block_m, group))
         if work is None:
             q_lens = np.diff(self.cu_q)[self.prefill_reqs]
-            n_blocks = -(-q_lens // block_m)
+            n_blocks = -(-(q_lens * group) // block_m)
             req = np.repeat(self.prefill_reqs, n_blocks)
             blk = np.arange(req.size) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
             work = torch.from_numpy(np.stack([req, blk]).astype(np.int32))
-            work = self.works[block_m] = work.to(self.device, non_blocking=True)
+            work = self.works[block_m, group] = work.to(self.device, non_blocking=True)
         return work
 
 
@@ -471,20 +519,21 @@ def ragged_attention_triton(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlen
 
 def _launch_prefill(q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, scale, plan, precision, cfg):
     H, D = q.shape[1:]
+    n_kv = k_pool.shape[1]
     on_gpu = q.is_cuda
 
     def launch(c: PrefillConfig):
-        work = plan.work_map(c.block_m)
-        _ragged_attention_kernel[(work.shape[1], H)](
+        work = plan.work_map(c.block_m, H // n_kv)
+        _ragged_attention_kernel[(work.shape[1], n_kv)](
             q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, work[0], work[1],
             *q.stride(), *k_pool.stride(), *v_pool.stride(), *out.stride(),
-            scale * math.log2(math.e), D,
+            scale * math.log2(math.e), D, H // n_kv,
             DOT_PRECISION=precision, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
             BLOCK_D=next_pow2(D, 16),  # the GPU compiler wants tl.dot dimensions >= 16
             INTERPRETED=not on_gpu, num_warps=c.num_warps, num_stages=c.num_stages)
 
     if cfg is None:
-        key = ("prefill", H, D, q.dtype, precision, bucket(plan.max_q), bucket(plan.n_prefill_tokens))
+        key = ("prefill", H, n_kv, D, q.dtype, precision, bucket(plan.max_q), bucket(plan.n_prefill_tokens))
         cands = prefill_candidates(D, q.dtype.itemsize) if on_gpu else [INTERPRETER_PREFILL]
         cfg = _TUNER.choose(key, cands, launch, on_gpu)
     launch(cfg)
@@ -492,19 +541,23 @@ def _launch_prefill(q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, scale, plan, p
 
 def _launch_decode(q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, scale, plan, cfg):
     H, D = q.shape[1:]
+    n_kv = k_pool.shape[1]
+    group = H // n_kv
     on_gpu, n = q.is_cuda, plan.n_decode
     block_d = next_pow2(D, 16)
 
     def launch(c: DecodeConfig):
+        if group > 1 and c.block_h != next_pow2(group):
+            raise ValueError(f"{c} cannot hold a group of {group} query heads: block_h must be {next_pow2(group)}")
         n_splits = max(1, -(-plan.max_kv // c.partition)) if c.partition else 1
         split = n_splits > 1
         part = q.new_empty((n, H, n_splits, D) if split else (0,), dtype=torch.float32)
         m, l_ = (q.new_empty((n, H, n_splits) if split else (0,), dtype=torch.float32) for _ in range(2))
-        _decode_attention_kernel[(n, triton.cdiv(H, c.block_h), n_splits)](
+        _decode_attention_kernel[(n, n_kv if group > 1 else triton.cdiv(H, c.block_h), n_splits)](
             q, k_pool, v_pool, out, part, m, l_, slot_ids, cu_q, cu_k, plan.decode_reqs,
             *q.stride(), *k_pool.stride(), *v_pool.stride(), *out.stride(),
-            scale * math.log2(math.e), H, D, c.partition if split else NO_SPLIT,
-            SPLIT=split, BLOCK_H=c.block_h, BLOCK_N=c.block_n, BLOCK_D=block_d,
+            scale * math.log2(math.e), H, D, c.partition if split else NO_SPLIT, group,
+            SPLIT=split, GROUPED=group > 1, BLOCK_H=c.block_h, BLOCK_N=c.block_n, BLOCK_D=block_d,
             INTERPRETED=not on_gpu, num_warps=c.num_warps, num_stages=c.num_stages)
         if split:
             _decode_reduce_kernel[(n, H)](
@@ -513,9 +566,8 @@ def _launch_decode(q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, scale, plan, cf
                 num_warps=4 if on_gpu else 1)
 
     if cfg is None:
-        key = ("decode", H, D, q.dtype, bucket(n), bucket(plan.max_kv))
-        cands = decode_candidates(D, H) if on_gpu else \
-            [replace(INTERPRETER_DECODE, block_h=min(INTERPRETER_DECODE.block_h, next_pow2(H)))]
+        key = ("decode", H, n_kv, D, q.dtype, bucket(n), bucket(plan.max_kv))
+        cands = decode_candidates(D, H, group) if on_gpu else [interpreter_decode(H, group)]
         cfg = _TUNER.choose(key, cands, launch, on_gpu)
     launch(cfg)
 
@@ -537,12 +589,15 @@ def _check_attention_args(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_
     dev = q.device
     for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
         check_tensor(name, pool, ndim=3, dtypes=(q.dtype,), device=dev)
-        check_same(f"{name}.shape[1:] (heads, head size)", tuple(pool.shape[1:]), tuple(q.shape[1:]),
-                   "value")
+        check_same(f"{name}.shape[2] (head size)", pool.shape[2], q.shape[2], "value")
     check_same("v_pool.shape", tuple(v_pool.shape), tuple(k_pool.shape), "value")
     if q.shape[1] < 1 or not 1 <= q.shape[2] <= MAX_HEAD_SIZE:
         raise ValueError(f"q has {q.shape[1]} heads of size {q.shape[2]}; allowed: >= 1 heads of "
                          f"size 1 to {MAX_HEAD_SIZE}")
+    n_kv = k_pool.shape[1]
+    if n_kv < 1 or q.shape[1] % n_kv:
+        raise ValueError(f"k_pool.shape[1] (K/V heads) is {n_kv}; allowed: a divisor of q's "
+                         f"{q.shape[1]} heads (each K/V head serves n_heads // n_kv_heads of them)")
     check_tensor("slot_ids", slot_ids, ndim=1, dtypes=INDEX_DTYPES, device=dev)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         check_tensor(name, cu, ndim=1, dtypes=INDEX_DTYPES, device=dev)
@@ -569,9 +624,11 @@ def ragged_attention(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, sc
 
     Request b owns queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` and keys in the slots
     ``slot_ids[cu_seqlens_k[b]:cu_seqlens_k[b+1]]`` (its context, new tokens included and already
-    written). Returns ``[T, H, D]`` in q's dtype. ``check=False`` skips the argument checks (for a
-    caller that built the arguments itself); ``tf32=True`` lets fp32 dots use TF32 on a GPU. This
-    wrapper reads the offsets back to the host; the engine's layers instead call the backends with
+    written). The pools ``[n_slots, n_kv_heads, D]`` may hold fewer heads than ``q``: grouped-query
+    attention, query head h reading K/V head ``h // (H // n_kv_heads)`` (n_kv_heads must divide H;
+    equal to H is multi-head attention). Returns ``[T, H, D]`` in q's dtype. ``check=False`` skips
+    the argument checks (for a caller that built the arguments itself); ``tf32=True`` lets fp32 dots
+    use TF32 on a GPU. This wrapper reads the offsets back to the host; the engine's layers instead call the backends with
     a plan built once per iteration from host data (``triton_plan`` / ``attention_plan``).
     """
     if check:
@@ -599,52 +656,71 @@ def _head_classes():
     return [(h, d) for h in (1, 2, 40) for d in sizes]
 
 
+# Grouped-query shapes at head size 128 (group 1, 4 and 8): Llama-2-7B's 32 heads, Llama-3-8B's 32 query
+# heads over 8 K/V heads, Llama-3-70B's 64 over 8 (their config.json); then an odd head size and Qwen2.5-0.5B's
+# group of 7 (14 over 2 of 64), for --full. As (query heads, K/V heads, head size, in CI's quick set).
+GROUPED_SHAPES = ((32, 32, 128, True), (32, 8, 128, True), (64, 8, 128, True), (32, 8, 80, False),
+                  (14, 2, 64, False))
+
+
 def aot_launches():
     """Every launch ``ragged_attention_triton`` can make on a GPU (``orca_lab.kernels.aot``): for each
-    float dtype and head class (``_head_classes``), the ragged kernel with every prefill candidate
-    the tuner may pick (fp32 with both dot precisions), the decode kernel with every decode
-    candidate split and unsplit, the merge kernel (one compile whatever the split count, but for
-    Triton's typing of a count that is or is not a multiple of 16); int64 slot ids, int32 offsets.
+    float dtype and head class (``_head_classes``, multi-head) and grouped shape (``GROUPED_SHAPES``),
+    the ragged kernel with every prefill candidate the tuner may pick (fp32 with both dot
+    precisions), the decode kernel with every decode candidate split and unsplit, the merge kernel
+    (one compile whatever the split count, but for Triton's typing of a count that is or is not a
+    multiple of 16); int64 slot ids, int32 offsets.
 
     The quick set (CI) keeps, per kernel, dtype and BLOCK_D bucket, the default configuration and
     the one with the largest tiles (the most shared memory), at 40 heads of a multiple of 16;
-    every launch at 40 heads of 128 in bf16 (GPT-3's). ``orca_lab.kernels.aot.ci_subset`` narrows
-    this to what CI compiles; ``--full`` compiles every launch."""
-    from orca_lab.kernels.launches import launch, meta, strides
-    i32, i64 = meta(9, dtype=torch.int32), meta(9, dtype=torch.int64)
-    max_splits = (1 << 20) // 256     # max_seq_len's limit over the shortest partition
+    every launch at 40 heads of 128 in bf16 (GPT-3's); and in bf16 the same two for each group size
+    of ``GROUPED_SHAPES`` (a family of its own in ``ci_subset``). ``orca_lab.kernels.aot.ci_subset``
+    narrows this to what CI compiles; ``--full`` compiles every launch."""
     for dtype, (heads, d) in product(FLOAT_DTYPES, _head_classes()):
         bd = next_pow2(d, 16)
         paper = dtype == torch.bfloat16 and heads == 40 and d == 128
-        rep = heads == 40 and d == bd
-        q, pool = meta(64, heads, d, dtype=dtype), meta(2, 256, heads, d, dtype=dtype)[0]
-        tensors = dict(q_ptr=q, k_ptr=pool, v_ptr=pool, out_ptr=q, slot_ptr=i64, cu_q_ptr=i32, cu_k_ptr=i32,
-                       **strides("stride_q", "thd", q), **strides("stride_k", "nhd", pool),
-                       **strides("stride_v", "nhd", pool), **strides("stride_o", "thd", q))
-        shape = f"{heads} heads of {d}, {dtype}"
-        cands = prefill_candidates(d, dtype.itemsize)
-        widest = max(cands, key=lambda c: _prefill_shared(c, bd, dtype.itemsize))
-        for c, prec in product(cands, sorted({_dot_precision(dtype, False), _dot_precision(dtype, True)})):
-            yield launch(_ragged_attention_kernel, f"prefill {c}, {prec}, {shape}", **tensors,
-                         work_req_ptr=i32, work_blk_ptr=i32, qk_scale=0.125, head_size=d,
-                         DOT_PRECISION=prec, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=bd,
-                         INTERPRETED=False, num_warps=c.num_warps, num_stages=c.num_stages,
-                         quick=paper or rep and c in (cands[0], widest))
-        cands = decode_candidates(d, heads)
-        widest = max(cands, key=lambda c: (c.block_h * c.block_n, c.num_stages))
-        part = meta(9, dtype=torch.float32)
-        for c, split in product(cands, (True, False)):
-            yield launch(_decode_attention_kernel, f"decode {c}, split={split}, {shape}", **tensors,
-                         part_ptr=part, m_ptr=part, l_ptr=part, req_ptr=i32, qk_scale=0.125, n_heads=heads,
-                         head_size=d, partition=c.partition if split else NO_SPLIT, SPLIT=split,
-                         BLOCK_H=c.block_h, BLOCK_N=c.block_n, BLOCK_D=bd, INTERPRETED=False,
-                         num_warps=c.num_warps, num_stages=c.num_stages,
-                         quick=paper or rep and c in (cands[0], widest))
-        # the merge reads MERGE_CHUNK splits a step: one compile for any split count, but for
-        # Triton's hint that the count is a multiple of 16; both, at the most splits a context has
-        for n_splits in (max_splits - 1, max_splits):
-            yield launch(_decode_reduce_kernel, f"merge of {n_splits} splits, {shape}", part_ptr=part, m_ptr=part,
-                         l_ptr=part, out_ptr=q, cu_q_ptr=i32, cu_k_ptr=i32, req_ptr=i32,
-                         **strides("stride_o", "thd", q), n_heads=heads, head_size=d, n_splits=n_splits,
-                         partition=256, BLOCK_S=MERGE_CHUNK, BLOCK_D=bd, INTERPRETED=False, num_warps=4,
-                         quick=paper or rep)
+        yield from _shape_launches(dtype, heads, heads, d, every=paper, ends=heads == 40 and d == bd)
+    for dtype, (heads, n_kv, d, quick) in product(FLOAT_DTYPES, GROUPED_SHAPES):
+        yield from _shape_launches(dtype, heads, n_kv, d, ends=quick and dtype == torch.bfloat16,
+                                   family=f"group {heads // n_kv}", merge=False)
+
+
+def _shape_launches(dtype, heads, n_kv, d, *, every=False, ends=False, family="", merge=True):
+    """The launches of one (dtype, query heads, K/V heads, head size), in the quick set: ``every``
+    configuration, or with ``ends`` the default and the widest; ``merge=False`` leaves the merge
+    (it never reads K/V, so grouping does not change it) to --full."""
+    from orca_lab.kernels.launches import launch, meta, strides
+    i32, i64 = meta(9, dtype=torch.int32), meta(9, dtype=torch.int64)
+    max_splits = (1 << 20) // 256     # max_seq_len's limit over the shortest partition
+    bd, group = next_pow2(d, 16), heads // n_kv
+    q, pool = meta(64, heads, d, dtype=dtype), meta(2, 256, n_kv, d, dtype=dtype)[0]
+    tensors = dict(q_ptr=q, k_ptr=pool, v_ptr=pool, out_ptr=q, slot_ptr=i64, cu_q_ptr=i32, cu_k_ptr=i32,
+                   **strides("stride_q", "thd", q), **strides("stride_k", "nhd", pool),
+                   **strides("stride_v", "nhd", pool), **strides("stride_o", "thd", q))
+    shape = (f"{heads} heads" if n_kv == heads else f"{heads} heads over {n_kv} K/V heads") + f" of {d}, {dtype}"
+    cands = prefill_candidates(d, dtype.itemsize)
+    widest = max(cands, key=lambda c: _prefill_shared(c, bd, dtype.itemsize))
+    for c, prec in product(cands, sorted({_dot_precision(dtype, False), _dot_precision(dtype, True)})):
+        yield launch(_ragged_attention_kernel, f"prefill {c}, {prec}, {shape}", **tensors,
+                     work_req_ptr=i32, work_blk_ptr=i32, qk_scale=0.125, head_size=d, group=group,
+                     DOT_PRECISION=prec, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=bd,
+                     INTERPRETED=False, num_warps=c.num_warps, num_stages=c.num_stages,
+                     quick=every or ends and c in (cands[0], widest), family=family)
+    cands = decode_candidates(d, heads, group)
+    widest = max(cands, key=lambda c: (c.block_h * c.block_n, c.num_stages))
+    part = meta(9, dtype=torch.float32)
+    for c, split in product(cands, (True, False)):
+        yield launch(_decode_attention_kernel, f"decode {c}, split={split}, {shape}", **tensors,
+                     part_ptr=part, m_ptr=part, l_ptr=part, req_ptr=i32, qk_scale=0.125, n_heads=heads,
+                     head_size=d, partition=c.partition if split else NO_SPLIT, group=group, SPLIT=split,
+                     GROUPED=group > 1, BLOCK_H=c.block_h, BLOCK_N=c.block_n, BLOCK_D=bd, INTERPRETED=False,
+                     num_warps=c.num_warps, num_stages=c.num_stages,
+                     quick=every or ends and c in (cands[0], widest), family=family)
+    # the merge reads MERGE_CHUNK splits a step: one compile for any split count, but for
+    # Triton's hint that the count is a multiple of 16; both, at the most splits a context has
+    for n_splits in (max_splits - 1, max_splits):
+        yield launch(_decode_reduce_kernel, f"merge of {n_splits} splits, {shape}", part_ptr=part, m_ptr=part,
+                     l_ptr=part, out_ptr=q, cu_q_ptr=i32, cu_k_ptr=i32, req_ptr=i32,
+                     **strides("stride_o", "thd", q), n_heads=heads, head_size=d, n_splits=n_splits,
+                     partition=256, BLOCK_S=MERGE_CHUNK, BLOCK_D=bd, INTERPRETED=False, num_warps=4,
+                     quick=merge and (every or ends), family=family)

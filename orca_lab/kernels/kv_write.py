@@ -2,6 +2,8 @@
 
 The Attention K/V manager hands each new token a slot; before attention runs, every layer writes
 that token's K and V there, so the attention kernel finds each request's whole context in the pool.
+A slot holds ``n_kv_heads`` heads: as many as the queries for multi-head attention, fewer for grouped
+queries (a Llama model's rotated keys: ``rotary.apply_rotary`` runs on k before this write).
 """
 from itertools import product
 
@@ -87,7 +89,8 @@ def _block(row_size: int) -> int:
 
 def aot_launches():
     """Every launch ``write_kv_triton`` can make on a GPU (``orca_lab.kernels.aot``): each block size
-    and alignment class (one head or 40, head sizes 1 to 256) in each float dtype, with the engine's
+    and alignment class (one head or 40, head sizes 1 to 256; a grouped model's 8 K/V heads of 128
+    type as 40 of them do) in each float dtype, with the engine's
     int64 slot ids, pools sliced out of ``[n_layers, n_slots, H, D]``. The other choices change one
     instruction, not the blocks, so GPT-3's rows (40 heads of 128) stand for the rest: int32 slot
     ids, and K/V cast into a pool of each other dtype."""
@@ -105,7 +108,8 @@ def aot_launches():
 
 
 def write_kv(k, v, k_pool, v_pool, slot_mapping, backend="auto", *, check=True):
-    """``k, v [T, H, D]`` into ``k_pool, v_pool [n_slots, H, D]`` at rows ``slot_mapping [T]``, in place.
+    """``k, v [T, Hkv, D]`` into ``k_pool, v_pool [n_slots, Hkv, D]`` at rows ``slot_mapping [T]``, in
+    place; ``Hkv`` is the model's K/V heads (``n_kv_heads``: its query heads without grouping).
 
     K/V of another float dtype are cast to the pool's (rounded to nearest). ``check=False`` skips the
     argument checks: only for a caller that built the arguments itself (the engine's hot path).

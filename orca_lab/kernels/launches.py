@@ -21,6 +21,7 @@ class Launch:
     num_warps: int = 4                  # Triton's defaults for a launch that names neither
     num_stages: int = 3
     quick: bool = True                  # in the quick check (CI); False: only with --full
+    family: str = ""                    # CI compiles the default and widest tiles of each family
 
     @property
     def name(self) -> str:
@@ -44,10 +45,11 @@ def strides(prefix: str, letters: str, t: torch.Tensor) -> dict:
 
 
 def launch(kernel, what: str, *, num_warps: int = 4, num_stages: int = 3, quick: bool = True,
-           **args) -> Launch:
+           family: str = "", **args) -> Launch:
     """``kernel`` launched with ``args`` (every parameter by name) and ``num_warps``/``num_stages`` (they
     change the code and its shared memory), typed as Triton's launcher types it. ``quick=False``
-    leaves it to ``--full``."""
+    leaves it to ``--full``; a ``family`` (e.g. "group 8") gets its own default and widest compile in
+    CI's subset, beside those of the kernel's other launches."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.nvidia.compiler import CUDABackend
 
@@ -68,5 +70,5 @@ def launch(kernel, what: str, *, num_warps: int = 4, num_stages: int = 3, quick:
             constexprs[p.name] = spec
         elif isinstance(spec, str) and CUDABackend.parse_attr(spec):
             attrs[(i,)] = CUDABackend.parse_attr(spec)
-    return Launch(kernel, what, signature, constexprs, attrs, num_warps, num_stages, quick)
+    return Launch(kernel, what, signature, constexprs, attrs, num_warps, num_stages, quick, family)
 

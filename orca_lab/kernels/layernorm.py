@@ -4,6 +4,8 @@ Selective batching runs LayerNorm on the flattened ``[sum L, H]`` tokens of all 
 (ORCA §4.2). Fusing ``x + residual`` into the same pass saves one read and one write of the activations,
 which is all a memory-bound op costs.
 """
+from itertools import product
+
 import torch
 import torch.nn.functional as F
 
@@ -87,10 +89,16 @@ def layer_norm_ref(x, weight, bias, eps=1e-5, residual=None):
 
 # -------------------------------------------------------------------------------------- wrapper
 def _check_layer_norm_args(x, weight, bias, eps, residual):
+    check_norm_args(x, eps, residual, weight=weight, bias=bias)
+
+
+def check_norm_args(x, eps, residual, **params):
+    """A norm's arguments (LayerNorm's, RMSNorm's): rows ``x [..., H]``, each of ``params`` ``[H]`` in
+    x's dtype, ``residual`` (or None) shaped as x, ``eps > 0``."""
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
-    for name, p in (("weight", weight), ("bias", bias)):
+    for name, p in params.items():
         check_tensor(name, p, ndim=1, dtypes=(x.dtype,), device=x.device)
         check_same(f"{name}.shape[0]", p.shape[0], x.shape[-1], "size (x.shape[-1])")
     if residual is not None:
@@ -122,19 +130,23 @@ def _block(n_cols: int) -> int:
 
 
 def aot_launches():
-    """Every launch ``layer_norm_triton`` can make on a GPU (``orca_lab.kernels.aot``): each chunk size
-    (rows of 1 to past MAX_BLOCK columns), with and without the residual, each float dtype. fp16
-    takes widths divisible by 16 and not; fp32 and bf16 the divisible ones (vectorized loads), which
-    stand for the rest: the dtype changes only the type loaded and stored."""
+    """Every launch ``layer_norm_triton`` can make on a GPU (``orca_lab.kernels.aot``): each width class
+    of ``aot_widths``, with and without the residual."""
     from orca_lab.kernels.launches import launch, meta
+    for (dtype, n_cols), has_res in product(aot_widths(), (False, True)):
+        x = meta(4, n_cols, dtype=dtype)
+        yield launch(_layer_norm_kernel, f"{n_cols} columns, residual={has_res}, {dtype}",
+                     x_ptr=x, res_ptr=x, w_ptr=x, b_ptr=x, y_ptr=x, sum_ptr=x, n_cols=n_cols,
+                     eps=1e-5, HAS_RESIDUAL=has_res, INTERPRETED=False, BLOCK=_block(n_cols))
+
+
+def aot_widths():
+    """(dtype, row width) pairs whose norm launches compile differently: each chunk size (rows of 1 to
+    past MAX_BLOCK columns); fp16 widths divisible by 16 and not, fp32 and bf16 the divisible ones
+    (vectorized loads), which stand for the rest: the dtype changes only the type loaded and stored."""
     widths = sorted({w for b in range(15) for w in (1 << b, (1 << b) - 1, 3 << b)} - {0})
-    for dtype in FLOAT_DTYPES:
-        for n_cols in (w for w in widths if w <= 2 * MAX_BLOCK and (dtype == torch.float16 or w % 16 == 0)):
-            x = meta(4, n_cols, dtype=dtype)
-            for has_res in (False, True):
-                yield launch(_layer_norm_kernel, f"{n_cols} columns, residual={has_res}, {dtype}",
-                             x_ptr=x, res_ptr=x, w_ptr=x, b_ptr=x, y_ptr=x, sum_ptr=x, n_cols=n_cols,
-                             eps=1e-5, HAS_RESIDUAL=has_res, INTERPRETED=False, BLOCK=_block(n_cols))
+    return [(dtype, w) for dtype in FLOAT_DTYPES for w in widths
+            if w <= 2 * MAX_BLOCK and (dtype == torch.float16 or w % 16 == 0)]
 
 
 def layer_norm(x, weight, bias, eps=1e-5, residual=None, backend="auto", *, check=True):
