@@ -36,7 +36,8 @@ from orca_lab.kernels.attention import ragged_attention_ref, ragged_attention_to
 from orca_lab.metrics import per_request
 from orca_lab.sim.executor import IterationCost, SimExecutor
 
-__all__ = ["Mismatch", "check_block_hashes", "check_block_slots", "check_cached_attention", "check_first_select",
+__all__ = ["Mismatch", "check_block_hashes", "check_block_slots", "check_by_hand", "check_cached_attention",
+           "check_first_select",
            "check_flatten", "check_ft_finish", "check_in_flight", "check_median_norm_latency",
            "check_online_softmax", "check_prefix_lookup", "check_select", "check_slot_manager",
            "check_split_layers", "check_victim"]
@@ -65,6 +66,14 @@ def _read(what: str, case, got, read, shape: str):
         return read(got)
     except Exception:  # noqa: BLE001  (any failure to read it is the same symptom: the wrong shape)
         differ(what, case, shape, f"{got!r} ({type(got).__name__})", f"return {shape}")
+
+
+def check_by_hand(case: str, answers: dict):
+    """A by-hand exercise's answers, ``{name: (yours, the package's, hint)}``: the first that differs
+    is a ``Mismatch`` naming it, both values labelled, with its hint in words."""
+    for name, (yours, expected, hint) in answers.items():
+        if yours != expected:
+            differ(name, case, expected, yours, hint)
 
 
 def _ints(xs) -> list[int]:
@@ -269,15 +278,16 @@ def check_first_select(first_batch, first_n_rsrv, second_batch, second_n_rsrv):
     for rid, m in enumerate((12, 30, 5, 8)):
         sched.add(request(rid, m - 1, 1, arrival=rid))        # max_tokens = prompt + 1 generated
     answers = []
-    for yours in ((first_batch, first_n_rsrv), (second_batch, second_n_rsrv)):
+    for _ in range(2):
         batch = sched.select()
         answers.append(([names[r.rid] for r in batch.requests], sched.n_rsrv))
         sched.on_batch_return(batch, [0] * len(batch), 0.0)   # W generates its one token and leaves
-        if (list(yours[0]), yours[1]) != answers[-1]:
-            which = "first" if len(answers) == 1 else "second (W finished and released its 12 slots)"
-            differ(f"the {which} batch and n_rsrv", "W, X, Y, Z with max_tokens 12, 30, 5, 8, max_bs=3, n_slots=40",
-                   answers[-1], yours, "in arrival order, reserve max_tokens while it fits in 40; at the first "
-                   "request that does not fit, stop (later ones wait too)")
+    hint = "in arrival order, reserve max_tokens while it fits in 40; at the first request that does not fit, " \
+           "stop (later ones wait too)"
+    check_by_hand("W, X, Y, Z with max_tokens 12, 30, 5, 8, max_bs=3, n_slots=40", {
+        "the first batch and n_rsrv": ((list(first_batch), first_n_rsrv), answers[0], hint),
+        "the second batch and n_rsrv (W finished and released its 12 slots)":
+            ((list(second_batch), second_n_rsrv), answers[1], hint)})
     print(f"correct: {answers[0][0]} (n_rsrv {answers[0][1]}), then {answers[1][0]} (n_rsrv {answers[1][1]})")
 
 
