@@ -189,6 +189,7 @@ def earliest_victim(running, req, chosen):
 
 OTHERS = {
     "attention returns None": (grade.check_cached_attention, lambda *a: None, "return \\(out, k_cache, v_cache\\)"),
+    "the longest generation only": (grade.check_ft_iterations, lambda p, g: max(g), "shortest prompt's length"),
     "one finish per batch": (grade.check_ft_finish, lambda p, g, bs: [max(g)], "one per request"),
     "stages as a dict": (grade.check_split_layers, lambda n, s: {0: n}, "a list of \\(first, end\\) pairs"),
     "median in seconds": (grade.check_median_norm_latency, seconds_median, "in milliseconds"),
@@ -226,6 +227,8 @@ PACKAGE = {
     "a wrapper of split_layers": (grade.check_split_layers, lambda n, s: split_layers(n, s)),
     "the grader's ft reference": (grade.check_ft_finish, _references.ft_finish_iterations),
     "a wrapper of the ft reference": (grade.check_ft_finish, lambda p, g, bs: _references.ft_finish_iterations(p, g, bs)),
+    "ft_iterations on the baseline's scheduler": (
+        grade.check_ft_iterations, lambda p, g: max(_references.ft_finish_iterations(p, g, len(p)))),
     "a wrapper of chain_hashes": (grade.check_block_hashes, lambda t, bs: chain_hashes(t, bs, len(t) // bs)),
     "OrcaScheduler.select": (grade.check_select, OrcaScheduler.select),
     "a select on OrcaScheduler": (grade.check_select, on_the_package),
@@ -244,12 +247,15 @@ def test_the_package_code_is_refused(name):
 def test_graders_do_not_export_their_references():
     assert not hasattr(grade, "ft_finish_iterations")
     assert all(name.startswith("check_") or name == "Mismatch" for name in grade.__all__)
+    for name in grade.__all__:        # none is the package's answer to an exercise under another name
+        assert getattr(grade, name).__module__ == grade.__name__
 
 
 # -- the course's solutions pass -------------------------------------------------------------------
 SOLVED = {
     "select": (grade.check_select, "03", "select", {}),
     "slot_manager": (grade.check_slot_manager, "05", "SlotManager", {}),
+    "ft_iterations": (grade.check_ft_iterations, "02", "ft_iterations", {}),
     "ft_finish_iterations": (grade.check_ft_finish, "02", "ft_finish_iterations", {}),
     "stages": (grade.check_split_layers, "07", "stages", {}),
     "loop": (grade.check_in_flight, "08", "loop", {}),

@@ -37,7 +37,7 @@ from orca_lab.metrics import per_request
 from orca_lab.sim.executor import IterationCost, SimExecutor
 
 __all__ = ["Mismatch", "check_block_hashes", "check_block_slots", "check_by_hand", "check_cached_attention",
-           "check_first_select",
+           "check_first_select", "check_ft_iterations",
            "check_flatten", "check_ft_finish", "check_in_flight", "check_median_norm_latency",
            "check_online_softmax", "check_prefix_lookup", "check_select", "check_slot_manager",
            "check_split_layers", "check_victim"]
@@ -122,6 +122,26 @@ def check_cached_attention(fn, seed: int = 0):
 
 
 # -- 02: the request-level baseline's batch end -------------------------------------------------
+def check_ft_iterations(fn, seed: int = 0):
+    """``fn(prompt_lens, gens) -> iterations of one request-level batch of those requests``, against
+    ``RequestLevelScheduler`` serving them in one batch."""
+    refs = (_references.ft_finish_iterations, RequestLevelScheduler)
+    refuse_package_code(fn, *refs)
+    rng = random.Random(seed)
+    for case in range(N_CASES):
+        n = rng.randint(1, 6)
+        p, g = [rng.randint(1, 30) for _ in range(n)], [rng.randint(1, 8) for _ in range(n)]
+        label = f"case {case} (prompt_lens={p}, gens={g})"
+        got = _read("the iterations", label, run_bounded(fn, list(p), list(g), case=label, references=refs), int,
+                    "a number of iterations")
+        expected = max(_references.ft_finish_iterations(p, g, n))
+        if got != expected:
+            differ("the iterations", label, expected, got,
+                   "the first iteration runs the shortest prompt's length of every prompt; the longer prompts' "
+                   "other tokens then run one an iteration, and the batch ends when its last request is done")
+    correct(N_CASES, "RequestLevelScheduler")
+
+
 def check_ft_finish(fn, seed: int = 0):
     """``fn(prompt_lens, gens, max_bs) -> [iteration after which each request returns]``."""
     refs = (_references.ft_finish_iterations, RequestLevelScheduler)
