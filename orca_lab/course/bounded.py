@@ -125,7 +125,11 @@ def run_bounded(fn, *args, timeout_s: float = TIMEOUT_S, case: str = "", referen
 
     thread = threading.Thread(target=target, name=f"learner {describe(fn)}", daemon=True)
     thread.start()
-    thread.join(timeout_s)
+    try:
+        thread.join(timeout_s)
+    except BaseException:                   # the kernel interrupted (Ctrl-C): the learner's code stops too
+        _stop(thread)
+        raise
     if thread.is_alive():
         _stop(thread)
         raise TooSlow(f"your {describe(fn)} did not return within {timeout_s:g} s on {case}: a loop that never "
