@@ -1,0 +1,161 @@
+"""Running a learner's code under a bound, and refusing the package's own code as the learner's:
+what every grader of the course (``grade.py`` and any new one) builds on.
+
+- ``run_bounded(fn, *args, timeout_s=TIMEOUT_S, case="...", references=(), **kwargs)``: ``fn(*args,
+  **kwargs)``'s result. Past ``timeout_s`` seconds it raises ``TooSlow`` naming ``case`` (and stops
+  ``fn`` where it can: see below). An exception of ``fn``'s goes through as the learner's own (its
+  type, its traceback), with a note naming the case that raised it. A call, during ``fn``, into the
+  code of one of ``references`` (functions, classes, methods: the package's answer to the
+  exercise) raises ``PackageCode``: a learner's function that wraps the package's is refused.
+- ``refuse_package_code(learner_obj, *references)``: raises ``PackageCode`` when ``learner_obj``
+  is one of ``references``, wraps one (``__wrapped__``, ``functools.partial``, a bound method, a
+  ``@triton.jit`` function), subclasses one, or reuses one's code (a method copied into a class).
+- ``Bounded(obj, case=..., references=...)``: a learner's object (an instance of their class)
+  whose every method call runs through ``run_bounded``; ``case`` can be changed between calls.
+
+Why a thread and not ``signal.setitimer``: a Jupyter kernel runs a cell in its main thread, where an
+alarm would work, but a grader may run anywhere (a test's worker thread, a server, Windows, where
+there is no ``SIGALRM``), and the alarm's handler would replace whatever the kernel or pytest set.
+A daemon thread works in every case; the caller waits ``timeout_s`` for it, then stops it with an
+asynchronous exception (CPython's ``PyThreadState_SetAsyncExc``), which ends a Python loop at its
+next bytecode. Code stuck inside one C call finishes that call first (the thread is a daemon: it
+never holds the process open). The time bound is a guard against code that never returns, never a
+verdict on speed: it is generous (``TIMEOUT_S``).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import inspect
+import sys
+import threading
+
+TIMEOUT_S = 20.0
+
+
+class TooSlow(AssertionError):
+    """The learner's code did not return within its bound."""
+
+
+class PackageCode(AssertionError):
+    """The learner's answer is (or calls) the package's own answer to the exercise."""
+
+
+class _Stopped(BaseException):
+    """Raised inside a learner's thread that ran past its bound (a BaseException: ``except
+    Exception`` in the learner's loop does not swallow it)."""
+
+
+def describe(obj) -> str:
+    return getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or type(obj).__name__
+
+
+def _where(obj) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{describe(obj)}"
+
+
+def _unwrapped(obj):
+    """``obj`` and what it wraps: ``__wrapped__`` chains, partials, bound methods, Triton's ``fn``."""
+    seen = []
+    while obj is not None and not any(obj is s for s in seen):
+        seen.append(obj)
+        obj = (getattr(obj, "__wrapped__", None) or (obj.func if isinstance(obj, functools.partial) else None)
+               or getattr(obj, "__func__", None) or getattr(obj, "fn", None))
+    return seen
+
+
+def _functions(obj):
+    """The plain functions ``obj`` is made of: itself, or a class's methods (properties included)."""
+    out = []
+    for o in _unwrapped(obj):
+        if inspect.isclass(o):
+            for attr in vars(o).values():
+                attr = attr.fget if isinstance(attr, property) else attr
+                out += [f for f in _unwrapped(attr) if inspect.isfunction(f)]
+        elif inspect.isfunction(o):
+            out.append(o)
+    return out
+
+
+def code_objects(references) -> dict:
+    """Code object -> the reference it belongs to, for ``references``' functions and methods."""
+    return {f.__code__: ref for ref in references for f in _functions(ref)}
+
+
+def refuse_package_code(learner_obj, *references):
+    """Raise ``PackageCode`` if ``learner_obj`` is, wraps, subclasses or copies one of ``references``."""
+    codes = code_objects(references)
+    for obj in _unwrapped(learner_obj):
+        for ref in references:
+            if obj is ref or (inspect.isclass(obj) and inspect.isclass(ref) and issubclass(obj, ref)):
+                kind = "is" if obj is ref else "subclasses"
+                raise PackageCode(f"your {describe(learner_obj)} {kind} the package's own {_where(ref)}: "
+                                  "the grader compares your code with it; write your own")
+        for f in _functions(obj):
+            if f.__code__ in codes:
+                raise PackageCode(f"your {describe(learner_obj)} reuses the code of the package's own "
+                                  f"{_where(codes[f.__code__])} ({f.__name__}): write your own")
+
+
+def _stop(thread: threading.Thread):
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Stopped))
+    thread.join(1.0)
+
+
+def run_bounded(fn, *args, timeout_s: float = TIMEOUT_S, case: str = "", references=(), **kwargs):
+    """``fn(*args, **kwargs)`` in a thread bounded by ``timeout_s``, watched for calls into
+    ``references``' code (module docstring)."""
+    codes, box = code_objects(references), {}
+
+    def watch(frame, event, arg):
+        if event == "call" and frame.f_code in codes and "hit" not in box:
+            box["hit"] = codes[frame.f_code]
+
+    def target():
+        if codes:
+            sys.setprofile(watch)
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except _Stopped:
+            pass
+        except BaseException as e:          # noqa: BLE001  (the learner's, shown as theirs below)
+            box["error"] = e
+        finally:
+            sys.setprofile(None)
+
+    thread = threading.Thread(target=target, name=f"learner {describe(fn)}", daemon=True)
+    thread.start()
+    try:
+        thread.join(timeout_s)
+    except BaseException:                   # the kernel interrupted (Ctrl-C): the learner's code stops too
+        _stop(thread)
+        raise
+    if thread.is_alive():
+        _stop(thread)
+        raise TooSlow(f"your {describe(fn)} did not return within {timeout_s:g} s on {case}: a loop that never "
+                      "ends? (each step must make progress: a request leaves, a batch returns, an index grows)")
+    if "hit" in box:
+        raise PackageCode(f"your {describe(fn)} called the package's own {_where(box['hit'])} on {case}: "
+                          "the grader compares your code with it; write your own")
+    if "error" in box:
+        e = box["error"]
+        e.add_note(f"(raised by your {describe(fn)} on {case})")
+        tb = e.__traceback__
+        raise e.with_traceback(tb.tb_next if tb is not None and tb.tb_next is not None else tb)
+    return box["value"]
+
+
+class Bounded:
+    """The learner's object (a class's instance) whose every method call goes through
+    ``run_bounded``, with ``case`` (settable as the grading goes on) and ``references``; its other
+    attributes read through."""
+
+    def __init__(self, obj, case: str = "", references=(), timeout_s: float = TIMEOUT_S):
+        vars(self).update(obj=obj, case=case, references=references, timeout_s=timeout_s)
+
+    def __getattr__(self, name):
+        attr = getattr(self.obj, name)
+        if not callable(attr):
+            return attr
+        return lambda *args, **kwargs: run_bounded(attr, *args, timeout_s=self.timeout_s, case=self.case,
+                                                   references=self.references, **kwargs)
