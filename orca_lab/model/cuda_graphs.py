@@ -104,7 +104,7 @@ class DecodeGraphs:
         if not self.capture:
             return self.model(static, self.kv)          # eager: the plan comes from this iteration
         if size not in self.plans:                      # one grid for every context up to max_seq_len
-            self.plans[size] = triton_plan(np.arange(size + 1), np.zeros(size + 1), static.cu_q.device,
+            self.plans[size] = triton_plan(np.arange(size + 1), np.zeros(size + 1), static.cu_seqlens_q.device,
                                            max_kv=self.max_kv)
         static.attn_plan = self.plans[size]
         if size not in self.graphs:
