@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from orca_lab import LLM, EngineConfig
 from orca_lab.distributed.channels import Inbox, connect
-from orca_lab.distributed.messages import ControlMessage, Hello, Reset, StageReport, Stop, WorkerError
+from orca_lab.distributed.messages import Challenge, ControlMessage, Hello, Proof, Reset, StageReport, Stop, WorkerError
 from orca_lab.distributed.pool import WorkerPool
 from orca_lab.distributed.wire import ControlError, decode, encode
 from orca_lab.engine.sampling_params import SamplingParams
@@ -28,7 +28,7 @@ MESSAGES = [
                    (2,)),
     Reset(), Stop(), StageReport(7, 1, 1.5, 2.25, [4, 5]), StageReport(7, 0, 1.0, 1.5), WorkerError(3, "Traceback"),
     StageReport(7, 1, 1.5, 2.25, [4, 5], [[3, [4, -0.25, [[4, -0.25], [9, -2.0]]], [None, [2, -1.5, []]]]]),
-    Hello(-1),
+    Hello(-1, "ab" * 32), Challenge("cd" * 32, "ef" * 32), Proof("01" * 32),
 ]
 
 
@@ -76,7 +76,7 @@ def test_the_inbox_drops_strangers_and_accepts_a_signed_hello():
     inbox = Inbox("127.0.0.1", SECRET)
     try:
         stranger = socket.create_connection(inbox.address)       # a raw pickle, then nothing
-        stranger.sendall(len(pickle.dumps(Hello(0))).to_bytes(4, "big") + pickle.dumps(Hello(0)))
+        stranger.sendall(len(pickle.dumps(Hello(0, ""))).to_bytes(4, "big") + pickle.dumps(Hello(0, "")))
         other = connect(inbox.address, b"x" * 32, 1)             # signed with another key
         ours = connect(inbox.address, SECRET, 2)
         got = inbox.accept(5)
@@ -106,10 +106,10 @@ def test_strangers_hold_up_neither_the_peer_nor_the_deadline():
     try:
         conns += _strangers(inbox.address)
         conns.append(connect(inbox.address, SECRET, 3))
-        conns[-1].send(Reset())                  # sent right after the hello: it stays for the channel
         got = []
         worker = threading.Thread(target=lambda: got.append(inbox.accept(5.0)), daemon=True)
         worker.start()
+        conns[-1].send(Reset())                  # sent right after the opening: it stays for the channel
         worker.join(30)
         assert not worker.is_alive(), "accept hung on a stranger"
         assert got[0] is not None and got[0][1] == 3
