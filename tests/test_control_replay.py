@@ -1,18 +1,11 @@
 """The control plane refuses what a signature alone lets through: a frame recorded on a live
 connection and played again (on it, or on a new connection), frames swapped in flight, and a stranger
-replaying a recorded opening. Under torchrun the secret comes from the operator, never the store."""
+replaying a recorded opening (torchrun's operator secret: ``test_control.py``)."""
 import logging
-import os
-import re
 import socket
-import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from orca_lab import LLM, EngineConfig
 from orca_lab.distributed.channels import Inbox, connect
@@ -208,67 +201,3 @@ def test_a_worker_refuses_a_frame_of_its_connection_played_again(tiny_llm):
         with pytest.raises(RuntimeError, match=r"(?s)worker rank 0 failed:.*ControlError: refused control frame "
                                                r"\d+ where frame \d+ was due .*\(replayed\)"):
             pool.collect(1, timeout=60)
-
-
-# -- torchrun: the operator's secret -------------------------------------------------------------------
-OPERATOR_SECRET = "an operator's secret, 32 chars or more: 7f3a9c"
-
-
-def _without_secret() -> dict:
-    return {k: v for k, v in os.environ.items() if not k.startswith("ORCA_LAB_SECRET")}
-
-
-def start_rank(rank, port, env, *extra):
-    """``python -m orca_lab.torchrun`` as one rank of a 1 x 2 world whose store the test hosts (as
-    torchrun's agent does), so the test can read everything in it."""
-    env = dict(_without_secret(), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1",
-               GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(Path(__file__).resolve().parents[1]), **env)
-    cmd = [sys.executable, "-m", "orca_lab.torchrun", "--tp", "1", "--pp", "2", "--device", "cpu", "--systems", "orca",
-           "--n-requests", "2", "--scale", "0.05", *extra]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _secret_env(how, tmp_path):
-    if how == "env":
-        return {"ORCA_LAB_SECRET": OPERATOR_SECRET}
-    path = tmp_path / "secret"
-    path.write_text(OPERATOR_SECRET + "\n")
-    path.chmod(0o600)
-    return {"ORCA_LAB_SECRET_FILE": str(path)}
-
-
-@pytest.mark.parametrize("how", ["env", "file"])
-def test_torchrun_takes_the_operators_secret_and_the_store_never_holds_it(how, tmp_path):
-    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = _secret_env(how, tmp_path)
-    procs = [start_rank(r, agent.port, env, *(["--out", str(tmp_path)] if r == 0 else [])) for r in (0, 1)]
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=240)
-            assert p.returncode == 0, err[-3000:]
-        assert (tmp_path / "torchrun.json").exists()
-        values = b"".join(agent.get(k) for k in agent.list_keys())
-        assert agent.list_keys() and OPERATOR_SECRET.encode() not in values
-        assert not [k for k in agent.list_keys() if "secret" in k]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-
-
-@pytest.mark.parametrize("env,match", [
-    ({}, r"no control secret: set ORCA_LAB_SECRET \(or ORCA_LAB_SECRET_FILE"),
-    ({"ORCA_LAB_SECRET": "short"}, r"ORCA_LAB_SECRET holds 5 characters; a control secret has at least 32"),
-    ({"ORCA_LAB_SECRET_FILE": "/nonexistent/secret"}, r"ORCA_LAB_SECRET_FILE=/nonexistent/secret cannot be read"),
-    ({"ORCA_LAB_SECRET": OPERATOR_SECRET, "ORCA_LAB_SECRET_FILE": "/x"}, r"both ORCA_LAB_SECRET and ORCA_LAB_SECRET_FILE"),
-], ids=["none", "short", "unreadable", "both"])
-def test_torchrun_refuses_to_start_without_a_good_secret(env, match):
-    """Refused before the rendezvous: no store is ever reached (the port here has none)."""
-    done = subprocess.run([sys.executable, "-m", "orca_lab.torchrun", "--pp", "2", "--device", "cpu"],
-                          env=dict(_without_secret(), RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="9", **env),
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert re.search(match, done.stderr), done.stderr[-3000:]
-    assert OPERATOR_SECRET not in done.stderr
