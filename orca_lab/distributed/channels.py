@@ -39,9 +39,12 @@ class Channel:
     and ``recv_raw`` pass signed frames on unchanged (the relay forwards without re-encoding). Either
     way each frame is sealed to its place on this connection, and the first that is not the next one
     is refused: the connection is dropped, with the reason logged."""
+    # How long a caller waits for the listener's challenge: a worker reads its inbox only once its
+    # process group is up and its stage built (weights read, K/V allocated), minutes for a large model.
+    OPEN_S = 300.0
 
-    def __init__(self, conn: Connection, secret: bytes, peer: str, open_s: float):
-        self.conn, self.secret, self.peer, self.open_s = conn, secret, peer, open_s
+    def __init__(self, conn: Connection, secret: bytes, peer: str):
+        self.conn, self.secret, self.peer = conn, secret, peer
         self._out: Seal | None = None
         self._in: Seal | None = None
         self._opened = threading.Event()
@@ -56,8 +59,8 @@ class Channel:
         """The caller's side of the opening, in the background (``connect``): check the listener's
         challenge, send this side's proof, derive the key."""
         try:
-            if not self.conn.poll(self.open_s):
-                raise ConnectionError(f"no challenge within {self.open_s:g} s")
+            if not self.conn.poll(self.OPEN_S):
+                raise ConnectionError(f"no challenge within {self.OPEN_S:g} s")
             challenge = decode(self.conn.recv_bytes(MAX_HELLO_BYTES), self.secret)
             if not isinstance(challenge, Challenge) or not proves(challenge.proof, self.secret, LISTENER, hello,
                                                                   challenge.nonce):
@@ -71,8 +74,8 @@ class Channel:
             self._opened.set()
 
     def _wait_open(self):
-        if not self._opened.wait(self.open_s):
-            raise ConnectionError(f"the control inbox at {self.peer} did not answer the hello within {self.open_s:g} s")
+        if not self._opened.wait(self.OPEN_S):
+            raise ConnectionError(f"the control inbox at {self.peer} did not answer the hello within {self.OPEN_S:g} s")
         if self._failure:
             raise ConnectionError(self._failure)
 
@@ -208,7 +211,7 @@ class Inbox:
             return self._drop(sock, f"its hello (rank {g.hello.rank}) was not followed by a proof over this "
                                     "connection's nonces (a recorded opening played again?)")
         self._forget(sock)
-        channel = Channel(Connection(_no_delay(sock).detach()), self.secret, g.peer, self.HELLO_S)
+        channel = Channel(Connection(_no_delay(sock).detach()), self.secret, g.peer)
         channel._open(session_key(self.secret, g.hello, g.nonce), DOWN, UP)
         self._ready.append((channel, g.hello.rank))
 
@@ -258,10 +261,10 @@ class _Greeting:
 def connect(address, secret: bytes, rank: int, timeout: float = 30.0) -> Channel:
     """A channel to the Inbox at ``address``, announcing ``rank`` (-1 = the engine master). It returns
     once connected and the hello is sent: peers connect to each other in any order, and the listener
-    may itself still be connecting elsewhere before it reads its inbox, so the rest of the opening
-    runs in the background; the channel's first send or receive waits for it (up to ``timeout``)."""
+    may itself still be starting or connecting elsewhere before it reads its inbox, so the rest of
+    the opening runs in the background; the channel's first send or receive waits for it."""
     sock = socket.create_connection(tuple(address), timeout=timeout)
-    channel = Channel(Connection(_no_delay(sock).detach()), secret, encode_address(address), timeout)
+    channel = Channel(Connection(_no_delay(sock).detach()), secret, encode_address(address))
     hello = Hello(rank, nonce())
     channel.conn.send_bytes(encode(hello, secret))
     threading.Thread(target=channel._answer, args=(hello,), name=f"control-open-{channel.peer}", daemon=True).start()
