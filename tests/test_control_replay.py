@@ -132,7 +132,7 @@ def test_frames_swapped_in_flight_are_refused(opened):
         channel.recv()
 
 
-def test_frames_go_both_ways_each_numbered_on_its_own(opened):
+def test_a_frame_reflected_back_to_its_sender_is_refused(opened):
     """The listener's direction has its own key label and counter: a frame it sent cannot be
     reflected back to it as the caller's."""
     inbox, tap, caller, channel = opened
