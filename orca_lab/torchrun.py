@@ -3,13 +3,22 @@ engine master (ORCA §4.3's engine master plus worker 1, in one process: the wor
 
 Two nodes, a pipeline stage per node, tensor parallel inside each node (ORCA's 175B setup, scaled)::
 
+    ORCA_LAB_SECRET_FILE=~/.orca_lab_secret \\
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank $NODE --master-addr $HOST0 --master-port 29500 \\
         -m orca_lab.torchrun --model tiny --tp 2 --pp 2 --n-requests 32 --out results/torchrun
 
 One machine, no GPU (gloo)::
 
+    ORCA_LAB_SECRET=$(python -c "import secrets; print(secrets.token_hex(32))") \\
     OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo torchrun --standalone --nproc-per-node 4 \\
         -m orca_lab.torchrun --tp 2 --pp 2 --device cpu
+
+Every rank needs the control plane's secret from the operator, the same on every node: in
+``ORCA_LAB_SECRET`` (at least 32 characters), or in a file named by ``ORCA_LAB_SECRET_FILE`` (readable
+by the operator only, e.g. ``python -c "import secrets; print(secrets.token_hex(32))" > ~/.orca_lab_secret;
+chmod 600 ~/.orca_lab_secret``). It signs every control message, and never travels through the
+rendezvous store, which anyone who reaches ``--master-port`` can read. A rank without one refuses to
+start.
 
 Ranks are stage-major (rank = stage * tp + tensor rank), so with ``--nproc-per-node tp`` each node is
 one stage. Control channels listen on ``ORCA_LAB_CONTROL_HOST`` if set, else on the local address that
@@ -21,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import socket
 from pathlib import Path
 
@@ -43,6 +51,30 @@ def control_host() -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:   # connecting UDP sends no packet
         s.connect((os.environ.get("MASTER_ADDR", "127.0.0.1"), 1))
         return s.getsockname()[0]
+
+
+SECRET_ENV, SECRET_FILE_ENV = "ORCA_LAB_SECRET", "ORCA_LAB_SECRET_FILE"
+MIN_SECRET_CHARS = 32
+
+
+def operator_secret(environ) -> bytes:
+    """The control plane's secret, as the operator gave it to every rank; ValueError naming the
+    variables when it is missing, ambiguous or too short to resist guessing."""
+    text, path = environ.get(SECRET_ENV), environ.get(SECRET_FILE_ENV)
+    if text and path:
+        raise ValueError(f"both {SECRET_ENV} and {SECRET_FILE_ENV} are set: set one")
+    if path:
+        try:
+            text = Path(path).read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{SECRET_FILE_ENV}={path} cannot be read ({e})") from None
+    if not text:
+        raise ValueError(f"no control secret: set {SECRET_ENV} (or {SECRET_FILE_ENV}, a file holding it) to the "
+                         "same secret on every rank")
+    if len(text) < MIN_SECRET_CHARS:
+        where = SECRET_ENV if not path else f"the file {SECRET_FILE_ENV}={path}"
+        raise ValueError(f"{where} holds {len(text)} characters; a control secret has at least {MIN_SECRET_CHARS}")
+    return text.encode()
 
 
 def parse_args(argv=None):
@@ -73,6 +105,10 @@ def main(argv=None):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != args.tp * args.pp:
         p.error(f"WORLD_SIZE={world} must equal --tp x --pp = {args.tp * args.pp}")
+    try:
+        secret = operator_secret(os.environ)
+    except ValueError as e:
+        p.error(str(e))
     ec = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots, device=args.device, executor="workers",
                       tensor_parallel=args.tp, pipeline_parallel=args.pp)
     cfg = checkpoint_config(args.checkpoint) if args.checkpoint else model_config(args.model)
@@ -82,11 +118,8 @@ def main(argv=None):
         start_heartbeat(store.clone())
     else:
         watch_master(store.clone(), args.master_timeout, rank)
-    if rank == 0:
-        store.set("secret", secrets.token_hex(32))      # signs every control message
-    spec = WorkerSpec(cfg, ec, rank, bytes.fromhex(store.get("secret").decode()), weights=args.checkpoint,
-                      seed=args.seed, host=control_host(), local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-                      master_timeout=args.master_timeout)
+    spec = WorkerSpec(cfg, ec, rank, secret, weights=args.checkpoint, seed=args.seed, host=control_host(),
+                      local_rank=int(os.environ.get("LOCAL_RANK", 0)), master_timeout=args.master_timeout)
     if rank != 0:
         Worker(spec, store).serve()
         return

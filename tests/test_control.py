@@ -1,7 +1,9 @@
 """The control plane never unpickles: messages are signed JSON, and frames that are tampered with,
-unsigned or signed with another pool's key are refused before they are parsed."""
+unsigned or signed with another pool's key are refused before they are parsed (replays and
+reordering: ``test_control_replay.py``). Under torchrun the secret comes from the operator."""
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -15,7 +17,7 @@ import torch.distributed as dist
 
 from orca_lab import LLM, EngineConfig
 from orca_lab.distributed.channels import Inbox, connect
-from orca_lab.distributed.messages import ControlMessage, Hello, Reset, StageReport, Stop, WorkerError
+from orca_lab.distributed.messages import Challenge, ControlMessage, Hello, Proof, Reset, StageReport, Stop, WorkerError
 from orca_lab.distributed.pool import WorkerPool
 from orca_lab.distributed.wire import ControlError, decode, encode
 from orca_lab.engine.sampling_params import SamplingParams
@@ -28,7 +30,7 @@ MESSAGES = [
                    (2,)),
     Reset(), Stop(), StageReport(7, 1, 1.5, 2.25, [4, 5]), StageReport(7, 0, 1.0, 1.5), WorkerError(3, "Traceback"),
     StageReport(7, 1, 1.5, 2.25, [4, 5], [[3, [4, -0.25, [[4, -0.25], [9, -2.0]]], [None, [2, -1.5, []]]]]),
-    Hello(-1),
+    Hello(-1, "ab" * 32), Challenge("cd" * 32, "ef" * 32), Proof("01" * 32),
 ]
 
 
@@ -76,7 +78,7 @@ def test_the_inbox_drops_strangers_and_accepts_a_signed_hello():
     inbox = Inbox("127.0.0.1", SECRET)
     try:
         stranger = socket.create_connection(inbox.address)       # a raw pickle, then nothing
-        stranger.sendall(len(pickle.dumps(Hello(0))).to_bytes(4, "big") + pickle.dumps(Hello(0)))
+        stranger.sendall(len(pickle.dumps(Hello(0, ""))).to_bytes(4, "big") + pickle.dumps(Hello(0, "")))
         other = connect(inbox.address, b"x" * 32, 1)             # signed with another key
         ours = connect(inbox.address, SECRET, 2)
         got = inbox.accept(5)
@@ -106,10 +108,10 @@ def test_strangers_hold_up_neither_the_peer_nor_the_deadline():
     try:
         conns += _strangers(inbox.address)
         conns.append(connect(inbox.address, SECRET, 3))
-        conns[-1].send(Reset())                  # sent right after the hello: it stays for the channel
         got = []
         worker = threading.Thread(target=lambda: got.append(inbox.accept(5.0)), daemon=True)
         worker.start()
+        conns[-1].send(Reset())                  # sent right after the opening: it stays for the channel
         worker.join(30)
         assert not worker.is_alive(), "accept hung on a stranger"
         assert got[0] is not None and got[0][1] == 3
@@ -165,12 +167,21 @@ def test_a_worker_refuses_a_tampered_control_frame(tiny_llm):
 MASTER_TIMEOUT_S = 10
 
 
-def start_rank(rank, port, tmp_path, *extra):
+OPERATOR_SECRET = "an operator's secret, 32 chars or more: 7f3a9c"
+
+
+def _without_secret() -> dict:
+    return {k: v for k, v in os.environ.items() if not k.startswith("ORCA_LAB_SECRET")}
+
+
+def start_rank(rank, port, tmp_path, *extra, secret=None):
     """``python -m orca_lab.torchrun`` as one rank of a 1 x 2 world whose rendezvous store is
-    hosted elsewhere (as torchrun's agent hosts it), so the store outlives rank 0."""
-    env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+    hosted elsewhere (as torchrun's agent hosts it), so the store outlives rank 0 and the test can
+    read all of it. ``secret``: the operator's variables (default ORCA_LAB_SECRET)."""
+    env = dict(_without_secret(), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1",
-               GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+               GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+               **(secret or {"ORCA_LAB_SECRET": OPERATOR_SECRET}))
     cmd = [sys.executable, "-m", "orca_lab.torchrun", "--tp", "1", "--pp", "2", "--device", "cpu",
            "--systems", "orca", "--master-timeout", str(MASTER_TIMEOUT_S), *extra]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -207,3 +218,52 @@ def test_a_rank_gives_up_on_a_master_that_never_came_or_hung(tmp_path):
             if p.poll() is None:
                 p.kill()
             p.communicate()
+
+
+# -- torchrun: the control secret comes from the operator, never through the store -----------------
+def _secret_env(how, tmp_path):
+    if how == "env":
+        return {"ORCA_LAB_SECRET": OPERATOR_SECRET}
+    path = tmp_path / "secret"
+    path.write_text(OPERATOR_SECRET + "\n")
+    path.chmod(0o600)
+    return {"ORCA_LAB_SECRET_FILE": str(path)}
+
+
+@pytest.mark.parametrize("how", ["env", "file"])
+def test_torchrun_takes_the_operators_secret_and_the_store_never_holds_it(how, tmp_path):
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = _secret_env(how, tmp_path)
+    procs = [start_rank(r, agent.port, tmp_path, "--n-requests", "2", "--scale", "0.05",
+                        *(["--out", str(tmp_path)] if r == 0 else []), secret=env) for r in (0, 1)]
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=240)
+            assert p.returncode == 0, err[-3000:]
+        assert (tmp_path / "torchrun.json").exists()
+        values = b"".join(agent.get(k) for k in agent.list_keys())
+        assert agent.list_keys() and OPERATOR_SECRET.encode() not in values
+        assert not [k for k in agent.list_keys() if "secret" in k]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+@pytest.mark.parametrize("env,match", [
+    ({}, r"no control secret: set ORCA_LAB_SECRET \(or ORCA_LAB_SECRET_FILE"),
+    ({"ORCA_LAB_SECRET": "short"}, r"ORCA_LAB_SECRET holds 5 characters; a control secret has at least 32"),
+    ({"ORCA_LAB_SECRET_FILE": "/nonexistent/secret"}, r"ORCA_LAB_SECRET_FILE=/nonexistent/secret cannot be read"),
+    ({"ORCA_LAB_SECRET": OPERATOR_SECRET, "ORCA_LAB_SECRET_FILE": "/x"},
+     r"both ORCA_LAB_SECRET and ORCA_LAB_SECRET_FILE"),
+], ids=["none", "short", "unreadable", "both"])
+def test_torchrun_refuses_to_start_without_a_good_secret(env, match):
+    """Refused before the rendezvous: no store is ever reached (the port here has none)."""
+    done = subprocess.run([sys.executable, "-m", "orca_lab.torchrun", "--pp", "2", "--device", "cpu"],
+                          env=dict(_without_secret(), RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                   MASTER_PORT="9", PYTHONPATH=str(Path(__file__).resolve().parents[1]), **env),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert re.search(match, done.stderr), done.stderr[-3000:]
+    assert OPERATOR_SECRET not in done.stderr

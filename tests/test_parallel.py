@@ -164,7 +164,8 @@ def test_close_stops_workers_and_frees_ports(tiny_llm):
 def test_torchrun_runs_the_same_engine(tmp_path):
     """The documented multi-node command, on one machine: rank 0 is the master and worker 0."""
     # TMPDIR: torch's elastic agent leaves its run directory behind; keep it in pytest's tmp tree.
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TMPDIR=str(tmp_path))
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TMPDIR=str(tmp_path),
+               ORCA_LAB_SECRET="the operator's control secret, 32+ characters")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "orca_lab.torchrun", "--tp", "1", "--pp", "2", "--device", "cpu", "--systems", "orca",
            "--n-requests", "4", "--scale", "0.05", "--seed", "3", "--out", str(tmp_path)]

@@ -84,10 +84,27 @@ class WorkerError:
 
 @dataclass(frozen=True)
 class Hello:
-    """The first frame of every connection: who is calling (-1 = the engine master)."""
+    """The first frame of every connection: who is calling (-1 = the engine master), and the
+    caller's fresh nonce for this connection (``wire.py``)."""
     rank: int
+    nonce: str
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """The listener's answer to a ``Hello``: its own fresh nonce, and its proof that it holds the
+    pool's secret (``wire.proof``)."""
+    nonce: str
+    proof: str
+
+
+@dataclass(frozen=True)
+class Proof:
+    """The caller's last frame of the opening: its proof over both nonces."""
+    proof: str
 
 
 # The kinds a frame may name (``wire.decode`` builds nothing else).
-MESSAGES = {cls.__name__: cls for cls in (ControlMessage, Reset, Stop, StageReport, WorkerError, Hello)}
+MESSAGES = {cls.__name__: cls for cls in (ControlMessage, Reset, Stop, StageReport, WorkerError, Hello,
+                                          Challenge, Proof)}
 
