@@ -12,6 +12,7 @@ import torch
 
 from orca_lab.config import EngineConfig, ModelConfig, check_degrees, check_prefix_caching, check_range, model_config, uses_workers
 from orca_lab.distributed.executor import WorkerExecutor
+from orca_lab.distributed.pool import attached
 from orca_lab.engine.engine import Engine, RunResult
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.kv_manager import KVPool
@@ -91,7 +92,7 @@ class LLM:
         self._kv_pool: KVPool | None = None   # allocated on the first engine, then lent to each
         self._graphs = None                   # CUDA graphs over that pool, captured once
         self._engine = None                   # weak reference to the engine holding the pool
-        self._prefix_kv = None                # the prefix cache's manager, handed from engine to engine
+        self._prefix_kv = None                # (K/V memory, the prefix cache over it), engine to engine
 
     @classmethod
     def from_pretrained(cls, path, engine: EngineConfig | None = None, tokenizer=None) -> "LLM":
@@ -131,14 +132,15 @@ class LLM:
         check_prefix_caching(system, ec.prefix_caching, ec.schedule_policy)
         self._take_pool_back()
         workers = uses_workers(ec)      # workers hold the K/V pools; the master keeps only the accounting
-        pool = None if workers else self._pool()
-        kv = self._prefix_cache() if ec.prefix_caching else None
+        memory = attached(self) if workers else self._pool()
+        kv = self._prefix_cache(memory) if ec.prefix_caching else None
         if kv is None:
-            kv = new_kv(system, ec.n_slots, ec.block_size, pool=pool, prefix_caching=ec.prefix_caching)
-        self._prefix_kv = kv if ec.prefix_caching else None
+            kv = new_kv(system, ec.n_slots, ec.block_size, pool=None if workers else memory,
+                        prefix_caching=ec.prefix_caching)
+        self._prefix_kv = (memory, kv) if ec.prefix_caching and memory is not None else None
         scheduler = new_scheduler(system, kv, ec.max_bs, cfg.max_seq_len, mbs, ec.max_num_batched_tokens,
                                   ec.schedule_policy)
-        executor = WorkerExecutor.for_llm(self) if workers else \
+        executor = WorkerExecutor.for_llm(self, memory) if workers else \
             LocalExecutor(self.model, kv, ec.n_workers, ec.device, self._decode_graphs(kv))
         config = {"model": cfg.name, "system": system, "mbs": mbs, **vars(ec)}
         engine = Engine(scheduler, executor, cfg.vocab_size, cfg.max_seq_len, config, self.tokenizer,
@@ -159,12 +161,17 @@ class LLM:
                 "building a new engine (one engine per LLM, as in vLLM)")
         holder.close("a newer engine of its LLM took over the K/V pool (one engine per LLM)")
 
-    def _prefix_cache(self):
+    def _prefix_cache(self, memory):
         """The previous engine's prefix cache, for the next engine over the same K/V memory (as vLLM's
         LLM keeps its cache from one ``generate`` to the next): its cached blocks still hold their
-        K/V, here or on the workers. None when there is none, or a request of it still holds blocks."""
-        kv = self._prefix_kv
-        if kv is None or kv.n_holders:
+        K/V. ``memory`` is what holds the K/V now: the LLM's ``KVPool`` in this process, the
+        ``WorkerPool`` attached to it, or None for workers an engine starts and stops itself (their K/V
+        ends with that engine). None when there is no cache, it names the slots of other memory (a
+        pool closed or replaced since), or a request of it still holds blocks."""
+        if self._prefix_kv is None:
+            return None
+        was, kv = self._prefix_kv
+        if was is not memory or kv.n_holders:
             return None
         kv.hit_tokens = kv.query_tokens = kv.n_evictions = 0       # the counters are per engine
         return kv

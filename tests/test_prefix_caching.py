@@ -5,7 +5,9 @@ the block hashes, reference counts and LRU against a plain reference on random o
 refusals; the cache-aware order's starvation; the simulator's batches against the engine's."""
 import asyncio
 import json
+import os
 import random
+import signal
 from collections import OrderedDict
 
 import httpx
@@ -133,6 +135,53 @@ def test_a_pipeline_of_worker_processes_gives_the_same_tokens(tiny_llm, want):
             assert [list(r.output) for r in run_waves(engine)] == want, system
             assert engine.scheduler.kv.hit_tokens > 0
             engine.close()
+
+
+# prefix caching x every executor: in process, tensor-parallel workers, pipeline-parallel workers
+EXECUTORS = {"in process": {}, "workers tp=2": dict(tensor_parallel=2), "workers pp=2": dict(pipeline_parallel=2)}
+PROMPTS = [[p for p, _ in WAVES[0]][1], [5, 6, 7]]       # 40 tokens (4 blocks findable) and 3
+
+
+def ask(llm, system: str, want) -> int:
+    """What one ``generate`` does (``LLM._run``: a new engine, its requests, closed): the greedy
+    tokens must be each prompt's alone; returns the tokens found cached."""
+    engine = llm.new_engine(system)
+    try:
+        reqs = [engine.add_request(p, SamplingParams(max_gen_tokens=4, ignore_eos=True)) for p in PROMPTS]
+        while engine.has_work():
+            engine.step()
+    finally:
+        engine.close()
+    assert [list(r.output) for r in reqs] == want, system
+    return sum(r.n_prefix_hit for r in reqs)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_kept_cache_never_outlives_the_kv_memory_it_indexes(tiny_llm, executor):
+    """Two consecutive engines (paged, then chunked) at each stage of a worker pool's life: none
+    attached (each engine starts and stops workers of its own), a pool opened, closed, then another
+    opened, broken and replaced. The cache is kept only while the memory it names lives: its hits
+    come from the same pool, and every token equals the prompt's run alone."""
+    want = tiny_llm.generate(PROMPTS, 4, ignore_eos=True)
+    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(prefix_caching=True, **EXECUTORS[executor], **SETTINGS))
+    twice = lambda: [ask(llm, system, want) for system in ("paged", "chunked")]
+    if executor == "in process":          # one pool for the LLM's life
+        assert twice() + twice() == [0, 32, 32, 32]
+        assert llm.generate(PROMPTS, 4, "paged", ignore_eos=True) == want
+        return
+    assert twice() == [0, 0]              # no pool: the workers, and their K/V, end with each engine
+    assert llm.generate(PROMPTS, 4, "chunked", ignore_eos=True) == want
+    with WorkerPool(llm):
+        assert twice() == [0, 32]
+    assert twice() == [0, 0]              # closed: engines start their own again
+    broken = WorkerPool(llm)
+    assert twice() == [0, 32]
+    os.kill(broken.pids[-1], signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="worker rank"):      # the dead one, or a peer that lost it
+        ask(llm, "paged", want)
+    assert broken.broken
+    with WorkerPool(llm):                 # its replacement: empty K/V, so an empty cache
+        assert twice() == [0, 32]
 
 
 async def ask_wave(url, wave):
