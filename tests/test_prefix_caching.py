@@ -4,10 +4,12 @@ pool smaller than the shared prefixes, cached blocks are evicted, held ones neve
 the block hashes, reference counts and LRU against a plain reference on random operations; the
 refusals; the cache-aware order's starvation; the simulator's batches against the engine's."""
 import asyncio
+import hashlib
 import json
 import os
 import random
 import signal
+import struct
 from collections import OrderedDict
 
 import httpx
@@ -18,6 +20,7 @@ from hypothesis import given, settings, strategies as st
 from orca_lab import LLM, EngineConfig, SamplingParams
 from orca_lab.cli import main
 from orca_lab.distributed.pool import WorkerPool
+from orca_lab.engine import prefix_cache
 from orca_lab.engine.prefix_cache import PrefixCachingBlockManager, chain_hashes
 from orca_lab.engine.request import Request
 from orca_lab.serving.launch import ServerProcess
@@ -356,6 +359,39 @@ def test_hashes_reference_counts_and_lru_against_a_plain_reference(ops):
         req.finish_reason = "length"
         kv.release(req)
     assert_clean(kv)
+
+
+def test_names_are_sha256_chained_from_the_parent():
+    from orca_lab.engine.prefix_cache import ROOT
+    tokens = list(range(2 * BS))
+    first, second = chain_hashes(tokens, BS, 2)
+    assert first == hashlib.sha256(ROOT + struct.pack(f"<{BS}q", *tokens[:BS])).digest()
+    assert second == hashlib.sha256(first + struct.pack(f"<{BS}q", *tokens[BS:])).digest()
+    assert chain_hashes([9] * BS + tokens[BS:], BS, 2)[1] != second     # the same tokens, another parent
+
+
+@pytest.mark.parametrize("digest", ["constant", "first byte"])
+def test_a_forced_collision_of_names_serves_no_block_of_other_tokens(tiny_llm, monkeypatch, digest):
+    """Names made to collide (every block one name, or 256 names only): a prompt finds no block
+    registered from other tokens, and gets the tokens it gets alone; an equal prompt still finds its
+    own blocks."""
+    sha = prefix_cache.hashlib.sha256
+    cheap = {"constant": lambda data: sha(b""), "first byte": lambda data: sha(sha(data).digest()[:1])}[digest]
+    monkeypatch.setattr(prefix_cache.hashlib, "sha256", cheap)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(33)] for _ in range(40)]
+    want = tiny_llm.generate(prompts, 2, ignore_eos=True)
+    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(prefix_caching=True, **SETTINGS))
+    engine = llm.new_engine("paged")
+    reqs = []
+    for p in prompts + prompts[:1]:                       # one at a time: each finds what came before
+        reqs.append(engine.add_request(p, SamplingParams(max_gen_tokens=2, ignore_eos=True)))
+        while engine.has_work():
+            engine.step()
+    assert [list(r.output) for r in reqs] == want + want[:1]
+    assert [r.n_prefix_hit for r in reqs[:-1]] == [0] * len(prompts)    # names collide, tokens differ
+    assert reqs[-1].n_prefix_hit == (BS if digest == "constant" else 32)  # its own blocks, where named
+    assert_clean(engine.scheduler.kv)
 
 
 def test_a_padding_row_takes_a_block_outside_the_cache_even_when_every_free_block_is_cached():
