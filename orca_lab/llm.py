@@ -10,13 +10,13 @@ from typing import Iterator
 
 import torch
 
-from orca_lab.config import EngineConfig, ModelConfig, check_degrees, check_prefix_caching, check_range, model_config, uses_workers
+from orca_lab.config import EngineConfig, ModelConfig, check_degrees, check_range, model_config, uses_workers
 from orca_lab.distributed.executor import WorkerExecutor
 from orca_lab.distributed.pool import attached
 from orca_lab.engine.engine import Engine, RunResult
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.kv_manager import KVPool
-from orca_lab.engine.policies import SYSTEMS, new_kv, new_scheduler
+from orca_lab.engine.policies import SYSTEMS, system as resolve  # noqa: F401 (SYSTEMS: torchrun.py)
 from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.model.cuda_graphs import decode_graphs_for
 from orca_lab.model.executor import LocalExecutor
@@ -124,22 +124,18 @@ class LLM:
         One engine serves at a time, as in vLLM: the pool is lent to the newest engine. An engine
         that is done (nothing waiting, running or in flight) is closed when the next one is built;
         one that still has requests is not interrupted: this raises instead, naming it."""
-        if system not in SYSTEMS:
-            raise ValueError(f"system={system!r} is not allowed: choose one of {SYSTEMS}")
-        ec, cfg = self.engine_config, self.cfg
-        if system == "ft" and mbs is not None and not 1 <= mbs <= ec.max_bs:
-            raise ValueError(f"mbs={mbs} is out of range: allowed [1, max_bs={ec.max_bs}]")
-        check_prefix_caching(system, ec.prefix_caching, ec.schedule_policy)
+        ec, cfg, entry = self.engine_config, self.cfg, resolve(system)
+        entry.check(ec.prefix_caching, ec.schedule_policy, mbs, ec.max_bs)
         self._take_pool_back()
         workers = uses_workers(ec)      # workers hold the K/V pools; the master keeps only the accounting
         memory = attached(self) if workers else self._pool()
         kv = self._prefix_cache(memory) if ec.prefix_caching else None
         if kv is None:
-            kv = new_kv(system, ec.n_slots, ec.block_size, pool=None if workers else memory,
-                        prefix_caching=ec.prefix_caching)
+            kv = entry.new_kv(ec.n_slots, ec.block_size, pool=None if workers else memory,
+                              prefix_caching=ec.prefix_caching)
         self._prefix_kv = (memory, kv) if ec.prefix_caching and memory is not None else None
-        scheduler = new_scheduler(system, kv, ec.max_bs, cfg.max_seq_len, mbs, ec.max_num_batched_tokens,
-                                  ec.schedule_policy)
+        scheduler = entry.new_scheduler(kv, ec.max_bs, cfg.max_seq_len, mbs, ec.max_num_batched_tokens,
+                                        ec.schedule_policy)
         executor = WorkerExecutor.for_llm(self, memory) if workers else \
             LocalExecutor(self.model, kv, ec.n_workers, ec.device, self._decode_graphs(kv))
         config = {"model": cfg.name, "system": system, "mbs": mbs, **vars(ec)}
