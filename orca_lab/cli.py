@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from orca_lab.config import PRESETS, EngineConfig, check_prefix_caching, check_range
+from orca_lab.config import PRESETS, EngineConfig, check_range
 from orca_lab.environment import environment
 
 
@@ -60,6 +60,7 @@ def compare(args) -> dict:
 
 def serve(args):
     """``orca-lab serve``: the OpenAI-compatible endpoint (orca_lab.serving.server)."""
+    from orca_lab.engine.policies import system
     from orca_lab.serving.engine_core import EngineArgs
     from orca_lab.serving.server import serve as run
     check_range("max_queue", args.max_queue, 1, 1 << 20)
@@ -69,7 +70,7 @@ def serve(args):
                           pipeline_parallel=args.pp, device=args.device, dtype=args.dtype,
                           block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                           prefix_caching=args.prefix_caching, schedule_policy=args.schedule_policy)
-    check_prefix_caching(args.system, engine.prefix_caching, engine.schedule_policy)
+    system(args.system).check(engine.prefix_caching, engine.schedule_policy)
     template = None
     if args.chat_template is not None:
         from orca_lab.serving.chat import check_template

@@ -107,15 +107,11 @@ def check_blocks(n_slots: int, block_size: int):
 SCHEDULE_POLICIES = ("fcfs", "lpm")     # arrival order; SGLang's longest cached prefix first
 
 
-def check_prefix_caching(system: str, prefix_caching: bool, schedule_policy: str = "fcfs"):
-    """Prefix caching shares blocks, so only the paged systems take it; "lpm" orders by what it found.
-    Checked wherever a system meets an ``EngineConfig`` (an engine is built, a server starts)."""
+def check_prefix_caching(prefix_caching: bool, schedule_policy: str = "fcfs"):
+    """The fields alone; which system takes them is the system's own entry (``engine/policies.py``,
+    checked where an engine is built and a server starts)."""
     check_bool("prefix_caching", prefix_caching)
     check_choice("schedule_policy", schedule_policy, SCHEDULE_POLICIES)
-    if prefix_caching and system not in ("paged", "chunked"):
-        raise ValueError(f"prefix_caching=True is not allowed with system={system!r}: it shares K/V blocks "
-                         f"between requests, and {system!r} reserves each request's slots whole instead of "
-                         "paging them; use system='paged' or 'chunked', or prefix_caching=False")
     if schedule_policy == "lpm" and not prefix_caching:
         raise ValueError("schedule_policy='lpm' (longest cached prefix first) needs prefix_caching=True: "
                          "without a cache every prefix is 0 long; use schedule_policy='fcfs'")
@@ -179,7 +175,7 @@ class EngineConfig:
         check_range("max_num_batched_tokens", self.max_num_batched_tokens, self.block_size, 1 << 24)
         check_bool("tf32", self.tf32)
         check_bool("cuda_graphs", self.cuda_graphs)
-        check_prefix_caching("paged", self.prefix_caching, self.schedule_policy)   # the system: new_engine
+        check_prefix_caching(self.prefix_caching, self.schedule_policy)   # the system's part: new_engine
 
     @property
     def n_workers(self) -> int:

@@ -10,12 +10,13 @@ from typing import Iterator
 
 import torch
 
-from orca_lab.config import EngineConfig, ModelConfig, check_degrees, check_prefix_caching, check_range, model_config, uses_workers
+from orca_lab.config import EngineConfig, ModelConfig, check_degrees, check_range, model_config, uses_workers
 from orca_lab.distributed.executor import WorkerExecutor
+from orca_lab.distributed.pool import attached
 from orca_lab.engine.engine import Engine, RunResult
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.kv_manager import KVPool
-from orca_lab.engine.policies import SYSTEMS, new_kv, new_scheduler
+from orca_lab.engine.policies import SYSTEMS, system as resolve  # noqa: F401 (SYSTEMS: torchrun.py)
 from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.model.cuda_graphs import decode_graphs_for
 from orca_lab.model.executor import LocalExecutor
@@ -91,7 +92,7 @@ class LLM:
         self._kv_pool: KVPool | None = None   # allocated on the first engine, then lent to each
         self._graphs = None                   # CUDA graphs over that pool, captured once
         self._engine = None                   # weak reference to the engine holding the pool
-        self._prefix_kv = None                # the prefix cache's manager, handed from engine to engine
+        self._prefix_kv = None                # (K/V memory, the prefix cache over it), engine to engine
 
     @classmethod
     def from_pretrained(cls, path, engine: EngineConfig | None = None, tokenizer=None) -> "LLM":
@@ -123,22 +124,19 @@ class LLM:
         One engine serves at a time, as in vLLM: the pool is lent to the newest engine. An engine
         that is done (nothing waiting, running or in flight) is closed when the next one is built;
         one that still has requests is not interrupted: this raises instead, naming it."""
-        if system not in SYSTEMS:
-            raise ValueError(f"system={system!r} is not allowed: choose one of {SYSTEMS}")
-        ec, cfg = self.engine_config, self.cfg
-        if system == "ft" and mbs is not None and not 1 <= mbs <= ec.max_bs:
-            raise ValueError(f"mbs={mbs} is out of range: allowed [1, max_bs={ec.max_bs}]")
-        check_prefix_caching(system, ec.prefix_caching, ec.schedule_policy)
+        ec, cfg, entry = self.engine_config, self.cfg, resolve(system)
+        entry.check(ec.prefix_caching, ec.schedule_policy, mbs, ec.max_bs)
         self._take_pool_back()
         workers = uses_workers(ec)      # workers hold the K/V pools; the master keeps only the accounting
-        pool = None if workers else self._pool()
-        kv = self._prefix_cache() if ec.prefix_caching else None
+        memory = attached(self) if workers else self._pool()
+        kv = self._prefix_cache(memory) if ec.prefix_caching else None
         if kv is None:
-            kv = new_kv(system, ec.n_slots, ec.block_size, pool=pool, prefix_caching=ec.prefix_caching)
-        self._prefix_kv = kv if ec.prefix_caching else None
-        scheduler = new_scheduler(system, kv, ec.max_bs, cfg.max_seq_len, mbs, ec.max_num_batched_tokens,
-                                  ec.schedule_policy)
-        executor = WorkerExecutor.for_llm(self) if workers else \
+            kv = entry.new_kv(ec.n_slots, ec.block_size, pool=None if workers else memory,
+                              prefix_caching=ec.prefix_caching)
+        self._prefix_kv = (memory, kv) if ec.prefix_caching and memory is not None else None
+        scheduler = entry.new_scheduler(kv, ec.max_bs, cfg.max_seq_len, mbs, ec.max_num_batched_tokens,
+                                        ec.schedule_policy)
+        executor = WorkerExecutor.for_llm(self, memory) if workers else \
             LocalExecutor(self.model, kv, ec.n_workers, ec.device, self._decode_graphs(kv))
         config = {"model": cfg.name, "system": system, "mbs": mbs, **vars(ec)}
         engine = Engine(scheduler, executor, cfg.vocab_size, cfg.max_seq_len, config, self.tokenizer,
@@ -159,12 +157,17 @@ class LLM:
                 "building a new engine (one engine per LLM, as in vLLM)")
         holder.close("a newer engine of its LLM took over the K/V pool (one engine per LLM)")
 
-    def _prefix_cache(self):
+    def _prefix_cache(self, memory):
         """The previous engine's prefix cache, for the next engine over the same K/V memory (as vLLM's
         LLM keeps its cache from one ``generate`` to the next): its cached blocks still hold their
-        K/V, here or on the workers. None when there is none, or a request of it still holds blocks."""
-        kv = self._prefix_kv
-        if kv is None or kv.n_holders:
+        K/V. ``memory`` is what holds the K/V now: the LLM's ``KVPool`` in this process, the
+        ``WorkerPool`` attached to it, or None for workers an engine starts and stops itself (their K/V
+        ends with that engine). None when there is no cache, it names the slots of other memory (a
+        pool closed or replaced since), or a request of it still holds blocks."""
+        if self._prefix_kv is None:
+            return None
+        was, kv = self._prefix_kv
+        if was is not memory or kv.n_holders:
             return None
         kv.hit_tokens = kv.query_tokens = kv.n_evictions = 0       # the counters are per engine
         return kv

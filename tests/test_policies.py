@@ -233,3 +233,27 @@ def test_two_batches_in_flight_do_not_livelock_a_tight_pool(system):
     assert [len(r.output) for r in reqs] == [it.max_gen_tokens for it in trace]
     assert engine.scheduler.n_preemptions > 0
     assert_no_leak(engine)
+
+
+def test_a_new_system_is_one_registry_entry(tiny_llm, monkeypatch):
+    """Every place that builds or checks a system reads its entry: a new one (chunked prefill that
+    takes only SGLang's longest-prefix order) is served by ``LLM``, checked by the entry, and an
+    entry that reserves slots refuses prefix caching."""
+    from orca_lab.engine import policies
+    from orca_lab.engine.prefix_cache import PrefixCachingBlockManager
+    entry = policies.System("chunked-lpm", lambda kv, max_bs, _len, _mbs, budget, policy:
+                            policies.ChunkedScheduler(kv, max_bs, budget, policy), paged=True, policies=("lpm",))
+    monkeypatch.setitem(policies.REGISTRY, entry.name, entry)
+    prompts = random_prompts(3, 256, 10, 40, seed=2)
+    want = tiny_llm.generate(prompts, 3)
+    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=4, n_slots=1024, max_num_batched_tokens=16,
+                                                      prefix_caching=True, schedule_policy="lpm"))
+    engine = llm.new_engine("chunked-lpm")
+    assert isinstance(engine.scheduler, policies.ChunkedScheduler) and engine.scheduler.budget == 16
+    assert isinstance(engine.scheduler.kv, PrefixCachingBlockManager)
+    engine.close()
+    assert llm.generate(prompts, 3, "chunked-lpm") == want
+    with pytest.raises(ValueError, match="schedule_policy='fcfs' is not allowed with system='chunked-lpm'"):
+        LLM(gpt=tiny_llm.model, engine=EngineConfig(n_slots=1024, prefix_caching=True)).new_engine("chunked-lpm")
+    with pytest.raises(ValueError, match="prefix_caching=True is not allowed with system='orca'.*'chunked-lpm'"):
+        policies.system("orca").check(prefix_caching=True)

@@ -4,8 +4,12 @@ pool smaller than the shared prefixes, cached blocks are evicted, held ones neve
 the block hashes, reference counts and LRU against a plain reference on random operations; the
 refusals; the cache-aware order's starvation; the simulator's batches against the engine's."""
 import asyncio
+import hashlib
 import json
+import os
 import random
+import signal
+import struct
 from collections import OrderedDict
 
 import httpx
@@ -16,6 +20,7 @@ from hypothesis import given, settings, strategies as st
 from orca_lab import LLM, EngineConfig, SamplingParams
 from orca_lab.cli import main
 from orca_lab.distributed.pool import WorkerPool
+from orca_lab.engine import prefix_cache
 from orca_lab.engine.prefix_cache import PrefixCachingBlockManager, chain_hashes
 from orca_lab.engine.request import Request
 from orca_lab.serving.launch import ServerProcess
@@ -133,6 +138,53 @@ def test_a_pipeline_of_worker_processes_gives_the_same_tokens(tiny_llm, want):
             assert [list(r.output) for r in run_waves(engine)] == want, system
             assert engine.scheduler.kv.hit_tokens > 0
             engine.close()
+
+
+# prefix caching x every executor: in process, tensor-parallel workers, pipeline-parallel workers
+EXECUTORS = {"in process": {}, "workers tp=2": dict(tensor_parallel=2), "workers pp=2": dict(pipeline_parallel=2)}
+PROMPTS = [[p for p, _ in WAVES[0]][1], [5, 6, 7]]       # 40 tokens (4 blocks findable) and 3
+
+
+def ask(llm, system: str, want) -> int:
+    """What one ``generate`` does (``LLM._run``: a new engine, its requests, closed): the greedy
+    tokens must be each prompt's alone; returns the tokens found cached."""
+    engine = llm.new_engine(system)
+    try:
+        reqs = [engine.add_request(p, SamplingParams(max_gen_tokens=4, ignore_eos=True)) for p in PROMPTS]
+        while engine.has_work():
+            engine.step()
+    finally:
+        engine.close()
+    assert [list(r.output) for r in reqs] == want, system
+    return sum(r.n_prefix_hit for r in reqs)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_kept_cache_never_outlives_the_kv_memory_it_indexes(tiny_llm, executor):
+    """Two consecutive engines (paged, then chunked) at each stage of a worker pool's life: none
+    attached (each engine starts and stops workers of its own), a pool opened, closed, then another
+    opened, broken and replaced. The cache is kept only while the memory it names lives: its hits
+    come from the same pool, and every token equals the prompt's run alone."""
+    want = tiny_llm.generate(PROMPTS, 4, ignore_eos=True)
+    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(prefix_caching=True, **EXECUTORS[executor], **SETTINGS))
+    twice = lambda: [ask(llm, system, want) for system in ("paged", "chunked")]
+    if executor == "in process":          # one pool for the LLM's life
+        assert twice() + twice() == [0, 32, 32, 32]
+        assert llm.generate(PROMPTS, 4, "paged", ignore_eos=True) == want
+        return
+    assert twice() == [0, 0]              # no pool: the workers, and their K/V, end with each engine
+    assert llm.generate(PROMPTS, 4, "chunked", ignore_eos=True) == want
+    with WorkerPool(llm):
+        assert twice() == [0, 32]
+    assert twice() == [0, 0]              # closed: engines start their own again
+    broken = WorkerPool(llm)
+    assert twice() == [0, 32]
+    os.kill(broken.pids[-1], signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="worker rank"):      # the dead one, or a peer that lost it
+        ask(llm, "paged", want)
+    assert broken.broken
+    with WorkerPool(llm):                 # its replacement: empty K/V, so an empty cache
+        assert twice() == [0, 32]
 
 
 async def ask_wave(url, wave):
@@ -307,6 +359,39 @@ def test_hashes_reference_counts_and_lru_against_a_plain_reference(ops):
         req.finish_reason = "length"
         kv.release(req)
     assert_clean(kv)
+
+
+def test_names_are_sha256_chained_from_the_parent():
+    from orca_lab.engine.prefix_cache import ROOT
+    tokens = list(range(2 * BS))
+    first, second = chain_hashes(tokens, BS, 2)
+    assert first == hashlib.sha256(ROOT + struct.pack(f"<{BS}q", *tokens[:BS])).digest()
+    assert second == hashlib.sha256(first + struct.pack(f"<{BS}q", *tokens[BS:])).digest()
+    assert chain_hashes([9] * BS + tokens[BS:], BS, 2)[1] != second     # the same tokens, another parent
+
+
+@pytest.mark.parametrize("digest", ["constant", "first byte"])
+def test_a_forced_collision_of_names_serves_no_block_of_other_tokens(tiny_llm, monkeypatch, digest):
+    """Names made to collide (every block one name, or 256 names only): a prompt finds no block
+    registered from other tokens, and gets the tokens it gets alone; an equal prompt still finds its
+    own blocks."""
+    sha = prefix_cache.hashlib.sha256
+    cheap = {"constant": lambda data: sha(b""), "first byte": lambda data: sha(sha(data).digest()[:1])}[digest]
+    monkeypatch.setattr(prefix_cache.hashlib, "sha256", cheap)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(33)] for _ in range(40)]
+    want = tiny_llm.generate(prompts, 2, ignore_eos=True)
+    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(prefix_caching=True, **SETTINGS))
+    engine = llm.new_engine("paged")
+    reqs = []
+    for p in prompts + prompts[:1]:                       # one at a time: each finds what came before
+        reqs.append(engine.add_request(p, SamplingParams(max_gen_tokens=2, ignore_eos=True)))
+        while engine.has_work():
+            engine.step()
+    assert [list(r.output) for r in reqs] == want + want[:1]
+    assert [r.n_prefix_hit for r in reqs[:-1]] == [0] * len(prompts)    # names collide, tokens differ
+    assert reqs[-1].n_prefix_hit == (BS if digest == "constant" else 32)  # its own blocks, where named
+    assert_clean(engine.scheduler.kv)
 
 
 def test_a_padding_row_takes_a_block_outside_the_cache_even_when_every_free_block_is_cached():

@@ -6,7 +6,7 @@ import time
 from collections import deque
 
 from orca_lab.distributed.messages import ControlMessage, reservation
-from orca_lab.distributed.pool import WorkerPool, attached
+from orca_lab.distributed.pool import WorkerPool
 from orca_lab.engine.clock import RealClock
 from orca_lab.engine.executor import Completion, StageTime
 from orca_lab.engine.request import RequestState
@@ -28,10 +28,10 @@ class WorkerExecutor:
         pool.claim(self)
 
     @classmethod
-    def for_llm(cls, llm) -> "WorkerExecutor":
-        """The pool attached to ``llm``, or a pool of its own that ``close()`` stops."""
-        pool = attached(llm)
-        if pool is not None and not pool.broken:
+    def for_llm(cls, llm, pool: WorkerPool | None) -> "WorkerExecutor":
+        """Over ``pool`` (the one attached to ``llm``: ``pool.attached``), or when None a pool of its
+        own that ``close()`` stops."""
+        if pool is not None:
             return cls(pool)
         return cls(WorkerPool(llm, attach=False), owns_pool=True)
 

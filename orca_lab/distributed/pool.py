@@ -52,8 +52,10 @@ _ATTACHED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # LLM ->
 
 
 def attached(llm) -> "WorkerPool | None":
-    """The pool ``WorkerPool(llm)`` attached to ``llm``, if any."""
-    return _ATTACHED.get(llm)
+    """The pool ``WorkerPool(llm)`` attached to ``llm`` while it can serve (a pool closed or broken
+    detaches itself), else None."""
+    pool = _ATTACHED.get(llm)
+    return pool if pool is not None and not pool.broken and pool._finalizer.alive else None
 
 
 class WorkerPool:

@@ -40,11 +40,12 @@ class Detokenizer:
         """All the text taken so far."""
         return "".join(self._shown)
 
-    def add(self, token: int) -> int | None:
-        """A token of the text; returns where the first stop string begins once the text holds one."""
+    def add(self, token: int, look: bool = True) -> int | None:
+        """A token of the text; returns where the first stop string begins once the text holds one.
+        ``look=False``: a stop string that ends in this token's text does not count (``min_tokens``)."""
         self.ids.append(token)
         window = self.decode(self.ids[self._prefix:])
-        self._made(window.rstrip(INCOMPLETE)[self._n_window:])
+        self._made(window.rstrip(INCOMPLETE)[self._n_window:], look)
         if not window.endswith(INCOMPLETE):    # it ends on a whole character: text for good
             self._prefix, self._read = self._read, len(self.ids)
             self._n_context = self._n_window = len(window) - self._n_context
@@ -74,14 +75,14 @@ class Detokenizer:
         self._n_shown = end
         return out
 
-    def _made(self, new: str):
-        """``new`` characters of text; look for a stop string ending in them."""
+    def _made(self, new: str, look: bool = True):
+        """``new`` characters of text; look for a stop string ending in them (if ``look``)."""
         if not new:
             return
         self._n_window += len(new)
         if self.stop and self.stop_at is None:
             hay = self._tail + new
-            hits = [i for i in (hay.find(s) for s in self.stop) if i >= 0]
+            hits = [i for i in (hay.find(s) for s in self.stop) if i >= 0] if look else []
             if hits:
                 self.stop_at = self._n_text - len(self._tail) + min(hits)
             self._tail = hay[-self._keep:] if self._keep else ""

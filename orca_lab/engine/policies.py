@@ -27,17 +27,16 @@ waits for a later iteration, keeping its own.
 """
 from __future__ import annotations
 
-from orca_lab.config import check_prefix_caching
+from dataclasses import dataclass
+from typing import Callable
+
+from orca_lab.config import SCHEDULE_POLICIES, check_choice
 from orca_lab.engine.batch import Batch
 from orca_lab.engine.blocks import BlockManager
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.prefix_cache import PrefixCachingBlockManager
 from orca_lab.engine.request import Request, RequestState
 from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler, arrival_order, enqueue
-
-SYSTEMS = ("orca", "ft", "paged", "chunked")
-PAGED = ("paged", "chunked")
-
 
 # SGLang's bound: past it, looking up every waiting request's prefix each iteration costs more than
 # the order saves, and "lpm" admits in arrival order (O(batch) per iteration again)
@@ -211,29 +210,83 @@ def _decoding(req: Request) -> bool:
     return req.state is RequestState.INCREMENT and req.n_cached == req.context_len - 1
 
 
-# -- building a policy ----------------------------------------------------------------------------
-def new_kv(system: str, n_slots: int, block_size: int = 16, *shape, prefix_caching: bool = False,
+# -- the systems: one registry, each with its K/V manager, its scheduler and what it takes --------
+@dataclass(frozen=True)
+class System:
+    """One way to serve (``system="orca"`` ...): what it is built of and what it supports. A name is
+    resolved once (``system(name)``) where it enters; everything else reads the entry. A new policy is
+    one more entry in ``REGISTRY``."""
+    name: str
+    # (kv, max_bs, max_seq_len, mbs, max_num_batched_tokens, schedule_policy) -> its scheduler
+    scheduler: Callable
+    paged: bool                                # K/V in blocks given out as a context grows (blocks.py)
+    policies: tuple[str, ...] = ("fcfs",)      # the schedule_policy values it takes
+    micro_batches: bool = False                # takes ``mbs`` (the request-level baseline)
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether it takes ``prefix_caching=True``: sharing full blocks needs paged K/V."""
+        return self.paged
+
+    def check(self, prefix_caching: bool = False, schedule_policy: str | None = None, mbs: int | None = None,
+              max_bs: int | None = None):
+        """Refuse what this system cannot take (each field's own range: ``EngineConfig``); None: not
+        asked about."""
+        if prefix_caching and not self.prefix_caching:
+            raise ValueError(f"prefix_caching=True is not allowed with system={self.name!r}: it shares K/V blocks "
+                             f"between requests, and {self.name!r} reserves each request's slots whole instead of "
+                             f"paging them; use system={' or '.join(repr(n) for n, s in REGISTRY.items() if s.paged)}"
+                             ", or prefix_caching=False")
+        if schedule_policy is not None and schedule_policy not in self.policies:
+            raise ValueError(f"schedule_policy={schedule_policy!r} is not allowed with system={self.name!r}: "
+                             f"allowed {self.policies}")
+        if mbs is not None and self.micro_batches and max_bs is not None and not 1 <= mbs <= max_bs:
+            raise ValueError(f"mbs={mbs} is out of range: allowed [1, max_bs={max_bs}]")
+
+    def new_kv(self, n_slots: int, block_size: int = 16, *shape, prefix_caching: bool = False,
+               **pool) -> KVSlotManager:
+        """Its K/V manager: ORCA's (and FT's) reservation, or blocks (their full blocks cached and
+        shared with ``prefix_caching``, ``prefix_cache.py``). ``pool=`` a ``KVPool`` to hand out (an
+        LLM's: blocks are slots, so every system shares it); ``shape`` = (n_layers, n_heads, head_dim)
+        allocates one; neither keeps only the accounting."""
+        self.check(prefix_caching)
+        if self.paged:
+            cls = PrefixCachingBlockManager if prefix_caching else BlockManager
+            return cls(n_slots, block_size, *shape, **pool)
+        return KVSlotManager(n_slots, *shape, **pool)
+
+    def new_scheduler(self, kv: KVSlotManager, max_bs: int, max_seq_len: int, mbs: int | None = None,
+                      max_num_batched_tokens: int = 512, schedule_policy: str = "fcfs"):
+        self.check(isinstance(kv, PrefixCachingBlockManager), schedule_policy, mbs, max_bs)
+        return self.scheduler(kv, max_bs, max_seq_len, mbs, max_num_batched_tokens, schedule_policy)
+
+
+REGISTRY: dict[str, System] = {s.name: s for s in (
+    System("orca", lambda kv, max_bs, *_: OrcaScheduler(kv, max_bs), paged=False),
+    System("ft", lambda kv, max_bs, max_seq_len, mbs, *_: RequestLevelScheduler(kv, max_bs, max_seq_len, mbs),
+           paged=False, micro_batches=True),
+    System("paged", lambda kv, max_bs, _len, _mbs, _budget, policy: PagedScheduler(kv, max_bs, policy),
+           paged=True, policies=SCHEDULE_POLICIES),
+    System("chunked", lambda kv, max_bs, _len, _mbs, budget, policy: ChunkedScheduler(kv, max_bs, budget, policy),
+           paged=True, policies=SCHEDULE_POLICIES),
+)}
+SYSTEMS = tuple(REGISTRY)                                           # the package's own
+PAGED = tuple(name for name, s in REGISTRY.items() if s.paged)
+
+
+def system(name: str) -> System:
+    """The registry's entry for ``name``, refused with the allowed names when there is none."""
+    check_choice("system", name, tuple(REGISTRY))
+    return REGISTRY[name]
+
+
+def new_kv(name: str, n_slots: int, block_size: int = 16, *shape, prefix_caching: bool = False,
            **pool) -> KVSlotManager:
-    """The K/V manager of ``system``: ORCA's (and FT's) reservation, or blocks for paged policies
-    (their full blocks cached and shared with ``prefix_caching``, ``prefix_cache.py``).
-    ``pool=`` a ``KVPool`` to hand out (an LLM's: blocks are slots, so every system shares it);
-    ``shape`` = (n_layers, n_heads, head_dim) allocates one; neither keeps only the accounting."""
-    check_prefix_caching(system, prefix_caching)
-    if system in PAGED:
-        cls = PrefixCachingBlockManager if prefix_caching else BlockManager
-        return cls(n_slots, block_size, *shape, **pool)
-    return KVSlotManager(n_slots, *shape, **pool)
+    """``system(name).new_kv(...)``."""
+    return system(name).new_kv(n_slots, block_size, *shape, prefix_caching=prefix_caching, **pool)
 
 
-def new_scheduler(system: str, kv: KVSlotManager, max_bs: int, max_seq_len: int, mbs: int | None = None,
+def new_scheduler(name: str, kv: KVSlotManager, max_bs: int, max_seq_len: int, mbs: int | None = None,
                   max_num_batched_tokens: int = 512, schedule_policy: str = "fcfs"):
-    check_prefix_caching(system, isinstance(kv, PrefixCachingBlockManager), schedule_policy)
-    if system == "orca":
-        return OrcaScheduler(kv, max_bs)
-    if system == "paged":
-        return PagedScheduler(kv, max_bs, schedule_policy)
-    if system == "chunked":
-        return ChunkedScheduler(kv, max_bs, max_num_batched_tokens, schedule_policy)
-    if system == "ft":
-        return RequestLevelScheduler(kv, max_bs, max_seq_len, mbs)
-    raise ValueError(f"system={system!r} is not allowed: choose one of {SYSTEMS}")
+    """``system(name).new_scheduler(...)``."""
+    return system(name).new_scheduler(kv, max_bs, max_seq_len, mbs, max_num_batched_tokens, schedule_policy)

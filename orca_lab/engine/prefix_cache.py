@@ -1,10 +1,14 @@
 """Prefix caching on the paged K/V manager (vLLM's automatic prefix caching; SGLang's RadixAttention
 keeps the same K/V in a radix tree instead of a hash table).
 
-A full block of a request's context is named by a hash chained from its parent's: ``hash((parent's
-hash, the block's tokens))``, so one hash stands for the whole prefix up to the block's end (and the
-tokens themselves are part of the key: two different blocks never share a name by a collision of
-their own tokens). Once an iteration has written a full block's K/V, the block is registered under
+A full block of a request's context is named by a digest chained from its parent's: SHA-256 of its
+parent's name and its own token ids (``block_hash``), so one name stands for the whole prefix up to
+the block's end (vLLM's scheme since CVE-2025-25183, which replaced Python's 64-bit ``hash``: a
+crafted prompt could collide with another's name and be served K/V computed from other tokens). A
+name is only where to look: a block is found under it when what it was registered with, its
+parent's name and its own tokens, equals the request's (``lookup``). So a collision of names, even
+one forced on a cheap digest, never serves a block whose tokens differ from the request's; that no
+two different earlier prefixes share a parent's name rests on SHA-256, as in vLLM. Once an iteration has written a full block's K/V, the block is registered under
 that name. A new request starts with the longest run of its context's full blocks that are
 registered: it holds them by reference count and prefills only the rest, always its last token at
 least (that token's logits give its first output token).
@@ -20,6 +24,8 @@ neither, and ``n_free_blocks`` counts it as free.
 """
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 
 import torch
@@ -28,13 +34,16 @@ from orca_lab.engine.blocks import BlockManager
 from orca_lab.engine.kv_manager import KVStats
 
 
-def block_hash(parent: int | None, tokens) -> int:
-    """A full block's name: its tokens chained with its parent's name (None for the first block; 0
-    stands for it, as ``hash(None)`` differs between processes before Python 3.12)."""
-    return hash((0 if parent is None else parent, tuple(tokens)))
+ROOT = bytes(32)        # the first block's parent's name
 
 
-def chain_hashes(tokens, block_size: int, n_blocks: int, known: list[int] | None = None) -> list[int]:
+def block_hash(parent: bytes | None, tokens) -> bytes:
+    """A full block's name: SHA-256 of its parent's name (None for the first block: ``ROOT``) and its
+    token ids, 8 bytes each (fixed widths: one byte string for one (parent, tokens) pair)."""
+    return hashlib.sha256((parent or ROOT) + struct.pack(f"<{len(tokens)}q", *tokens)).digest()
+
+
+def chain_hashes(tokens, block_size: int, n_blocks: int, known: list[bytes] | None = None) -> list[bytes]:
     """The names of the first ``n_blocks`` full blocks of ``tokens``, extending ``known`` (the first
     few already computed: a request's hashes are computed once, as its context grows)."""
     hashes = list(known[:n_blocks]) if known else []
@@ -49,8 +58,9 @@ class PrefixCachingBlockManager(BlockManager):
     def __init__(self, n_slots: int, block_size: int = 16, *shape, **pool):
         super().__init__(n_slots, block_size, *shape, **pool)
         self.ref: dict[int, int] = {}                 # block -> requests holding it (taken blocks only)
-        self.block_of: dict[int, int] = {}            # hash -> the block registered under it
-        self.hash_of: dict[int, int] = {}             # block -> its hash, while registered
+        self.block_of: dict[bytes, int] = {}          # name -> the block registered under it
+        self.hash_of: dict[int, bytes] = {}           # block -> its name, while registered
+        self.key_of: dict[int, tuple] = {}            # block -> (parent's name, its tokens), while registered
         self.evictable: OrderedDict[int, None] = OrderedDict()   # cached blocks with ref 0, LRU first
         self._blocks: dict[int, list[int]] = {}       # rid -> its block table
         self._pads: dict[int, list[int]] = {}         # rid -> blocks of a row outside the cache (reserve)
@@ -69,12 +79,17 @@ class PrefixCachingBlockManager(BlockManager):
         n = (len(tokens) - 1) // self.block_size
         hashes = req.block_hashes = chain_hashes(tokens, self.block_size, n, req.block_hashes)
         found = []
-        for h in hashes[:n]:
+        for i, h in enumerate(hashes[:n]):
             b = self.block_of.get(h)
-            if b is None:
+            if b is None or self.key_of[b] != self._key(tokens, hashes, i):    # a collision: not ours
                 break
             found.append(b)
         return found
+
+    def _key(self, tokens, hashes, i: int) -> tuple:
+        """What block ``i`` of ``tokens`` is named from: its parent's name and its own tokens."""
+        bs = self.block_size
+        return hashes[i - 1] if i else None, tuple(tokens[i * bs:(i + 1) * bs])
 
     def can_admit(self, n_tokens: int, hit: list[int] = ()) -> bool:
         """As ``BlockManager.can_admit`` for the ``n_tokens`` after the cached blocks ``hit``; those
@@ -138,7 +153,7 @@ class PrefixCachingBlockManager(BlockManager):
         blocks = [s // bs for a, b in (self._take(fresh * bs) if fresh else []) for s in range(a, b, bs)]
         while len(blocks) < n:
             b, _ = self.evictable.popitem(last=False)
-            del self.block_of[self.hash_of.pop(b)], self.ref[b]
+            del self.block_of[self.hash_of.pop(b)], self.key_of[b], self.ref[b]
             self.n_evictions += 1
             blocks.append(b)
         return blocks
@@ -156,7 +171,8 @@ class PrefixCachingBlockManager(BlockManager):
 
     def cache(self, req, n_cached: int):
         """``req``'s first ``n_cached`` tokens now hold K/V: the full blocks among them are registered
-        under their hashes (unless an equal block already is: that one stays the cached one)."""
+        under their names (unless a block already is: an equal one stays the cached one, and a
+        colliding one keeps the name)."""
         old = req.n_cached
         if req.slots is not None and n_cached > old:
             self.n_used += min(n_cached, len(req.slots)) - min(old, len(req.slots))
@@ -169,6 +185,7 @@ class PrefixCachingBlockManager(BlockManager):
                     h, b = hashes[i], table[i]
                     if h not in self.block_of and b not in self.hash_of:
                         self.block_of[h], self.hash_of[b] = b, h
+                        self.key_of[b] = self._key(tokens, hashes, i)
         req.n_cached = n_cached
 
     def release(self, req):
@@ -205,7 +222,7 @@ class PrefixCachingBlockManager(BlockManager):
     # -- statistics ------------------------------------------------------------------------------
     @property
     def n_cached_blocks(self) -> int:
-        """Blocks registered under a hash, held or free."""
+        """Blocks registered under a name, held or free."""
         return len(self.hash_of)
 
     @property

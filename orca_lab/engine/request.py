@@ -74,12 +74,16 @@ class Request:
         self.finish_reason = self._stop_reason(token)
 
     def _stop_reason(self, token: int) -> str | None:
-        """vLLM's order: EOS, stop token ids, stop strings, then the length limit."""
+        """vLLM's order: EOS, stop token ids, stop strings, then the length limit. Before
+        ``min_tokens`` tokens are out nothing stops it but the length (vLLM checks stops only past
+        it; the sampler also masks EOS and the stop ids until then): a stop string that ends
+        earlier is text like any other."""
         p = self.params
-        if (not p.ignore_eos and token == p.eos_token_id) or token in p.stop_token_ids:
+        stops = len(self.output) >= p.min_tokens
+        if stops and ((not p.ignore_eos and token == p.eos_token_id) or token in p.stop_token_ids):
             return "stop"
         if p.stop:
-            self.stop_at = self.detokenizer.add(token)
+            self.stop_at = self.detokenizer.add(token, look=stops)
             if self.stop_at is not None:
                 return "stop"
         return "length" if len(self.output) >= p.max_gen_tokens else None
