@@ -1,0 +1,72 @@
+"""The Llama family (Llama, Qwen2) against transformers on the same random weights: grouped and not,
+tied and not, Llama 3's rope scaling, Qwen2's q/k/v bias, one checkpoint sharded; logits, greedy
+tokens, and batched requests equal to each alone on every system."""
+import pytest
+import torch
+from helpers import hf_greedy, hf_llama, random_prompts
+
+from orca_lab import LLM, SamplingParams
+from orca_lab.config import EngineConfig
+from orca_lab.engine.policies import SYSTEMS
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+# name: (architecture, shape, max_shard_size)
+SHAPES = {
+    "llama-gqa-untied-llama3": ("LlamaForCausalLM", dict(rope_scaling=LLAMA3, rope_theta=500000.0), None),
+    "llama-mha-tied": ("LlamaForCausalLM", dict(num_key_value_heads=4, tie_word_embeddings=True), None),
+    "qwen2-mqa-tied-sharded": ("Qwen2ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=True,
+                                                        num_hidden_layers=3), "20KB"),
+    "qwen2-gqa-untied": ("Qwen2ForCausalLM", dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2,
+                                                  intermediate_size=56), None),
+}
+N_GEN = 8
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def checkpoint(request, tmp_path_factory):
+    arch, shape, shard = SHAPES[request.param]
+    path = tmp_path_factory.mktemp(request.param)
+    hf = hf_llama(path, arch, max_shard_size=shard, **shape)
+    return hf, path
+
+
+@pytest.fixture(scope="module")
+def prompts(checkpoint):
+    return random_prompts(4, checkpoint[0].config.vocab_size, 1, 24, seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, prompts):
+    """transformers' greedy tokens of each prompt alone."""
+    return [hf_greedy(checkpoint[0], p, N_GEN) for p in prompts]
+
+
+def test_sharded_checkpoint_is_sharded(tmp_path):
+    hf_llama(tmp_path, "Qwen2ForCausalLM", max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+
+
+def test_last_token_logits_match_transformers(checkpoint, prompts):
+    hf, path = checkpoint
+    llm = LLM.from_pretrained(path, engine=EngineConfig(max_bs=4, n_slots=512))
+    assert llm.cfg.family == "llama" and llm.cfg.n_kv_heads == hf.config.num_key_value_heads
+    engine = llm.new_engine()
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_gen_tokens=1))
+    batch = engine.scheduler.select()
+    with torch.inference_mode():
+        logits = llm.model(batch.tensors("cpu"), engine.scheduler.kv)
+        for row, p in zip(logits, prompts):
+            torch.testing.assert_close(row, hf(torch.tensor([p])).logits[0, -1], rtol=1e-4, atol=1e-4)
+    engine.close()
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_batched_greedy_equals_transformers_alone(checkpoint, prompts, reference, system):
+    """Every system batches the prompts (prefills and decodes mixed, or padded for ft) and gives
+    each one transformers' tokens of it alone."""
+    llm = LLM.from_pretrained(checkpoint[1], engine=EngineConfig(max_bs=3, n_slots=512, block_size=8,
+                                                                  max_num_batched_tokens=16))
+    assert llm.generate(prompts, N_GEN, system=system, ignore_eos=True) == reference
