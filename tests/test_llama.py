@@ -7,7 +7,11 @@ from helpers import hf_greedy, hf_llama, random_prompts
 
 from orca_lab import LLM, SamplingParams
 from orca_lab.config import EngineConfig
+from orca_lab.engine.executor import split_layers
 from orca_lab.engine.policies import SYSTEMS
+from orca_lab.model.families import checkpoint_weights, from_pretrained
+from orca_lab.model.gpt import StateDictWeights
+from orca_lab.model.tensor_parallel import stage_model
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}
@@ -23,12 +27,23 @@ SHAPES = {
 N_GEN = 8
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``name -> (transformers model, its checkpoint directory)``, each made once for the module."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            arch, shape, shard = SHAPES[name]
+            path = tmp_path_factory.mktemp(name)
+            made[name] = hf_llama(path, arch, max_shard_size=shard, **shape), path
+        return made[name]
+    return get
+
+
 @pytest.fixture(scope="module", params=list(SHAPES))
-def checkpoint(request, tmp_path_factory):
-    arch, shape, shard = SHAPES[request.param]
-    path = tmp_path_factory.mktemp(request.param)
-    hf = hf_llama(path, arch, max_shard_size=shard, **shape)
-    return hf, path
+def checkpoint(request, saved):
+    return saved(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +85,50 @@ def test_batched_greedy_equals_transformers_alone(checkpoint, prompts, reference
     llm = LLM.from_pretrained(checkpoint[1], engine=EngineConfig(max_bs=3, n_slots=512, block_size=8,
                                                                   max_num_batched_tokens=16))
     assert llm.generate(prompts, N_GEN, system=system, ignore_eos=True) == reference
+
+
+@pytest.mark.parametrize("degrees", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("name", ["llama-gqa-untied-llama3", "qwen2-mqa-tied-sharded"])
+def test_workers_equal_in_process(saved, name, degrees):
+    """Tensor-parallel workers split the K/V heads (2 of 2) or replicate them (1 K/V head on 2 ranks),
+    each reading only its slices of the checkpoint; pipeline stages read only their layers."""
+    hf, path = saved(name)
+    prompts = random_prompts(4, hf.config.vocab_size, 1, 24, seed=5)
+    tp, pp = degrees
+    llm = LLM.from_pretrained(path, engine=EngineConfig(max_bs=3, n_slots=512, tensor_parallel=tp,
+                                                         pipeline_parallel=pp, executor="workers"))
+    alone = LLM.from_pretrained(path, engine=EngineConfig(max_bs=3, n_slots=512))
+    assert llm.generate(prompts, N_GEN, ignore_eos=True) == alone.generate(prompts, N_GEN, ignore_eos=True)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied-llama3", "qwen2-mqa-tied-sharded"])
+@pytest.mark.parametrize("T,P", [(2, 2), (4, 1)])
+def test_checkpoint_shards_equal_slices_of_the_whole_model(saved, name, T, P):
+    """Each (stage, rank) reads only its layers, and of them only its heads' rows (the K/V heads
+    split, or one replicated head per rank past their number), equal to the same slices of the
+    whole model."""
+    path = saved(name)[1]
+    weights = checkpoint_weights(path)
+    cfg = weights.cfg
+    whole = StateDictWeights(from_pretrained(path).state_dict())
+    for s, layers in enumerate(split_layers(cfg.n_layers, P)):
+        for t in range(T):
+            where = dict(first=s == 0, last=s == P - 1, all_reduce=lambda x: x)
+            read = []
+            mine = stage_model(_Recording(weights, read), cfg, layers, t, T, **where).state_dict()
+            cut = stage_model(whole, cfg, layers, t, T, **where).state_dict()
+            assert mine.keys() == cut.keys()
+            for k in mine:
+                assert torch.equal(mine[k], cut[k]), k
+            assert {int(n.split(".")[1]) for n, _ in read if n.startswith("blocks.")} == set(range(*layers))
+            assert all(ranges is not None for n, ranges in read if n.endswith(("c_attn.weight", "c_fc.weight")))
+            assert mine["blocks.0.c_attn.weight"].shape[0] == (cfg.n_heads // T + 2 * cfg.kv_heads_on(T)) * cfg.head_dim
+
+
+class _Recording:
+    def __init__(self, inner, read):
+        self.inner, self.read_names = inner, read
+
+    def read(self, name, shape, ranges=None):
+        self.read_names.append((name, ranges))
+        return self.inner.read(name, shape, ranges)

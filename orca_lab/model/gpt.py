@@ -83,7 +83,7 @@ class GPT(nn.Module):
     def run_layers(self, x, bt, kv, lo: int = 0, hi: int | None = None, layer_offset: int = 0):
         """Blocks ``lo..hi`` on ``x``; ``kv.layer(i - layer_offset)`` holds block i's K/V pool."""
         hi = len(self.blocks) if hi is None else hi
-        attention = self._attention_for(bt)
+        attention = self._attention_for(bt, x)
         with tf32_matmuls(self.tf32 and x.is_cuda):
             for i in range(lo, hi):
                 x = self.blocks[i](x, attention(*kv.layer(i - layer_offset)), self.fused_ops_backend)
@@ -103,20 +103,19 @@ class GPT(nn.Module):
     def forward(self, bt, kv) -> torch.Tensor:
         return self.head(self.run_layers(self.embed(bt), bt, kv), bt)
 
-    def _attention_for(self, bt):
-        """``(k_pool, v_pool) -> attend`` of this iteration: what is shared by its layers (a family's
-        positional tables) is made here, once per iteration."""
+    def _attention_for(self, bt, x):
+        """``(k_pool, v_pool) -> attend`` of this iteration (``x``: its activations): what its layers
+        share (a family's positional tables) is made here, once per iteration."""
         return lambda k_pool, v_pool: self._attention(bt, k_pool, v_pool)
 
     def _attention(self, bt, k_pool, v_pool):
         """``attend(q, k, v)`` of one layer. The kernels run unchecked (``check=False``) on what the
         engine built itself; the plan, built by the first layer from host data, checked the slots.
-        ``k, v`` and the pools hold ``n_kv_heads`` heads (grouped-query attention: ``group`` query
-        heads share each)."""
+        ``k, v`` and the pools hold this rank's K/V heads, each shared by a group of its query heads
+        (grouped-query attention)."""
         backend, scale = self.attention_backend, 1.0 / math.sqrt(self.cfg.head_dim)
         triton = use_triton(backend, k_pool)
         plan = _plan(bt, triton, k_pool.shape[0])
-        group = self.cfg.group_size
 
         def attention(q, k, v):
             if bt.padded:
@@ -128,9 +127,9 @@ class GPT(nn.Module):
 
         def attend(q, k, v):
             kernels.write_kv(k, v, k_pool, v_pool, bt.slot_mapping, backend=backend, check=False)
-            if group == 1:
+            if q.shape[1] == k.shape[1]:
                 return attention(q, k, v)
-            return per_kv_group(lambda qg: attention(qg, k, v), q, group)
+            return per_kv_group(lambda qg: attention(qg, k, v), q, q.shape[1] // k.shape[1])
         return attend
 
     # -- weights ----------------------------------------------------------------------------------

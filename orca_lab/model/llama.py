@@ -97,10 +97,10 @@ class Llama(GPT):
         with tf32_matmuls(self.tf32 and x.is_cuda):
             return F.linear(h, (self.wte if self.lm_head is None else self.lm_head).weight)
 
-    def _attention_for(self, bt):
+    def _attention_for(self, bt, x):
         """Rotary tables of this iteration's tokens, made once from the batch's own positions and read
         by every layer: q and k are rotated before k is written to the pool."""
-        cos, sin = rotary_tables(self.cfg, token_positions(bt), self.wte.weight.dtype)
+        cos, sin = rotary_tables(self.cfg, token_positions(bt), x.dtype)
 
         def for_layer(k_pool, v_pool):
             attend = self._attention(bt, k_pool, v_pool)
