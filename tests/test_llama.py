@@ -1,17 +1,21 @@
 """The Llama family (Llama, Qwen2) against transformers on the same random weights: grouped and not,
 tied and not, Llama 3's rope scaling, Qwen2's q/k/v bias, one checkpoint sharded; logits, greedy
 tokens, and batched requests equal to each alone on every system."""
+import json
+import shutil
+
 import pytest
 import torch
 from helpers import hf_greedy, hf_llama, random_prompts
 
 from orca_lab import LLM, SamplingParams
-from orca_lab.config import EngineConfig
+from orca_lab.config import EngineConfig, ModelConfig
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.policies import SYSTEMS
 from orca_lab.model.families import checkpoint_weights, from_pretrained
 from orca_lab.model.gpt import StateDictWeights
 from orca_lab.model.tensor_parallel import stage_model
+from orca_lab.serving.launch import ServerProcess
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}
@@ -132,3 +136,87 @@ class _Recording:
     def read(self, name, shape, ranges=None):
         self.read_names.append((name, ranges))
         return self.inner.read(name, shape, ranges)
+
+
+def _config(path, **changes):
+    c = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**c, **changes}))
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(architectures=["MistralForCausalLM"]), r"architectures=\['MistralForCausalLM'\] is not supported"),
+    (dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), r"rope_scaling.rope_type='yarn'"),
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}), r"rope_scaling.factor=None"),
+    (dict(num_key_value_heads=3), r"n_kv_heads=3 must divide n_heads=4"),
+    (dict(intermediate_size=None), r"'intermediate_size' is missing"),
+    (dict(use_sliding_window=True), r"use_sliding_window=True is not supported"),
+    (dict(head_dim=16), r"head_dim=16 is not supported"),
+])
+def test_bad_or_unsupported_configs_are_refused_naming_the_field(saved, tmp_path, changes, match):
+    shutil.copytree(saved("llama-mha-tied")[1], tmp_path, dirs_exist_ok=True)
+    _config(tmp_path, **changes)
+    with pytest.raises(ValueError, match=match):
+        LLM.from_pretrained(tmp_path)
+
+
+def test_a_missing_tensor_or_shard_is_named(saved, tmp_path):
+    shutil.copytree(saved("qwen2-mqa-tied-sharded")[1], tmp_path, dirs_exist_ok=True)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.1.self_attn.k_proj.bias"]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(KeyError, match="model.layers.1.self_attn.k_proj.bias"):
+        LLM.from_pretrained(tmp_path)
+    next(tmp_path.glob("model-*.safetensors")).unlink()
+    with pytest.raises(FileNotFoundError, match="model-"):
+        LLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(n_kv_heads=0), r"n_kv_heads=0 is out of range"),
+    (dict(n_kv_heads=2), r"n_kv_heads=2 is not allowed with family='gpt2'"),
+    (dict(family="llama", rope_theta=0.5), r"rope_theta=0.5 is out of range"),
+    (dict(family="llama", intermediate_size=0), r"intermediate_size=0 is out of range"),
+    (dict(family="opt"), r"family='opt' is not allowed"),
+])
+def test_bad_model_config_fields_are_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig("x", n_layers=1, d_model=32, n_heads=4, **kw)
+
+
+def test_tensor_parallel_must_split_the_kv_heads_or_replicate_them():
+    cfg = ModelConfig("x", n_layers=2, d_model=96, n_heads=6, family="llama", n_kv_heads=3, intermediate_size=60)
+    cfg.check_tensor_parallel(3)
+    cfg.check_tensor_parallel(6)                   # one K/V head on each pair of ranks
+    with pytest.raises(ValueError, match="tensor_parallel=2 is not allowed: it must divide n_kv_heads=3"):
+        cfg.check_tensor_parallel(2)
+
+
+def test_tiny_llama_preset_equals_transformers_and_batches_like_alone(tmp_path):
+    """The preset: seeded random weights, byte vocabulary, 4 query heads on 2 K/V heads, nothing
+    downloaded; saved, transformers loads it and gives the same greedy tokens."""
+    llm = LLM("tiny-llama", engine=EngineConfig(max_bs=4, n_slots=1024, block_size=8, max_num_batched_tokens=16))
+    assert (llm.cfg.family, llm.cfg.vocab_size, llm.cfg.n_heads, llm.cfg.n_kv_heads) == ("llama", 257, 4, 2)
+    assert llm.engine_config.n_slots * llm.cfg.kv_bytes_per_token(4) == 1024 * 2 * 4 * 2 * 64 * 4
+    prompts = random_prompts(4, 257, 1, 20, seed=8)
+    llm.save_pretrained(tmp_path)
+    hf = pytest.importorskip("transformers").AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    reference = [hf_greedy(hf, p, 6) for p in prompts]
+    for system in SYSTEMS:
+        assert llm.generate(prompts, 6, system=system, ignore_eos=True) == reference, system
+
+
+def test_serve_a_llama_checkpoint_directory(saved):
+    """``orca-lab serve --model DIR`` over a sharded Qwen2 checkpoint gives transformers' tokens."""
+    openai = pytest.importorskip("openai")
+    hf, path = saved("qwen2-mqa-tied-sharded")
+    prompts = random_prompts(3, hf.config.vocab_size, 1, 20, seed=4)
+    s = ServerProcess("--model", path, "--max-bs", "4", "--n-slots", "512").start()
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        resp = client.completions.create(model=str(path), prompt=prompts, max_tokens=6, temperature=0,
+                                         extra_body={"return_token_ids": True, "ignore_eos": True})
+        got = [c.model_extra["token_ids"] for c in sorted(resp.choices, key=lambda c: c.index)]
+        assert got == [hf_greedy(hf, p, 6) for p in prompts]
+    finally:
+        assert s.stop() < 10

@@ -40,7 +40,10 @@ def checkpoint_config(path) -> ModelConfig:
     c = read_config(path)
     family = ARCHITECTURES[c["architectures"][0]]
     from_hf = gpt.config_from_hf if family == "gpt2" else llama.config_from_hf
-    return from_hf(c, name=Path(path).name)
+    try:
+        return from_hf(c, name=Path(path).name)
+    except ValueError as e:
+        raise ValueError(f"{Path(path) / 'config.json'}: {e}") from None
 
 
 def checkpoint_weights(path, device="cpu", dtype=None):

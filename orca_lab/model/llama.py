@@ -13,6 +13,7 @@ read them alike: ``c_attn`` is q, k and v stacked, ``c_fc`` the gate and up proj
 from __future__ import annotations
 
 import functools
+import json
 import math
 from pathlib import Path
 
@@ -108,7 +109,18 @@ class Llama(GPT):
         return for_layer
 
     def save_pretrained(self, path):
-        raise NotImplementedError("saving a Llama-family model is not supported yet")
+        """Write this model as a Hugging Face Llama (Qwen2, with q/k/v biases) checkpoint."""
+        from safetensors.torch import save_file
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        hf, kv = {}, self.cfg.n_kv_heads * self.cfg.head_dim
+        for name, t in self.state_dict().items():
+            t = t.detach().float().cpu()
+            names = hf_names(name)                       # q, k, v / gate, up: unstacked
+            sizes = [len(t) - 2 * kv, kv, kv] if len(names) == 3 else [len(t) // len(names)] * len(names)
+            hf.update({n: piece.contiguous() for n, piece in zip(names, t.split(sizes))})
+        save_file(hf, path / "model.safetensors", metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps(config_to_hf(self.cfg), indent=2))
 
 
 # -- rotary position embeddings --------------------------------------------------------------------
@@ -201,9 +213,11 @@ class LlamaCheckpointWeights:
 
 
 def _field(c: dict, key: str, *, default=None):
-    if key not in c and default is None:
-        raise ValueError(f"config.json has no {key!r}: a Llama / Qwen2 config needs it")
-    return c.get(key, default)
+    """``c[key]`` (``default`` when absent, if there is one); absent or null without a default is refused."""
+    value = c.get(key, default)
+    if value is None:
+        raise ValueError(f"{key!r} is missing: a Llama or Qwen2 config needs it")
+    return value
 
 
 def config_from_hf(c: dict, name: str = "hf") -> ModelConfig:
@@ -217,11 +231,11 @@ def config_from_hf(c: dict, name: str = "hf") -> ModelConfig:
               "attention_bias": (qwen, c.get("attention_bias", qwen))}   # Llama's would bias o_proj too
     for key, (allowed, value) in refuse.items():
         if value != allowed:
-            raise ValueError(f"config.json: {key}={value!r} is not supported for {arch} (allowed: {allowed!r})")
+            raise ValueError(f"{key}={value!r} is not supported for {arch} (allowed: {allowed!r})")
     d, heads = _field(c, "hidden_size"), _field(c, "num_attention_heads")
     head_dim = c.get("head_dim")
     if head_dim is not None and isinstance(d, int) and isinstance(heads, int) and heads and head_dim * heads != d:
-        raise ValueError(f"config.json: head_dim={head_dim} is not supported: only hidden_size / "
+        raise ValueError(f"head_dim={head_dim} is not supported: only hidden_size / "
                          f"num_attention_heads = {d // heads}")
     rope = c.get("rope_parameters") or {**(c.get("rope_scaling") or {}),
                                         "rope_theta": c.get("rope_theta", 10000.0)}
@@ -231,7 +245,7 @@ def config_from_hf(c: dict, name: str = "hf") -> ModelConfig:
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         scaling = tuple(sorted([("rope_type", rope_type), *((k, rope.get(k)) for k in keys)]))
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"config.json: partial_rotary_factor={rope['partial_rotary_factor']} is not "
+        raise ValueError(f"partial_rotary_factor={rope['partial_rotary_factor']} is not "
                          "supported (allowed: 1.0)")
     return ModelConfig(name=name, n_layers=_field(c, "num_hidden_layers"), d_model=d, n_heads=heads,
                        vocab_size=_field(c, "vocab_size"), max_seq_len=_field(c, "max_position_embeddings"),
@@ -240,3 +254,16 @@ def config_from_hf(c: dict, name: str = "hf") -> ModelConfig:
                        intermediate_size=_field(c, "intermediate_size"),
                        rope_theta=float(rope.get("rope_theta", 10000.0)), rope_scaling=scaling,
                        tie_embeddings=c.get("tie_word_embeddings", False), qkv_bias=qwen)
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    arch = ARCHITECTURES[cfg.qkv_bias]
+    rope = {"rope_type": "default", **dict(cfg.rope_scaling or ()), "rope_theta": cfg.rope_theta}
+    return {"architectures": [arch], "model_type": "qwen2" if cfg.qkv_bias else "llama",
+            "num_hidden_layers": cfg.n_layers, "hidden_size": cfg.d_model, "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.n_kv_heads, "intermediate_size": cfg.d_ff, "vocab_size": cfg.vocab_size,
+            "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.layer_norm_eps, "hidden_act": "silu",
+            "rope_theta": cfg.rope_theta, "rope_parameters": rope,
+            "rope_scaling": None if cfg.rope_scaling is None else dict(cfg.rope_scaling),
+            "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": cfg.vocab_size - 1,
+            "eos_token_id": cfg.vocab_size - 1}
