@@ -86,3 +86,17 @@ def hf_greedy(hf, prompt, n):
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                       do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def first_iteration_logits(llm, prompts):
+    """The logits of each prompt's last token from one engine iteration prefilling them all together."""
+    from orca_lab import SamplingParams
+    engine = llm.new_engine()
+    try:
+        for p in prompts:
+            engine.add_request(p, SamplingParams(max_gen_tokens=1))
+        batch = engine.scheduler.select()
+        with torch.inference_mode():
+            return llm.model(batch.tensors("cpu"), engine.scheduler.kv)
+    finally:
+        engine.close()

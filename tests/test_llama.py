@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 import torch
-from helpers import hf_greedy, hf_llama, random_prompts
+from helpers import first_iteration_logits, hf_greedy, hf_llama, random_prompts
 
-from orca_lab import LLM, SamplingParams
+from orca_lab import LLM
 from orca_lab.config import EngineConfig, ModelConfig
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.policies import SYSTEMS
@@ -71,15 +71,9 @@ def test_last_token_logits_match_transformers(checkpoint, prompts):
     hf, path = checkpoint
     llm = LLM.from_pretrained(path, engine=EngineConfig(max_bs=4, n_slots=512))
     assert llm.cfg.family == "llama" and llm.cfg.n_kv_heads == hf.config.num_key_value_heads
-    engine = llm.new_engine()
-    for p in prompts:
-        engine.add_request(p, SamplingParams(max_gen_tokens=1))
-    batch = engine.scheduler.select()
     with torch.inference_mode():
-        logits = llm.model(batch.tensors("cpu"), engine.scheduler.kv)
-        for row, p in zip(logits, prompts):
+        for row, p in zip(first_iteration_logits(llm, prompts), prompts):
             torch.testing.assert_close(row, hf(torch.tensor([p])).logits[0, -1], rtol=1e-4, atol=1e-4)
-    engine.close()
 
 
 @pytest.mark.parametrize("system", SYSTEMS)

@@ -74,7 +74,7 @@ class LlamaBlock(Block):
         h = rms_norm(x, self.ln_1.weight, self.eps)
         q, k, v = F.linear(h, self.c_attn.weight, self.c_attn.bias).split(
             (self.n_heads * D, self.n_kv_heads * D, self.n_kv_heads * D), -1)
-        a = attend(q.view(T, self.n_heads, D), k.view(T, self.n_kv_heads, D), v.reshape(T, self.n_kv_heads, D))
+        a = attend(q.view(T, self.n_heads, D), k.view(T, self.n_kv_heads, D), v.view(T, self.n_kv_heads, D))
         h, x = rms_norm(self._row_parallel(a.flatten(1), self.attn_proj), self.ln_2.weight, self.eps, residual=x)
         return x + self._row_parallel(silu_and_mul(F.linear(h, self.c_fc.weight)), self.mlp_proj)
 
