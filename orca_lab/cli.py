@@ -115,7 +115,7 @@ def main(argv=None):
     c = sub.add_parser("compare", help="ORCA vs the request-level baseline on one trace, light load to past "
                                        "the baseline's capacity")
     c.add_argument("--model", default="tiny", choices=list(PRESETS))
-    c.add_argument("--checkpoint", default=None, help="a local GPT-2 directory (Hugging Face layout) "
+    c.add_argument("--checkpoint", default=None, help="a local GPT-2, Llama or Qwen2 directory (Hugging Face layout) "
                                                       "instead of --model's random weights")
     c.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     c.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])

@@ -36,9 +36,16 @@ def _range_text(lo, hi) -> str:
     return f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
 
 
+FAMILIES = ("gpt2", "llama")          # model/families.py builds each
+ROPE_TYPES = ("default", "llama3")     # Llama 3's frequency scaling (rope_scaling / rope_parameters)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """A GPT-2 / GPT-3 shape: pre-LayerNorm blocks, learned positions, GeLU (tanh), tied LM head."""
+    """A model's shape. ``family="gpt2"``: GPT-2 / GPT-3 (pre-LayerNorm blocks, learned positions,
+    GeLU (tanh), tied LM head). ``family="llama"``: Llama / Qwen2 (RMSNorm, rotary positions, SwiGLU,
+    grouped-query attention with ``n_kv_heads`` K/V heads, no biases but Qwen2's on q/k/v).
+    ``layer_norm_eps`` is the norm's epsilon in both (RMSNorm's for Llama)."""
     name: str
     n_layers: int
     d_model: int
@@ -46,6 +53,13 @@ class ModelConfig:
     vocab_size: int = 50257
     max_seq_len: int = 1024
     layer_norm_eps: float = 1e-5
+    family: str = "gpt2"
+    n_kv_heads: int | None = None        # None: n_heads (multi-head attention)
+    intermediate_size: int | None = None  # None: 4 * d_model (GPT's MLP)
+    rope_theta: float = 10000.0
+    rope_scaling: tuple | None = None    # llama: sorted (key, value) pairs of rope_scaling, or None
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
 
     def __post_init__(self):
         check_range("n_layers", self.n_layers, 1, 1024)
@@ -56,29 +70,93 @@ class ModelConfig:
         check_range("vocab_size", self.vocab_size, 2, 1 << 24)
         check_range("max_seq_len", self.max_seq_len, 1, 1 << 20)
         check_range("layer_norm_eps", self.layer_norm_eps, 0.0, 1.0, kind=float)
+        check_choice("family", self.family, FAMILIES)
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        check_range("n_kv_heads", self.n_kv_heads, 1, self.n_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}: each K/V head "
+                             "serves a whole group of query heads")
+        if self.intermediate_size is not None:
+            check_range("intermediate_size", self.intermediate_size, 1, 1 << 20)
+        check_range("rope_theta", self.rope_theta, 1.0, 1e12, kind=float)
+        check_bool("tie_embeddings", self.tie_embeddings)
+        check_bool("qkv_bias", self.qkv_bias)
+        if self.family == "gpt2":
+            for field, default in (("n_kv_heads", self.n_heads), ("intermediate_size", None),
+                                   ("rope_scaling", None), ("tie_embeddings", True), ("qkv_bias", False)):
+                if getattr(self, field) != default:
+                    raise ValueError(f"{field}={getattr(self, field)!r} is not allowed with family='gpt2' "
+                                     f"(GPT-2 has {field}={default!r}): use family='llama'")
+        if self.rope_scaling is not None:
+            self._check_rope_scaling()
+
+    def _check_rope_scaling(self):
+        s = dict(self.rope_scaling)
+        check_choice("rope_scaling.rope_type", s.get("rope_type"), ROPE_TYPES)
+        if s["rope_type"] == "llama3":
+            for key in ("factor", "low_freq_factor", "high_freq_factor"):
+                check_range(f"rope_scaling.{key}", s.get(key), 1e-6, 1e6, kind=float)
+            check_range("rope_scaling.original_max_position_embeddings", s.get("original_max_position_embeddings"),
+                        1, 1 << 24)
+            if s["high_freq_factor"] <= s["low_freq_factor"]:
+                raise ValueError(f"rope_scaling.high_freq_factor={s['high_freq_factor']} must exceed "
+                                 f"rope_scaling.low_freq_factor={s['low_freq_factor']}")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
     @property
+    def group_size(self) -> int:
+        """Query heads per K/V head (1: multi-head attention)."""
+        return self.n_heads // self.n_kv_heads
+
+    @property
     def d_ff(self) -> int:
-        return 4 * self.d_model
+        return 4 * self.d_model if self.intermediate_size is None else self.intermediate_size
 
     @property
     def n_params(self) -> int:
-        """Parameters with the LM head tied to the token embedding."""
-        per_layer = 12 * self.d_model ** 2 + 13 * self.d_model
-        return self.n_layers * per_layer + (self.vocab_size + self.max_seq_len + 2) * self.d_model
+        """Parameters (GPT: with the LM head tied to the token embedding)."""
+        d = self.d_model
+        if self.family == "gpt2":
+            per_layer = 12 * d ** 2 + 13 * d
+            return self.n_layers * per_layer + (self.vocab_size + self.max_seq_len + 2) * d
+        qkv = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+        per_layer = d * qkv + self.qkv_bias * qkv + d * d + 3 * d * self.d_ff + 2 * d
+        return self.n_layers * per_layer + (2 - self.tie_embeddings) * self.vocab_size * d + d
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of one token over all layers: the size of one slot."""
-        return 2 * self.n_layers * self.d_model * dtype_bytes
+        """K and V of one token over all layers: the size of one slot (``n_kv_heads`` heads)."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes
+
+    def kv_heads_on(self, T: int) -> int:
+        """K/V heads each of ``T`` tensor-parallel ranks holds: its share, or one replicated head."""
+        return max(1, self.n_kv_heads // T)
+
+    def check_tensor_parallel(self, T: int):
+        """Refuse a tensor-parallel degree the heads (and the MLP) cannot be split into: ``T`` divides
+        the query heads; K/V heads split when ``T`` divides them, else each is replicated on ``T /
+        n_kv_heads`` ranks (``T`` must be a multiple of them)."""
+        if self.n_heads % T:
+            allowed = [d for d in range(1, self.n_heads + 1) if self.n_heads % d == 0]
+            raise ValueError(f"tensor_parallel={T} is not allowed: it must divide n_heads={self.n_heads} "
+                             f"(allowed: {', '.join(map(str, allowed))})")
+        if self.n_kv_heads % T and T % self.n_kv_heads:
+            raise ValueError(f"tensor_parallel={T} is not allowed: it must divide n_kv_heads={self.n_kv_heads} "
+                             f"or be a multiple of it (each rank then holds one K/V head, replicated)")
+        if self.d_ff % T:
+            raise ValueError(f"tensor_parallel={T} is not allowed: it must divide intermediate_size={self.d_ff}")
 
 
-# The tiny preset uses a byte-level vocabulary (256 bytes + EOS) so it needs no tokenizer download.
+# The tiny presets use a byte-level vocabulary (256 bytes + EOS) so they need no tokenizer download.
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig("tiny", n_layers=4, d_model=256, n_heads=4, vocab_size=257, max_seq_len=1024),
+    # tiny's size in Llama's blocks, grouped-query: 2 query heads share each of the 2 K/V heads
+    "tiny-llama": ModelConfig("tiny-llama", n_layers=4, d_model=256, n_heads=4, vocab_size=257, max_seq_len=1024,
+                              family="llama", n_kv_heads=2, intermediate_size=688, layer_norm_eps=1e-5,
+                              tie_embeddings=False),
     "gpt2": ModelConfig("gpt2", n_layers=12, d_model=768, n_heads=12, vocab_size=50257, max_seq_len=1024),
     # docs/paper.md's Table 1 (GPT-3 architecture, head size 128, max sequence length 2048).
     "gpt3-13b": ModelConfig("gpt3-13b", n_layers=40, d_model=5120, n_heads=40, max_seq_len=2048),
@@ -206,10 +284,7 @@ def check_degrees(cfg: ModelConfig, ec: EngineConfig):
     launcher it must equal the world size (each node checks its own GPUs when its workers start);
     a pool on this machine must fit its GPUs."""
     T, P = ec.tensor_parallel, ec.pipeline_parallel
-    if cfg.n_heads % T:
-        allowed = [d for d in range(1, cfg.n_heads + 1) if cfg.n_heads % d == 0]
-        raise ValueError(f"tensor_parallel={T} is not allowed: it must divide n_heads={cfg.n_heads} "
-                         f"(allowed: {', '.join(map(str, allowed))})")
+    cfg.check_tensor_parallel(T)
     check_range("pipeline_parallel", P, 1, cfg.n_layers)         # a stage holds at least one layer
     if T > 1 and not uses_workers(ec):
         raise ValueError(f"tensor_parallel={T} needs worker processes: executor='local' allows "

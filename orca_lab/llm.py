@@ -20,7 +20,8 @@ from orca_lab.engine.policies import SYSTEMS, system as resolve  # noqa: F401 (S
 from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.model.cuda_graphs import decode_graphs_for
 from orca_lab.model.executor import LocalExecutor
-from orca_lab.model.gpt import GPT, checkpoint_config
+from orca_lab.model.families import checkpoint_config, from_pretrained, random_model
+from orca_lab.model.gpt import GPT
 from orca_lab.model.kv_sizing import rank_shares, size_kv_pool
 from orca_lab.tokenizer import default_tokenizer, load_tokenizer
 
@@ -77,11 +78,11 @@ class LLM:
         if gpt is not None:
             self.model = gpt if uses_workers(ec) else _placed(gpt, ec)
         elif uses_workers(ec):
-            self.model = GPT.random(cfg, device="meta", **_backends(ec))
+            self.model = random_model(cfg, device="meta", **_backends(ec))
         elif checkpoint is not None:
-            self.model = GPT.from_pretrained(checkpoint, ec.device, dtype, **_backends(ec))
+            self.model = from_pretrained(checkpoint, ec.device, dtype, **_backends(ec))
         else:
-            self.model = GPT.random(cfg, seed, ec.device, dtype, **_backends(ec))
+            self.model = random_model(cfg, seed, ec.device, dtype=dtype, **_backends(ec))
         self.cfg = self.model.cfg
         if tokenizer is not None and not all(callable(getattr(tokenizer, f, None)) for f in ("encode", "decode")):
             raise TypeError(f"tokenizer={tokenizer!r} needs encode(text) -> ids and decode(ids) -> text")
@@ -96,15 +97,17 @@ class LLM:
 
     @classmethod
     def from_pretrained(cls, path, engine: EngineConfig | None = None, tokenizer=None) -> "LLM":
-        """A GPT-2 checkpoint in the Hugging Face layout from a local directory (never the network),
-        with the tokenizer saved beside it when there is one (``tokenizer.json``, or ``vocab.json`` +
-        ``merges.txt``; read by ``tokenizers``). EOS: the tokenizer's, else config.json's. With
-        workers, each reads only its own slices of the file."""
+        """A GPT-2, Llama or Qwen2 checkpoint in the Hugging Face layout from a local directory (never
+        the network; safetensors, one file or sharded with its index), with the tokenizer saved beside
+        it when there is one (``tokenizer.json``, or ``vocab.json`` + ``merges.txt``; read by
+        ``tokenizers``). EOS: the tokenizer's, else config.json's (the first, of a list). With
+        workers, each reads only its own slices of the files."""
         path = Path(path)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         eos = getattr(tokenizer, "eos_token_id", None)
         if eos is None:
             eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
+            eos = eos[0] if isinstance(eos, list) and eos else eos
         return cls(checkpoint_config(path), engine=engine, tokenizer=tokenizer, checkpoint=path, eos_token_id=eos)
 
     def save_pretrained(self, path):
@@ -179,7 +182,7 @@ class LLM:
     def _pool(self) -> KVPool:
         if self._kv_pool is None:
             ec, cfg = self.engine_config, self.cfg
-            self._kv_pool = KVPool(ec.n_slots, cfg.n_layers, cfg.n_heads, cfg.head_dim, ec.device,
+            self._kv_pool = KVPool(ec.n_slots, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, ec.device,
                                    getattr(torch, ec.dtype))
         return self._kv_pool
 
@@ -293,7 +296,7 @@ def _placed(gpt: GPT, ec: EngineConfig) -> GPT:
     state = gpt.state_dict()
     if any(t.device != device or t.dtype != dtype for t in state.values()):
         with torch.device("meta"):
-            placed = GPT(gpt.cfg, **_backends(ec))
+            placed = type(gpt)(gpt.cfg, **_backends(ec))
         placed.load_state_dict({k: t.to(device, dtype) for k, t in state.items()}, assign=True)
         return placed.eval()
     kernels = _backends(ec)

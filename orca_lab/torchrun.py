@@ -41,7 +41,7 @@ from orca_lab.distributed.heartbeat import start_heartbeat, watch_master
 from orca_lab.distributed.pool import WorkerPool
 from orca_lab.distributed.worker import STORE_TIMEOUT, Worker, WorkerSpec
 from orca_lab.llm import LLM, SYSTEMS
-from orca_lab.model.gpt import checkpoint_config
+from orca_lab.model.families import checkpoint_config
 
 
 def control_host() -> str:

@@ -61,3 +61,42 @@ def execute_notebook(*args, **kwargs):
         except RuntimeError as e:
             if "Kernel died before replying to kernel_info" not in str(e) or attempt == 2:
                 raise
+
+
+def hf_llama(folder, arch="LlamaForCausalLM", seed=0, max_shard_size=None, **shape):
+    """A transformers ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` of tiny ``shape`` with seeded random
+    weights (``0.2 * N(0, 1)``, norm gains ``1 + 0.1 * N(0, 1)``: wide enough that greedy tokens
+    vary), saved to ``folder`` (sharded when ``max_shard_size`` is given): the reference model."""
+    transformers = pytest.importorskip("transformers")
+    config = {"LlamaForCausalLM": transformers.LlamaConfig, "Qwen2ForCausalLM": transformers.Qwen2Config}[arch]
+    shape = {"hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 97, "max_position_embeddings": 256, **shape}
+    torch.manual_seed(seed)
+    hf = getattr(transformers, arch)(config(**shape)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(0, 0.1).add_(1.0) if "norm" in name else p.normal_(0, 0.2)
+    hf.save_pretrained(folder, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
+    return hf
+
+
+def hf_greedy(hf, prompt, n):
+    """transformers' greedy ``generate``: exactly ``n`` tokens after ``prompt``, EOS ignored."""
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                      do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def first_iteration_logits(llm, prompts):
+    """The logits of each prompt's last token from one engine iteration prefilling them all together."""
+    from orca_lab import SamplingParams
+    engine = llm.new_engine()
+    try:
+        for p in prompts:
+            engine.add_request(p, SamplingParams(max_gen_tokens=1))
+        batch = engine.scheduler.select()
+        with torch.inference_mode():
+            return llm.model(batch.tensors("cpu"), engine.scheduler.kv)
+    finally:
+        engine.close()

@@ -3,7 +3,7 @@ import copy
 
 import pytest
 import torch
-from helpers import engine_config, random_prompts
+from helpers import engine_config, first_iteration_logits, random_prompts
 
 from orca_lab import LLM, PRESETS, EngineConfig, ModelConfig
 from orca_lab.model.gpt import GPT
@@ -35,15 +35,9 @@ def test_last_token_logits_match_transformers(odd_checkpoint):
     transformers = pytest.importorskip("transformers")
     hf = transformers.GPT2LMHeadModel.from_pretrained(odd_checkpoint).eval()
     llm = LLM.from_pretrained(odd_checkpoint, engine=EngineConfig(max_bs=4, n_slots=512))
-    engine = llm.new_engine()
     prompts = random_prompts(3, 301, 2, 40, seed=1)
-    from orca_lab import SamplingParams
-    for p in prompts:
-        engine.add_request(p, SamplingParams(max_gen_tokens=1))
-    batch = engine.scheduler.select()
     with torch.inference_mode():
-        logits = llm.model(batch.tensors("cpu"), engine.scheduler.kv)
-        for row, p in zip(logits, prompts):
+        for row, p in zip(first_iteration_logits(llm, prompts), prompts):
             ref = hf(torch.tensor([p])).logits[0, -1]
             torch.testing.assert_close(row, ref, rtol=1e-4, atol=1e-4)
 

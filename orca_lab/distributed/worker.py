@@ -33,7 +33,8 @@ from orca_lab.engine.executor import split_layers
 from orca_lab.engine.kv_manager import KVPool
 from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.model import logprobs
-from orca_lab.model.gpt import CheckpointWeights, RandomWeights, StateDictWeights
+from orca_lab.model.families import checkpoint_weights
+from orca_lab.model.gpt import RandomWeights, StateDictWeights
 from orca_lab.model.kv_sizing import rank_shares, size_kv_pool
 from orca_lab.model.sampler import sample
 from orca_lab.model.tensor_parallel import stage_model
@@ -125,7 +126,7 @@ class Worker:
                                  attention_backend=ec.attention_backend, fused_ops_backend=ec.fused_ops_backend, tf32=ec.tf32)
         # this rank's K/V pool: its own heads, its stage's layers, all of the engine's slots; allocated
         # once for the worker's life (a new engine resets the requests it knows, not the memory)
-        self.kv = KVPool(n_slots, hi - lo, cfg.n_heads // spec.tp, cfg.head_dim, self.device, self.dtype)
+        self.kv = KVPool(n_slots, hi - lo, cfg.kv_heads_on(spec.tp), cfg.head_dim, self.device, self.dtype)
 
     def _connect(self, store):
         """Connect downstream first (connecting never waits for the peer to accept), then accept
@@ -262,12 +263,12 @@ def new_scores(requests, before) -> list:
 
 
 def weight_source(spec: WorkerSpec, device, dtype):
-    """Where this worker reads its slices from: ``random(seed)``, a GPT-2 checkpoint directory, or a
+    """Where this worker reads its slices from: ``random(seed)``, a checkpoint directory, or a
     state-dict file the master wrote (memory-mapped: only the pages of this worker's slices are read)."""
     if spec.weights is None:
         return RandomWeights(spec.seed, device, dtype)
     if Path(spec.weights).is_dir():
-        return CheckpointWeights(spec.weights, device, dtype)
+        return checkpoint_weights(spec.weights, device, dtype)
     return StateDictWeights(torch.load(spec.weights, mmap=True, weights_only=True), device, dtype)
 
 

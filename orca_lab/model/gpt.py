@@ -20,6 +20,7 @@ from orca_lab.config import ModelConfig
 from orca_lab.kernels._backend import use_triton
 from orca_lab.kernels.attention import (attention_plan, causal_mask, ragged_attention_torch,
                                         ragged_attention_triton, tf32_matmuls, triton_plan)
+from orca_lab.model.checkpoint import SafetensorFiles
 
 
 class Block(nn.Module):
@@ -53,15 +54,22 @@ class Block(nn.Module):
         products are summed first, then the bias is added once. Alone, the bias rides in the matmul."""
         if self.all_reduce is None:
             return F.linear(t, linear.weight, linear.bias)
-        return self.all_reduce(F.linear(t, linear.weight)) + linear.bias
+        out = self.all_reduce(F.linear(t, linear.weight))
+        return out if linear.bias is None else out + linear.bias
 
 
 class GPT(nn.Module):
+    Block = Block      # a family's block (tensor_parallel.py builds each rank's share of one)
+
     def __init__(self, cfg: ModelConfig, attention_backend="auto", fused_ops_backend="auto", tf32=False):
         super().__init__()
         self.cfg = cfg
         self.attention_backend, self.fused_ops_backend = attention_backend, fused_ops_backend
         self.tf32 = tf32     # fp32 matmuls and attention dots on TF32 tensor cores (a GPU only)
+        self.build_modules(cfg)
+
+    def build_modules(self, cfg: ModelConfig):
+        """GPT-2's modules: token and learned position embeddings, blocks, final LayerNorm."""
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -70,17 +78,15 @@ class GPT(nn.Module):
     # -- the forward, in the three parts a pipeline stage may own ------------------------------
     def embed(self, bt) -> torch.Tensor:
         """Token + position embeddings of the flat batch: ``[T, H]``."""
-        ids = bt.input_ids.reshape(-1)
-        pos = bt.positions.repeat(bt.input_ids.shape[0]) if bt.padded else bt.positions
-        return self.wte(ids) + self.wpe(pos)
+        return self.wte(bt.input_ids.reshape(-1)) + self.wpe(token_positions(bt))
 
     def run_layers(self, x, bt, kv, lo: int = 0, hi: int | None = None, layer_offset: int = 0):
         """Blocks ``lo..hi`` on ``x``; ``kv.layer(i - layer_offset)`` holds block i's K/V pool."""
         hi = len(self.blocks) if hi is None else hi
+        attention = self._attention_for(bt, x)
         with tf32_matmuls(self.tf32 and x.is_cuda):
             for i in range(lo, hi):
-                k_pool, v_pool = kv.layer(i - layer_offset)
-                x = self.blocks[i](x, self._attention(bt, k_pool, v_pool), self.fused_ops_backend)
+                x = self.blocks[i](x, attention(*kv.layer(i - layer_offset)), self.fused_ops_backend)
         return x
 
     def head(self, x, bt) -> torch.Tensor:
@@ -97,21 +103,33 @@ class GPT(nn.Module):
     def forward(self, bt, kv) -> torch.Tensor:
         return self.head(self.run_layers(self.embed(bt), bt, kv), bt)
 
+    def _attention_for(self, bt, x):
+        """``(k_pool, v_pool) -> attend`` of this iteration (``x``: its activations): what its layers
+        share (a family's positional tables) is made here, once per iteration."""
+        return lambda k_pool, v_pool: self._attention(bt, k_pool, v_pool)
+
     def _attention(self, bt, k_pool, v_pool):
         """``attend(q, k, v)`` of one layer. The kernels run unchecked (``check=False``) on what the
-        engine built itself; the plan, built by the first layer from host data, checked the slots."""
+        engine built itself; the plan, built by the first layer from host data, checked the slots.
+        ``k, v`` and the pools hold this rank's K/V heads, each shared by a group of its query heads
+        (grouped-query attention)."""
         backend, scale = self.attention_backend, 1.0 / math.sqrt(self.cfg.head_dim)
         triton = use_triton(backend, k_pool)
         plan = _plan(bt, triton, k_pool.shape[0])
 
-        def attend(q, k, v):
-            kernels.write_kv(k, v, k_pool, v_pool, bt.slot_mapping, backend=backend, check=False)
+        def attention(q, k, v):
             if bt.padded:
                 return padded_attention(q, k_pool, v_pool, bt)
             if triton:
                 return ragged_attention_triton(q, k_pool, v_pool, bt.kv_slot_ids, bt.cu_seqlens_q,
                                                bt.cu_seqlens_k, scale, plan, tf32=self.tf32)
             return ragged_attention_torch(q, k_pool, v_pool, plan, scale, k, v)
+
+        def attend(q, k, v):
+            kernels.write_kv(k, v, k_pool, v_pool, bt.slot_mapping, backend=backend, check=False)
+            if q.shape[1] == k.shape[1]:
+                return attention(q, k, v)
+            return per_kv_group(lambda qg: attention(qg, k, v), q, q.shape[1] // k.shape[1])
         return attend
 
     # -- weights ----------------------------------------------------------------------------------
@@ -143,9 +161,10 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32, **kw) -> "GPT":
-        """A GPT-2 checkpoint in the Hugging Face layout: ``config.json`` + ``model.safetensors``."""
-        weights = CheckpointWeights(path, device, dtype)
-        return cls.build(weights.cfg, weights, **kw)
+        """The model of a Hugging Face checkpoint directory, of whichever family its config.json names
+        (``families.py``)."""
+        from orca_lab.model.families import from_pretrained
+        return from_pretrained(path, device, dtype, **kw)
 
     def save_pretrained(self, path):
         """Write this model as a Hugging Face GPT-2 checkpoint (transformers can load it)."""
@@ -156,6 +175,20 @@ class GPT(nn.Module):
         hf = {_hf_name(k): v for k, v in _to_conv1d(state).items()}
         save_file(hf, path / "model.safetensors", metadata={"format": "pt"})
         (path / "config.json").write_text(json.dumps(config_to_hf(self.cfg), indent=2))
+
+
+def token_positions(bt) -> torch.Tensor:
+    """The position of every token of the flat batch ``[T]`` (a padded batch's ``[L]``, per request)."""
+    return bt.positions.repeat(bt.input_ids.shape[0]) if bt.padded else bt.positions
+
+
+def per_kv_group(attention, q, group: int) -> torch.Tensor:
+    """Grouped-query attention through kernels that pair query head i with K/V head i: query heads
+    ``h * group + j`` share K/V head ``h``, so ``q[:, j::group]`` pairs with the K/V heads one to one,
+    once per ``j``. (A fallback: each K/V head is read ``group`` times, where a grouped kernel reads
+    it once.) ``attention(q_j) -> [T, n_kv_heads, D]``; the result is ``[T, n_heads, D]``."""
+    outs = [attention(q[:, j::group].contiguous()) for j in range(group)]
+    return torch.stack(outs, 2).flatten(1, 2)
 
 
 def _plan(bt, triton: bool, n_slots: int):
@@ -262,21 +295,20 @@ class StateDictWeights:
 
 
 class CheckpointWeights:
-    """A GPT-2 checkpoint in the Hugging Face layout (``config.json`` + ``model.safetensors``), read
+    """A GPT-2 checkpoint in the Hugging Face layout (``config.json`` + safetensors), read
     tensor by tensor and slice by slice (``safe_open(...).get_slice``): a worker reads only its
     layers and its shards of them, never the whole file."""
 
     def __init__(self, path, device="cpu", dtype=torch.float32):
-        from safetensors import safe_open
         path = Path(path)
-        self.cfg = checkpoint_config(path)
-        self.file = safe_open(str(path / "model.safetensors"), framework="pt")     # reads the header
+        self.cfg = config_from_hf(json.loads((path / "config.json").read_text()), name=path.name)
+        self.file = SafetensorFiles(path)          # one file or sharded: the headers only
         self.keys = {_our_name(k): k for k in self.file.keys() if _our_name(k) is not None}
         self.path, self.device, self.dtype = path, device, dtype
 
     def read(self, name: str, shape: tuple, ranges=None) -> torch.Tensor:
         if name not in self.keys:
-            raise KeyError(f"{self.path / 'model.safetensors'} has no tensor for {name!r} ({_hf_name(name)})")
+            raise KeyError(f"{self.path} has no tensor for {name!r} ({_hf_name(name)})")
         conv1d = name.endswith(_CONV1D)                  # stored transposed: [in, out]
         dim = chunk_dim(name)
         file_dim = 1 - dim if conv1d else dim
@@ -318,16 +350,6 @@ def _our_name(hf: str) -> str | None:
 
 def _to_conv1d(state):   # HF's Conv1D stores [in, out]; nn.Linear stores [out, in]
     return {k: v.t().contiguous() if k.endswith(_CONV1D) else v for k, v in state.items()}
-
-
-def checkpoint_config(path) -> ModelConfig:
-    """The shape of the GPT-2 checkpoint in directory ``path`` (its ``config.json``), named after it."""
-    path = Path(path)
-    for f in ("config.json", "model.safetensors"):
-        if not (path / f).is_file():
-            raise FileNotFoundError(f"{path / f} not found: a GPT-2 checkpoint directory holds "
-                                    "config.json and model.safetensors")
-    return config_from_hf(json.loads((path / "config.json").read_text()), name=path.name)
 
 
 def config_from_hf(c: dict, name: str = "hf") -> ModelConfig:

@@ -14,15 +14,22 @@ def gpu_memory(device) -> tuple[int, int]:
 
 def rank_shares(cfg, tp: int, stages: list[tuple[int, int]], dtype_bytes: int) -> list[tuple[int, int]]:
     """Per pipeline stage, what each of its ranks holds: ``(weight bytes, bytes per K/V slot)``.
-    Matrices split over ``tp`` ranks; LayerNorms, biases and positions replicated (a slight over-count
-    of the split biases); the token embedding (vocabulary-split) on the first and last stages."""
-    d, vocab_rows = cfg.d_model, -(-cfg.vocab_size // tp)
-    layer = 12 * d * d // tp + 13 * d
+    Matrices split over ``tp`` ranks (K/V heads replicated past their number); norms, biases and
+    positions replicated (a slight over-count of the split biases); the token embedding
+    (vocabulary-split) on the first stage, and on the last the LM head (the embedding's rows, when tied)."""
+    d, D, vocab_rows = cfg.d_model, cfg.head_dim, -(-cfg.vocab_size // tp)
+    kv = cfg.kv_heads_on(tp)
+    if cfg.family == "gpt2":
+        layer, positions = 12 * d * d // tp + 13 * d, cfg.max_seq_len * d
+    else:
+        qkv = (cfg.n_heads // tp + 2 * kv) * D
+        layer, positions = d * qkv + qkv + d * cfg.n_heads // tp * D + 3 * d * (cfg.d_ff // tp) + 2 * d, 0
     shares = []
     for s, (lo, hi) in enumerate(stages):
         first, last = s == 0, s == len(stages) - 1
-        params = (hi - lo) * layer + (first or last) * vocab_rows * d + first * cfg.max_seq_len * d + last * 2 * d
-        shares.append((params * dtype_bytes, 2 * (hi - lo) * d // tp * dtype_bytes))
+        embeddings = (first or last) * vocab_rows * d if cfg.tie_embeddings else (first + last) * vocab_rows * d
+        params = (hi - lo) * layer + embeddings + first * positions + last * 2 * d
+        shares.append((params * dtype_bytes, 2 * (hi - lo) * kv * D * dtype_bytes))
     return shares
 
 

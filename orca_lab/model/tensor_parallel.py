@@ -1,6 +1,7 @@
 """Intra-layer (tensor) parallelism, Megatron-LM style (ORCA §4.3), cut from the full model's weights.
 
-Rank ``t`` of ``T`` owns attention heads ``[t*h, (t+1)*h)`` with ``h = n_heads / T``:
+Rank ``t`` of ``T`` owns attention heads ``[t*h, (t+1)*h)`` with ``h = n_heads / T``, and the K/V
+heads they read (``n_kv_heads / T`` of them, or one replicated head when ``T`` exceeds their number):
 - QKV (``c_attn``) and the first MLP linear (``c_fc``) are split by output columns: each rank computes
   its heads' q, k, v and its quarter of the MLP's hidden units with no communication;
 - the attention output (``attn_proj``) and second MLP linear (``mlp_proj``) are split by input rows:
@@ -21,25 +22,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from orca_lab.model.families import model_class
 from orca_lab.model.gpt import GPT, Block
 
 
 def shard_ranges(leaf: str, cfg, t: int, T: int):
     """Rank ``t``'s pieces of block parameter ``leaf`` along ``chunk_dim`` (None: the whole tensor).
-    q, k and v each keep this rank's heads (columns of c_attn); the MLP's hidden units split evenly;
-    attn_proj and mlp_proj split by input rows, so their outputs are partial sums (all-reduced)."""
-    hD, ff = cfg.n_heads // T * cfg.head_dim, cfg.d_ff // T
+    q, k and v each keep this rank's heads (rows of c_attn; K/V heads replicated when ``T`` exceeds
+    their number); the MLP's hidden units split evenly (Llama's gate and up each); attn_proj and
+    mlp_proj split by input rows, so their outputs are partial sums (all-reduced)."""
+    D, ff = cfg.head_dim, cfg.d_ff // T
+    hD, kvD = cfg.n_heads // T * D, cfg.kv_heads_on(T) * D
+    q_lo, kv_lo = t * hD, t * cfg.n_kv_heads // T * D
     if leaf.startswith("c_attn."):
-        return tuple((j * cfg.d_model + t * hD, j * cfg.d_model + (t + 1) * hD) for j in range(3))
+        q_rows, kv_rows = cfg.n_heads * D, cfg.n_kv_heads * D
+        return ((q_lo, q_lo + hD), (q_rows + kv_lo, q_rows + kv_lo + kvD),
+                (q_rows + kv_rows + kv_lo, q_rows + kv_rows + kv_lo + kvD))
     if leaf == "attn_proj.weight":
-        return ((t * hD, (t + 1) * hD),)
+        return ((q_lo, q_lo + hD),)
+    if leaf.startswith("c_fc.") and cfg.family == "llama":      # gate and up stacked
+        return ((t * ff, (t + 1) * ff), (cfg.d_ff + t * ff, cfg.d_ff + (t + 1) * ff))
     if leaf.startswith("c_fc.") or leaf == "mlp_proj.weight":
         return ((t * ff, (t + 1) * ff),)
-    return None            # LayerNorms and the row-parallel biases (added once, after the reduction)
+    return None            # norms and the row-parallel biases (added once, after the reduction)
 
 
 def shard_block(weights, i: int, cfg, t: int, T: int, all_reduce=None) -> Block:
     """Rank ``t``'s share of transformer block ``i``, read from ``weights``."""
+    Block = model_class(cfg).Block
     with torch.device("meta"):
         full, block = Block(cfg), Block(cfg, n_heads=cfg.n_heads // T)
     block.load_state_dict({leaf: weights.read(f"blocks.{i}.{leaf}", tuple(p.shape), shard_ranges(leaf, cfg, t, T))
@@ -62,10 +72,10 @@ class VocabParallelEmbedding(nn.Module):
         self.all_reduce = all_reduce
 
     @classmethod
-    def read(cls, weights, cfg, t: int, T: int, all_reduce=None) -> "VocabParallelEmbedding":
+    def read(cls, weights, cfg, t: int, T: int, all_reduce=None, name="wte.weight") -> "VocabParallelEmbedding":
         V, n = cfg.vocab_size, -(-cfg.vocab_size // T)
         lo = min(t * n, V)
-        rows = weights.read("wte.weight", (V, cfg.d_model), ((lo, min(lo + n, V)),))
+        rows = weights.read(name, (V, cfg.d_model), ((lo, min(lo + n, V)),))
         return cls(rows, lo, n, all_reduce if T > 1 else None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -78,18 +88,21 @@ class VocabParallelEmbedding(nn.Module):
 def stage_model(weights, cfg, layers: tuple[int, int], t: int, T: int, *, first: bool, last: bool,
                 all_reduce=None, **backends) -> GPT:
     """The part of the model that worker ``(stage, t)`` runs, read from ``weights``: its layers'
-    blocks sharded over heads, plus the embeddings on the first stage and the final LayerNorm and
-    LM head on the last. Parts it does not own are None. Its blocks are numbered from 0 (the
-    worker's K/V pool too)."""
+    blocks sharded over heads, plus the embeddings on the first stage (GPT's positions too) and the
+    final norm and LM head on the last (the token embedding's rows, when tied). Parts it does not own
+    are None. Its blocks are numbered from 0 (the worker's K/V pool too)."""
     with torch.device("meta"):
-        part = GPT(cfg, **backends)
+        part = model_class(cfg)(cfg, **backends)
     part.blocks = nn.ModuleList(shard_block(weights, i, cfg, t, T, all_reduce) for i in range(*layers))
-    part.wte = VocabParallelEmbedding.read(weights, cfg, t, T, all_reduce) if first or last else None
-    part.wpe = nn.Embedding.from_pretrained(weights.read("wpe.weight", (cfg.max_seq_len, cfg.d_model))) \
-        if first else None
-    if last:
-        part.ln_f.load_state_dict({k: weights.read(f"ln_f.{k}", (cfg.d_model,)) for k in ("weight", "bias")},
-                                  assign=True)
-    else:
-        part.ln_f = None
+    owned = {"wte": first or (last and cfg.tie_embeddings), "wpe": first, "ln_f": last, "lm_head": last}
+    for name, module in list(part.named_children()):
+        if name == "blocks" or module is None:
+            continue
+        if not owned[name]:
+            setattr(part, name, None)
+        elif name in ("wte", "lm_head"):       # vocabulary-parallel rows
+            setattr(part, name, VocabParallelEmbedding.read(weights, cfg, t, T, all_reduce, f"{name}.weight"))
+        else:
+            module.load_state_dict({k: weights.read(f"{name}.{k}", tuple(p.shape))
+                                    for k, p in module.named_parameters()}, assign=True)
     return part.eval()

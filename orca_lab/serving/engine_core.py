@@ -55,7 +55,7 @@ class EngineArgs:
     def __post_init__(self):
         """Refuse a bad model or parallel degrees here, before a process is started for it."""
         from orca_lab.config import check_degrees, model_config
-        from orca_lab.model.gpt import checkpoint_config
+        from orca_lab.model.families import checkpoint_config
         path = Path(self.model)
         check_degrees(checkpoint_config(path) if path.is_dir() else model_config(self.model), self.engine)
 
