@@ -269,3 +269,13 @@ def test_every_learner_chapter_in_chromium_shows_its_exercises_and_no_solution(e
                         page.screenshot(path=folder / f"course_learner_{nb.stem}.png")
         finally:
             browser.close()
+
+
+def test_the_reading_path_gives_each_file_its_line_count():
+    """docs/design.md's reading path: every file exists, its line count is true, and so is the total."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| `([^`]+)` \| (\d+) \|", text.split("## Reading path", 1)[1], re.M)
+    assert [int(i) for i, _, _ in rows] == list(range(1, len(rows) + 1)) and len(rows) >= 10
+    counts = {f: len((ROOT / f).read_text().splitlines()) for _, f, _ in rows}
+    assert {f: int(n) for _, f, n in rows} == counts, f"write these counts in docs/design.md: {counts}"
+    assert f"{sum(counts.values())} lines in all." in text
