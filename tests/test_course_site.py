@@ -279,3 +279,17 @@ def test_the_reading_path_gives_each_file_its_line_count():
     counts = {f: len((ROOT / f).read_text().splitlines()) for _, f, _ in rows}
     assert {f: int(n) for _, f, n in rows} == counts, f"write these counts in docs/design.md: {counts}"
     assert f"{sum(counts.values())} lines in all." in text
+
+
+PAPER_SECTIONS = {"§1", "§2", "§3", "§4", "§4.1", "§4.2", "§5", "§6", "§6.1", "§6.2", "§7", "§8"}   # the OSDI'22 paper's
+
+
+def test_every_section_the_course_cites_is_one_of_the_papers():
+    """The paper has no §4.3 nor §4.4: its design section is 4.1 (the distributed architecture, the
+    workers) and 4.2 (the scheduling algorithm, Algorithm 1); selective batching is in §3."""
+    from orca_lab.course import solve
+    texts = {p.name: "".join("".join(c["source"]) for c in solve.load(p)["cells"]) for p in solve.course()}
+    texts.update({p.name: p.read_text() for p in (ROOT / "docs").glob("*.md")})
+    cited = {(name, s) for name, text in texts.items() for s in re.findall(r"§\d+(?:\.\d+)?", text)}
+    assert {s for _, s in cited} >= {"§3", "§4.1", "§4.2"}
+    assert not {c for c in cited if c[1] not in PAPER_SECTIONS}
