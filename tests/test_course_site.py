@@ -81,6 +81,7 @@ def test_every_chapter_loads_with_its_figures_in_chromium(site, tmp_path):
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.set_default_timeout(120_000)   # a page from file:// took 19 s to load with both cores busy
         page.on("request", lambda r: None if r.url.startswith(LOCAL) else outside.append(r.url))
         page.on("pageerror", lambda e: errors.append(str(e)))
         try:
@@ -237,6 +238,7 @@ def test_every_learner_chapter_in_chromium_shows_its_exercises_and_no_solution(e
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.set_default_timeout(120_000)   # a page from file:// took 19 s to load with both cores busy
         try:
             for nb in solve.course():
                 exercises = [ex for _, ex in solve.exercises(solve.load(nb))]
