@@ -11,9 +11,10 @@ request leaves the site (no CDN, no font service). Screenshots go to ``tmp_path`
 
 The editions: both are built over every chapter of the course from the solved notebooks unexecuted
 (the exercises are in the sources; the executed build above checks the outputs). In the learner's,
-no line of any solution (``notebooks/solutions/``, the lines its stub and the rest of its notebook
-lack) is in any file of the site nor in the text Chromium shows of its chapter, and each exercise
-cell is framed as one under a box naming its grader; the instructor's shows every solution.
+no line of any solution (``notebooks/solutions/``, the lines no learner notebook has) is in any
+file of the site but the docs' pages, nor in the text Chromium shows of its chapter, and each
+exercise cell is framed as one under a box naming its grader; the instructor's shows every
+solution. docs/design.md's reading path gives true line counts, and every section cited is the paper's.
 """
 import base64
 import html as htmllib
