@@ -91,14 +91,19 @@ def bench(args) -> dict:
 def course(args):
     """``orca-lab course build``: the course site (orca_lab.course.site)."""
     from orca_lab.course.site import build
-    build(Path(args.out), executed=args.executed and Path(args.executed),
-          notebooks=args.notebooks and Path(args.notebooks), only=args.only, record=args.record)
+    build(args.out and Path(args.out), executed=args.executed and Path(args.executed),
+          notebooks=args.notebooks and Path(args.notebooks), only=args.only, record=args.record,
+          edition=args.edition)
 
 
 def _course_args(s):
     b = s.add_subparsers(dest="action", required=True).add_parser(
         "build", help="execute the notebooks and build the site with Sphinx, offline (html/index.html)")
-    b.add_argument("--out", default="build/course", help="build folder; the site is in OUT/html")
+    b.add_argument("--edition", default="learner",
+                   help="learner: the exercises as stubs, no solution on any page (build/course); "
+                        "instructor: the solved notebooks (build/course-instructor)")
+    b.add_argument("--out", default=None, help="build folder; the site is in OUT/html (default: build/course, "
+                                               "build/course-instructor for the instructor edition)")
     b.add_argument("--executed", default=None, help="a folder of executed notebooks (notebooks/, reproduce/ "
                                                     "inside): build from them, execute nothing")
     b.add_argument("--notebooks", default=None, help="execute the course notebooks of this folder instead "

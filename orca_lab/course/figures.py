@@ -92,9 +92,3 @@ def _render_png(fig: dict) -> bytes:
 def _text(v) -> str:
     return "".join(v) if isinstance(v, list) else v
 
-
-def prepare_file(src, dst) -> dict:
-    nb = nbformat.read(src, as_version=4)
-    counts = prepare(nb)
-    nbformat.write(nb, dst)
-    return counts

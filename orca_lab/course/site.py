@@ -1,15 +1,24 @@
 """``orca-lab course build``: execute the chapters (or take them executed), stage them with the docs,
 and build the site with Sphinx.
 
-    build/course/executed/   the executed notebooks (skipped with ``executed=DIR``)
-    build/course/src/        Sphinx's sources: index.md (chapter map), README, docs/, the notebooks
-    build/course/html/       the site: open html/index.html
+Two editions (``edition.py``), each into its own folder. The default, ``learner``, publishes the
+learner's notebooks, exercises as stubs, no solution in any page, each output after a chapter's first
+exercise labelled as the reference solution's; ``instructor`` publishes the solved notebooks::
 
-Hooks: ``notebooks=DIR`` executes the course notebooks found in DIR instead of ``notebooks/`` (for
-example the solved notebooks a solution script writes); ``executed=DIR`` takes notebooks already
-executed (``DIR/notebooks/*.ipynb``, ``DIR/reproduce/*.ipynb``) and runs nothing. The chapter map's
-run times are this build's when it executed the chapters, else those recorded in ``RUNTIMES``;
-``record=True`` writes this build's into ``RUNTIMES``.
+    orca-lab course build                          # -> build/course/html
+    orca-lab course build --edition instructor     # -> build/course-instructor/html
+
+Both execute the solved notebooks (every chapter runs to its end and draws every figure):
+
+    OUT/executed/   the executed notebooks (skipped with ``executed=DIR``)
+    OUT/src/        Sphinx's sources: index.md (chapter map), README, docs/, the notebooks
+    OUT/html/       the site: open html/index.html
+
+Hooks: ``notebooks=DIR`` executes the course notebooks found in DIR instead of the solved ones;
+``executed=DIR`` takes notebooks already executed (``DIR/notebooks/*.ipynb``, ``DIR/reproduce/*.ipynb``,
+for example the other edition's ``OUT/executed``) and runs nothing. The chapter map's run times are
+this build's when it executed the chapters, else those recorded in ``RUNTIMES``; ``record=True``
+writes this build's into ``RUNTIMES``.
 """
 from __future__ import annotations
 
@@ -19,19 +28,26 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nbformat
+
+from orca_lab.course import edition as editions
 from orca_lab.course.chapters import ROOT, Chapter, chapters
-from orca_lab.course.figures import prepare_file
+from orca_lab.course.figures import prepare
 
 RUNTIMES = ROOT / "docs" / "results" / "course_runtimes.json"
 DOCS = ["README.md", "docs/course.md", "docs/paper.md", "docs/design.md", "docs/distributed.md", "reproduce/README.md",
         "docs/results/README.md"]
 PARTS = {"notebooks": "The course", "reproduce": "The paper's figures, reproduced"}
+OUT = {"learner": ROOT / "build" / "course", "instructor": ROOT / "build" / "course-instructor"}
+TITLE = {"learner": "orca_lab course", "instructor": "orca_lab course, instructor edition (solutions)"}
 
 
-def build(out: Path = ROOT / "build" / "course", executed: Path | None = None, notebooks: Path | None = None,
-          only: list[str] | None = None, record: bool = False, log=print) -> dict:
-    """Build the site into ``out / "html"``; returns what each chapter's figures became and the runs."""
-    out = Path(out).resolve()
+def build(out: Path | None = None, executed: Path | None = None, notebooks: Path | None = None,
+          only: list[str] | None = None, record: bool = False, edition: str = "learner", log=print) -> dict:
+    """Build ``edition``'s site into ``out / "html"``; returns what each chapter's figures became and
+    the runs."""
+    editions.check(edition)
+    out = Path(out or OUT[edition]).resolve()
     chs = [c for c in chapters() if not only or any(o in c.stem for o in only)]
     runs = None
     if executed is None:
@@ -46,10 +62,11 @@ def build(out: Path = ROOT / "build" / "course", executed: Path | None = None, n
     chs = [c for c in chs if (Path(executed) / c.path).exists() or log(f"skipped: no {Path(executed) / c.path}")]
     src = out / "src"
     shutil.rmtree(src, ignore_errors=True)
-    figures = _stage(src, chs, Path(executed), runs)
+    figures = _stage(src, chs, Path(executed), runs, edition)
     html = out / "html"
     log(f"sphinx: {src} -> {html}")
-    done = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-j", "1", str(src), str(html)],
+    done = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-j", "1",
+                           "-d", str(out / "doctrees"), str(src), str(html)],   # doctrees stay off the site
                           capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"sphinx-build failed:\n{done.stderr[-4000:]}")
@@ -86,11 +103,11 @@ def _commit() -> str | None:
         return None
 
 
-def _stage(src: Path, chs: list[Chapter], executed: Path, runs) -> dict:
+def _stage(src: Path, chs: list[Chapter], executed: Path, runs, edition: str) -> dict:
     import plotly
     here = Path(__file__).parent
     (src / "_static").mkdir(parents=True)
-    shutil.copy(here / "conf.py", src / "conf.py")
+    (src / "conf.py").write_text((here / "conf.py").read_text() + f"html_title = {TITLE[edition]!r}\n")
     shutil.copy(here / "course.css", src / "_static" / "course.css")
     shutil.copy(Path(plotly.__file__).parent / "package_data" / "plotly.min.js", src / "_static" / "plotly.min.js")
     for doc in DOCS:
@@ -100,14 +117,27 @@ def _stage(src: Path, chs: list[Chapter], executed: Path, runs) -> dict:
     figures = {}
     for c in chs:
         (src / c.path).parent.mkdir(parents=True, exist_ok=True)
-        figures[c.path] = prepare_file(executed / c.path, src / c.path)
-    (src / "index.md").write_text(index_page(chs, runs))
+        nb = nbformat.read(executed / c.path, as_version=4)
+        if c.part == "notebooks":
+            nb = editions.make(edition, nbformat.read(ROOT / c.path, as_version=4), nb)
+        figures[c.path] = prepare(nb)
+        nbformat.write(nb, src / c.path)
+    (src / "index.md").write_text(index_page(chs, runs, edition))
     return figures
 
 
-def index_page(chs: list[Chapter], runs) -> str:
-    """The home page: what the course is, the chapter map with each chapter's run time, the tables of
-    contents."""
+EDITION_NOTE = {
+    "learner": "This is the learner's edition: each exercise is a stub for you to write, announced by a box "
+               "naming its task and its grader, and no solution is on any page. The outputs after a chapter's "
+               "first exercise are those of the reference solution, and say so.",
+    "instructor": "This is the instructor's edition: every exercise is shown solved (`notebooks/solutions/`). "
+                  "The learner's edition, without the solutions, is `orca-lab course build`.",
+}
+
+
+def index_page(chs: list[Chapter], runs, edition: str = "learner") -> str:
+    """The home page: what the course is, which edition, the chapter map with each chapter's run time,
+    the tables of contents."""
     measured = {r["notebook"]: r for r in (runs or _recorded())}
     source = ("measured by the build that made this site" if runs else
               f"as recorded in `docs/results/{RUNTIMES.name}` (`orca-lab course build --record`)")
@@ -115,7 +145,7 @@ def index_page(chs: list[Chapter], runs) -> str:
              "ORCA (Yu et al., OSDI'22) rebuilt to be read, run and measured. Each chapter of the course is "
              "one notebook, one mechanism, built on small tensors and then found in the package; the "
              "reproductions run the paper's figures on the simulator (and on this machine where they measure). "
-             "Run any of them yourself with `jupyter lab notebooks/`.", "",
+             "Run any of them yourself with `jupyter lab notebooks/`.", "", EDITION_NOTE[edition], "",
              "## Chapter map", "",
              f"Run time: one execution of the notebook, kernel start included ({source}); CPU: the "
              "kernel's and that of every process under it (workers, servers, process pools); load: the "
