@@ -1,0 +1,123 @@
+"""Graders of the exercises that write a piece of the learner's engine (``mine.py``), bounded: each
+case runs the learner's code in a thread with a time limit and the driving loop with an iteration
+cap, so code that loops forever or never returns stops the check with the case it was given, not the
+notebook. The first case that differs is named, with both answers labelled."""
+from __future__ import annotations
+
+import random
+import threading
+
+from orca_lab.course.plug import PluggedFormation
+from orca_lab.engine.kv_manager import KVSlotManager
+from orca_lab.engine.request import Request
+from orca_lab.engine.sampling_params import SamplingParams
+from orca_lab.engine.scheduler import RequestLevelScheduler
+
+N_CASES = 40
+CASE_S = 10.0          # wall time a case may take (a few ms when right)
+MAX_ITERATIONS = 2000  # scheduler steps a case may take (tens when right)
+
+
+class Mismatch(AssertionError):
+    """The learner's answer differs from the package's on one case."""
+
+
+class Stuck(AssertionError):
+    """The learner's code did not return within a case's time or iteration bound."""
+
+
+def bounded(fn, *args, label: str, seconds: float = CASE_S):
+    """``fn(*args)`` in a thread, its result or its exception; past ``seconds``, ``Stuck`` naming
+    ``label`` (the thread is left behind, a daemon: Python cannot stop it)."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args)
+        except BaseException as e:     # re-raised below, in the notebook's thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        raise Stuck(f"{label}: your code did not return within {seconds:g} s (a loop that never ends?)")
+    if "error" in out:
+        e = out["error"]
+        if isinstance(e, (NotImplementedError, Mismatch, Stuck)):
+            raise e
+        raise AssertionError(f"{label}: your code raised {type(e).__name__}: {e}") from e
+    return out["value"]
+
+
+def differ(what: str, case: str, expected, got, hint: str = ""):
+    raise Mismatch(f"{what} differs on {case}:\n  expected (the package's): {expected}\n  got (yours):"
+                   f"              {got}" + (f"\n  hint: {hint}" if hint else ""))
+
+
+def correct(n: int, against: str):
+    print(f"correct: {n} random cases agree with {against}")
+
+
+def request(rid: int, prompt_len: int, gen: int) -> Request:
+    return Request(rid, [rid % 256] * prompt_len, SamplingParams(max_gen_tokens=gen), arrival=float(rid))
+
+
+# -- 02: the request-level baseline forms a batch ----------------------------------------------------
+def drive(sched, lens, label: str = "", limit: int = MAX_ITERATIONS) -> list[tuple]:
+    """Serve requests of ``(prompt, gen)`` lengths on ``sched`` (no model, one batch in flight): per
+    iteration ``(rids, first position fed, new tokens, slots reserved)``, then each request's finish."""
+    reqs = [request(i, p, g) for i, (p, g) in enumerate(lens)]
+    for r in reqs:
+        sched.add(r)
+    log, it = [], 0
+    while sched.has_work():
+        if it == limit:
+            raise Stuck(f"{label}: {limit} iterations and requests are left: a batch that never ends?")
+        batch = sched.select(float(it))
+        if batch is None:
+            raise Mismatch(f"{label}: no batch at iteration {it} with {sched.n_waiting} requests waiting and none in "
+                           "flight: form_batch took no request (hint: take from the head of waiting while "
+                           "the batch is under max_bs and kv.can_reserve(max_seq_len))")
+        log.append((tuple(r.rid for r in sched.active), tuple(r.rid for r in batch.requests), tuple(batch.q_lens),
+                    sched.kv.n_reserved))
+        it += 1
+        sched.on_batch_return(batch, [0] * len(batch), float(it))
+    return log + [tuple(r.t_finish for r in reqs)]
+
+
+def _formation_hint(expected, got, max_bs: int) -> str:
+    if len(got[0]) > max_bs:
+        return f"more than max_bs={max_bs} requests in the batch"
+    if len(got[0]) > len(expected[0]):
+        return "a request taken without room: take one only while kv.can_reserve(max_seq_len)"
+    if len(got[0]) < len(expected[0]):
+        return "too few requests: take from waiting while the batch is under max_bs and kv.can_reserve(max_seq_len)"
+    if got[0] != expected[0]:
+        return "the first requests of waiting, in arrival order (waiting.popleft())"
+    if got[2] != expected[2]:
+        return "the first iteration feeds the shortest prompt's length to every request"
+    return "reserve max_seq_len slots for each request taken: kv.reserve(req, max_seq_len)"
+
+
+def check_form_batch(form_batch, seed: int = 0):
+    """``form_batch(waiting, kv, max_bs, max_seq_len) -> (batch, first_q_len)`` in the
+    baseline's scheduler (``plug.PluggedFormation``) against ``RequestLevelScheduler``, iteration by
+    iteration, on random traces and pools that hold fewer than ``max_bs`` reservations."""
+    rng = random.Random(seed)
+    for case in range(N_CASES):
+        max_bs, max_seq_len = rng.randint(1, 4), 16
+        n_slots = max_seq_len * rng.randint(1, max_bs + 1)
+        lens = [(rng.randint(1, 9), rng.randint(1, 6)) for _ in range(rng.randint(1, 7))]
+        label = f"case {case} (max_bs={max_bs}, n_slots={n_slots}, max_seq_len={max_seq_len}, (prompt, gen) {lens})"
+        expected = drive(RequestLevelScheduler(KVSlotManager(n_slots), max_bs, max_seq_len), lens, label)
+        got = bounded(drive, PluggedFormation(KVSlotManager(n_slots), max_bs, max_seq_len, None, form_batch), lens,
+                      label, label=label)
+        for i, (a, b) in enumerate(zip(expected[:-1], got[:-1])):
+            if a != b:
+                differ(f"iteration {i} (the batch's request ids, this iteration's, new tokens each, slots reserved)",
+                       label, a, b, _formation_hint(a, b, max_bs))
+        if expected != got:
+            differ("the iterations, then each request's finish", label, expected, got,
+                   "a batch runs until its longest request is done, then the next one forms")
+    correct(N_CASES, "RequestLevelScheduler")
