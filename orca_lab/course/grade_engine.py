@@ -26,10 +26,10 @@ class Stuck(AssertionError):
     """The learner's code did not return within a case's time or iteration bound."""
 
 
-def bounded(fn, *args, label: str, seconds: float = CASE_S):
+def bounded(fn, *args, label: str, seconds: float | None = None):
     """``fn(*args)`` in a thread, its result or its exception; past ``seconds``, ``Stuck`` naming
     ``label`` (the thread is left behind, a daemon: Python cannot stop it)."""
-    out = {}
+    out, seconds = {}, CASE_S if seconds is None else seconds
 
     def run():
         try:

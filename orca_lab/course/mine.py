@@ -15,6 +15,7 @@ import ast
 import builtins
 import importlib.util
 import os
+import pkgutil
 import sys
 import types
 from pathlib import Path
@@ -115,19 +116,31 @@ def load_ipython_extension(ip):
 
 
 # -- loading it -------------------------------------------------------------------------------------
-def load(where: str | Path | None = None) -> dict:
-    """The learner's pieces: name -> object, from every exercise file of the package at ``where`` (a
-    folder; default ``home()``) or of an importable module name. A file that fails to import raises,
-    naming it."""
-    path = Path(where) if where is not None else home()
+def resolve(where: str | Path) -> str:
+    """``where`` as the engine process will load it: a folder's absolute path, or a module name that
+    imports here; else a ``ValueError`` naming it (``orca-lab serve --plugins`` checks before it starts)."""
+    path = Path(where)
     if path.is_dir():
-        package = _import_folder(path)
-        names = sorted(p.stem for p in path.glob("*.py") if p.stem != "__init__")
+        return str(path.resolve())
+    try:
+        found = importlib.util.find_spec(str(where)) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ValueError(f"plugins={str(where)!r}: no such folder, and no module of that name imports")
+    return str(where)
+
+
+def load(where: str | Path | None = None) -> dict:
+    """The learner's pieces, name -> object, from every exercise file of the package at ``where`` (a
+    folder, default ``home()``, or an importable module name). A file that fails to import raises."""
+    where = resolve(where if where is not None else home())
+    if Path(where).is_dir():
+        package = _import_folder(Path(where))
+        names = sorted(p.stem for p in Path(where).glob("*.py") if p.stem != "__init__")
     else:
-        if importlib.util.find_spec(str(where)) is None:
-            raise ValueError(f"plugins={str(where)!r}: no such folder, and no module of that name can be imported")
-        package = importlib.import_module(str(where))
-        names = [m.name for m in __import__("pkgutil").iter_modules(getattr(package, "__path__", []))]
+        package = importlib.import_module(where)
+        names = [m.name for m in pkgutil.iter_modules(getattr(package, "__path__", []))]
     pieces = {}
     for name in names:
         module = importlib.import_module(f"{package.__name__}.{name}")

@@ -233,10 +233,11 @@ def run_loop(engine, loop, trace):
     return engine.result(start)
 
 
-# the learner's pieces, by the name their exercise gives them, and the systems each goes into
-PIECES = {"SlotManager": "orca", "select": "orca", "flatten": "orca", "form_batch": "ft",
-          "victim": "paged, chunked", "block_hashes": "prefix caching", "cached_prefix": "prefix caching",
-          "loop": "run_loop (offline)"}
+# the learner's pieces, by the name their exercise gives them: the chapter that writes it, where it goes
+PIECES = {"form_batch": ("02", "the baseline (ft)"), "select": ("03", "orca"), "flatten": ("04", "orca"),
+          "SlotManager": ("05", "orca"), "loop": ("08", "run_loop: every system, offline"),
+          "victim": ("11", "paged, chunked"), "block_hashes": ("12", "prefix caching"),
+          "cached_prefix": ("12", "prefix caching")}
 
 
 def assemble(engine, pieces: dict) -> list[str]:
