@@ -12,12 +12,13 @@ from orca_lab.cli import main
 from orca_lab.course import grade_engine, mine, plug, solve
 from orca_lab.engine.request import RequestState
 from orca_lab.serving.engine_core import EngineArgs
-from orca_lab.workload import paper_trace
+from orca_lab.workload import few_shot_trace, paper_trace
 
 # the chapters' solutions, and what the notebook cells before them gave them to read
 CHAPTERS = {"02_request_level_batching": ["form_batch"], "03_iteration_level_scheduling": ["select"],
             "04_selective_batching": ["flatten"], "05_kv_slot_manager": ["slot_manager"],
-            "08_pipelined_schedules": ["loop"]}
+            "08_pipelined_schedules": ["loop"], "11_after_orca": ["block_allocator", "victim"],
+            "12_prefix_caching": ["block_hashes", "cached_prefix"]}
 
 
 @pytest.fixture
@@ -26,8 +27,8 @@ def package(tmp_path):
     folder = tmp_path / "my_orca"
     for stem, exercises in CHAPTERS.items():
         answers = solve.solutions(solve.SOLUTIONS / f"{stem}.py")
+        namespace = {"__name__": "__main__", "RequestState": RequestState}     # a notebook's
         for ex in exercises:
-            namespace = {"RequestState": RequestState}
             exec(answers[ex], namespace)
             mine.save(ex, answers[ex], namespace, folder)
     return folder
@@ -36,7 +37,7 @@ def package(tmp_path):
 def test_a_saved_exercise_imports_what_it_read_from_the_notebook(package):
     text = (package / "select.py").read_text()
     assert "from orca_lab.engine.request import RequestState" in text and "__all__ = ['select']" in text
-    assert set(mine.load(package)) >= {"select", "SlotManager", "flatten", "form_batch", "loop"}
+    assert set(mine.load(package)) == set(plug.PIECES)
 
 
 def test_a_cell_reading_a_plain_value_of_the_notebook_is_refused_naming_it(tmp_path):
@@ -73,6 +74,25 @@ def test_the_assembled_engine_gives_the_packages_tokens_and_schedule(package):
         engine.close()
         assert [r.output for r in yours.requests] == [r.output for r in reference.requests]
         assert [it.rids for it in yours.iterations] == [it.rids for it in reference.iterations]
+
+
+def test_the_paged_engine_runs_the_learners_blocks_victims_and_lookup(package):
+    pieces = mine.load(package)
+    assert "from .block_hashes import block_hashes" in (package / "cached_prefix.py").read_text()
+    cfg = EngineConfig(max_bs=4, n_slots=40 * 4, block_size=4, prefix_caching=True)
+    model = LLM("tiny", seed=0, engine=cfg).model
+    trace = few_shot_trace(8, prefix_len=32, question_len=(2, 9), gen_len=(4, 12), vocab_size=257, seed=0)
+    runs = []
+    for learner in (False, True):
+        engine = LLM(gpt=model, engine=cfg).new_engine("paged")       # each with a cache of its own
+        if learner:
+            assert plug.assemble(engine, pieces) == ["BlockAllocator", "victim", "block_hashes", "cached_prefix"]
+        runs.append(engine.run(trace).requests_df())
+        engine.close()
+    a, b = runs
+    assert a.n_preemptions.sum() > 0 and a.prefix_hit_tokens.sum() > 0      # both mechanisms at work
+    for column in ("output", "n_preemptions", "prefix_hit_tokens"):
+        assert list(a[column]) == list(b[column]), column
 
 
 def test_a_loop_that_stops_early_is_caught(package):

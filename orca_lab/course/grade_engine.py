@@ -121,3 +121,81 @@ def check_form_batch(form_batch, seed: int = 0):
             differ("the iterations, then each request's finish", label, expected, got,
                    "a batch runs until its longest request is done, then the next one forms")
     correct(N_CASES, "RequestLevelScheduler")
+
+
+# -- 11: the paged block allocator -------------------------------------------------------------------
+def allocations(cls, n_blocks: int, steps, label: str) -> list:
+    """Replay ``steps`` (``("take", n)`` or ``("free", i)``: the blocks of the i-th take) on
+    ``cls(n_blocks)``: the blocks of each take, in order."""
+    allocator, taken = cls(n_blocks), []
+    for op, arg in steps:
+        if op == "take":
+            got = allocator.take(arg)
+            taken.append([int(b) for b in got] if got is not None else None)
+        else:
+            allocator.free(list(taken[arg]))
+    return taken
+
+
+class _Reference:
+    """The package's allocator in block units: ``KVSlotManager``'s spans, one slot per block."""
+
+    def __init__(self, n_blocks: int):
+        self.kv = KVSlotManager(n_blocks)
+
+    def take(self, n: int) -> list[int]:
+        return [b for a, e in self.kv._take(n) for b in range(a, e)]
+
+    def free(self, blocks):
+        for b in blocks:
+            self.kv._give(b, b + 1)
+
+
+def _random_steps(rng, n_blocks: int):
+    steps, held, free = [], [], n_blocks
+    for _ in range(rng.randint(4, 24)):
+        if held and (rng.random() < 0.4 or free == 0):
+            i, n = held.pop(rng.randrange(len(held)))
+            steps.append(("free", i))
+            free += n
+        else:
+            n = rng.randint(1, min(free, 6))
+            held.append((sum(op == "take" for op, _ in steps), n))
+            steps.append(("take", n))
+            free -= n
+    return steps
+
+
+def _allocator_hint(expected: list[int], got, held: set[int], freed: set[int]) -> str:
+    if got is None or len(got) != len(expected):
+        return "take(n) returns n block ids"
+    if len(set(got)) < len(got) or set(got) & held:
+        return "a block handed out twice: take must remove the blocks it hands out from the free ones"
+    if set(expected) - set(got) & freed:
+        return "a freed block was not handed out again: free(blocks) must give them back"
+    if sorted(got) == sorted(expected):
+        return "the blocks in increasing order"
+    if expected == list(range(expected[0], expected[0] + len(expected))):
+        return "one run of n consecutive free blocks when there is one, the lowest such run"
+    return "no run of n consecutive free blocks: the n lowest free blocks"
+
+
+def check_block_allocator(cls, seed: int = 0):
+    """``cls(n_blocks)`` with ``take(n)`` and ``free(blocks)`` against the package's block manager
+    (the spans ``BlockManager`` takes whole blocks from), block for block, on random takes and frees."""
+    rng = random.Random(seed)
+    for case in range(N_CASES):
+        n_blocks = rng.randint(4, 24)
+        steps = _random_steps(rng, n_blocks)
+        label = f"case {case} (n_blocks={n_blocks}, steps {steps})"
+        expected = allocations(_Reference, n_blocks, steps, label)
+        got = bounded(allocations, cls, n_blocks, steps, label, label=label)
+        for i, (a, b) in enumerate(zip(expected, got)):
+            if a != b:
+                j = [k for k, (op, _) in enumerate(steps) if op == "take"][i]
+                gone = {arg for op, arg in steps[:j] if op == "free"}        # takes freed before this one
+                held = {x for k, blocks in enumerate(got[:i]) if k not in gone for x in blocks or ()}
+                freed = {x for k in gone for x in expected[k]}
+                differ(f"take number {i} (step {j}: take({steps[j][1]}))", label, a, b,
+                       _allocator_hint(a, b, held, freed))
+    correct(N_CASES, "BlockManager's blocks")

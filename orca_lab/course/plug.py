@@ -143,6 +143,21 @@ def use_victim(engine, victim):
     return engine
 
 
+def use_blocks(engine, allocator_class):
+    """``engine`` (a paged or chunked one, fresh) whose blocks come from the learner's
+    ``allocator_class(n_blocks)``: ``take(n)`` -> n free block ids, ``free(blocks)`` gives them back
+    (notebook 11). The block manager's spans are its only source of blocks: both go through here."""
+    kv = engine.scheduler.kv
+    if engine.scheduler.name not in PAGED:
+        raise ValueError(f"use_blocks takes an engine of system {PAGED}, not {engine.scheduler.name!r}")
+    if kv.n_reserved:
+        raise ValueError("use_blocks takes a fresh engine: this one's blocks are already handed out")
+    allocator, bs = allocator_class(kv.n_blocks), kv.block_size
+    kv._take = lambda n: [(b * bs, (b + 1) * bs) for b in allocator.take(n // bs)]
+    kv._give = lambda a, b: allocator.free(list(range(a // bs, b // bs)))
+    return engine
+
+
 class PluggedLookup:
     """A prefix cache (``PrefixCachingBlockManager``) whose lookup is the learner's: ``cached_prefix(
     cache, prompt, block_size)`` tokens found, the blocks named by ``block_hashes(tokens, block_size)``
@@ -236,7 +251,7 @@ def run_loop(engine, loop, trace):
 # the learner's pieces, by the name their exercise gives them: the chapter that writes it, where it goes
 PIECES = {"form_batch": ("02", "the baseline (ft)"), "select": ("03", "orca"), "flatten": ("04", "orca"),
           "SlotManager": ("05", "orca"), "loop": ("08", "run_loop: every system, offline"),
-          "victim": ("11", "paged, chunked"), "block_hashes": ("12", "prefix caching"),
+          "BlockAllocator": ("11", "paged, chunked"), "victim": ("11", "paged, chunked"), "block_hashes": ("12", "prefix caching"),
           "cached_prefix": ("12", "prefix caching")}
 
 
@@ -259,6 +274,7 @@ def assemble(engine, pieces: dict) -> list[str]:
     if system == "ft":
         plug(["form_batch"], use_form_batch)
     if system in PAGED:
+        plug(["BlockAllocator"], use_blocks)
         plug(["victim"], use_victim)
         if hasattr(engine.scheduler.kv, "block_of"):
             plug(["block_hashes", "cached_prefix"], use_lookup)
