@@ -251,8 +251,8 @@ def run_loop(engine, loop, trace):
 # the learner's pieces, by the name their exercise gives them: the chapter that writes it, where it goes
 PIECES = {"form_batch": ("02", "the baseline (ft)"), "select": ("03", "orca"), "flatten": ("04", "orca"),
           "SlotManager": ("05", "orca"), "loop": ("08", "run_loop: every system, offline"),
-          "BlockAllocator": ("11", "paged, chunked"), "victim": ("11", "paged, chunked"), "block_hashes": ("12", "prefix caching"),
-          "cached_prefix": ("12", "prefix caching")}
+          "BlockAllocator": ("11", "paged, chunked"), "victim": ("11", "paged, chunked"),
+          "block_hashes": ("12", "prefix caching"), "cached_prefix": ("12", "prefix caching")}
 
 
 def assemble(engine, pieces: dict) -> list[str]:
