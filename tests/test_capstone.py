@@ -18,7 +18,7 @@ from orca_lab.workload import few_shot_trace, paper_trace
 CHAPTERS = {"02_request_level_batching": ["form_batch"], "03_iteration_level_scheduling": ["select"],
             "04_selective_batching": ["flatten"], "05_kv_slot_manager": ["slot_manager"],
             "08_pipelined_schedules": ["loop"], "11_after_orca": ["block_allocator", "victim"],
-            "12_prefix_caching": ["block_hashes", "cached_prefix"]}
+            "12_prefix_caching": ["block_hashes", "cached_prefix", "block_lru"]}
 
 
 @pytest.fixture
@@ -79,20 +79,23 @@ def test_the_assembled_engine_gives_the_packages_tokens_and_schedule(package):
 def test_the_paged_engine_runs_the_learners_blocks_victims_and_lookup(package):
     pieces = mine.load(package)
     assert "from .block_hashes import block_hashes" in (package / "cached_prefix.py").read_text()
-    cfg = EngineConfig(max_bs=4, n_slots=40 * 4, block_size=4, prefix_caching=True)
+    cfg = EngineConfig(max_bs=4, n_slots=20 * 4, block_size=4, prefix_caching=True)   # tight: preempts, evicts
     model = LLM("tiny", seed=0, engine=cfg).model
     trace = few_shot_trace(8, prefix_len=32, question_len=(2, 9), gen_len=(4, 12), vocab_size=257, seed=0)
-    runs = []
+    runs, evictions = [], []
     for learner in (False, True):
         engine = LLM(gpt=model, engine=cfg).new_engine("paged")       # each with a cache of its own
         if learner:
-            assert plug.assemble(engine, pieces) == ["BlockAllocator", "victim", "block_hashes", "cached_prefix"]
+            assert plug.assemble(engine, pieces) == ["BlockAllocator", "victim", "BlockLRU", "block_hashes",
+                                                     "cached_prefix"]
         runs.append(engine.run(trace).requests_df())
+        evictions.append(engine.scheduler.kv.n_evictions)
         engine.close()
     a, b = runs
     assert a.n_preemptions.sum() > 0 and a.prefix_hit_tokens.sum() > 0      # both mechanisms at work
     for column in ("output", "n_preemptions", "prefix_hit_tokens"):
         assert list(a[column]) == list(b[column]), column
+    assert evictions[0] > 0 and evictions[0] == evictions[1]
 
 
 def test_a_loop_that_stops_early_is_caught(package):
@@ -186,3 +189,97 @@ def test_a_formation_that_never_returns_stops_the_check_in_bounded_time(monkeypa
     with pytest.raises(grade_engine.Stuck, match="case 0 .* did not return within 0.5 s"):
         grade_engine.check_form_batch(never_returns)
     assert time.perf_counter() - t0 < 5
+
+
+# -- the block allocator and eviction-order graders --------------------------------------------------
+class Allocator:
+    def __init__(self, n_blocks):
+        self.free_blocks = list(range(n_blocks))
+
+    def take(self, n):
+        f = self.free_blocks
+        i = next((i for i in range(len(f) - n + 1) if f[i + n - 1] - f[i] == n - 1), 0)
+        taken, f[i:i + n] = f[i:i + n], []
+        return taken
+
+    def free(self, blocks):
+        self.free_blocks = sorted(self.free_blocks + list(blocks))
+
+
+class LowestBlocks(Allocator):
+    def take(self, n):
+        taken, self.free_blocks = self.free_blocks[:n], self.free_blocks[n:]
+        return taken
+
+
+class NeverFrees(Allocator):
+    def free(self, blocks):
+        pass
+
+
+class TakesWithoutRemoving(Allocator):
+    def take(self, n):
+        return self.free_blocks[:n]
+
+
+class Descending(Allocator):
+    def take(self, n):
+        return super().take(n)[::-1]
+
+
+class LRU:
+    def __init__(self):
+        self.blocks = []
+
+    def freed(self, block):
+        self.blocks.append(block)
+
+    def used(self, block):
+        self.blocks.remove(block)
+
+    def evict(self):
+        return self.blocks.pop(0)
+
+    def __len__(self):
+        return len(self.blocks)
+
+
+class Stack(LRU):
+    def evict(self):
+        return self.blocks.pop()
+
+
+class UsedStays(LRU):
+    def used(self, block):
+        pass
+
+
+class LenOffByOne(LRU):
+    def __len__(self):
+        return len(self.blocks) + 1
+
+
+class UsedRaises(LRU):
+    def used(self, block):
+        raise KeyError(block)
+
+
+GRADED = [(grade_engine.check_block_allocator, Allocator, None),
+          (grade_engine.check_block_allocator, LowestBlocks, "one run of n consecutive free blocks"),
+          (grade_engine.check_block_allocator, NeverFrees, "free\(blocks\) must give them back"),
+          (grade_engine.check_block_allocator, TakesWithoutRemoving, "a block handed out twice"),
+          (grade_engine.check_block_allocator, Descending, "in increasing order"),
+          (grade_engine.check_block_lru, LRU, None),
+          (grade_engine.check_block_lru, Stack, "evict the least recently freed block"),
+          (grade_engine.check_block_lru, UsedStays, "leaves the list"),
+          (grade_engine.check_block_lru, LenOffByOne, "len\(\) counts the free cached blocks"),
+          (grade_engine.check_block_lru, UsedRaises, "your used\(\) raised .*KeyError")]
+
+
+@pytest.mark.parametrize("check, cls, hint", GRADED, ids=[c.__name__ for _, c, _ in GRADED])
+def test_the_block_graders_pass_the_right_one_and_name_each_wrong_one(check, cls, hint):
+    if hint is None:
+        check(cls)
+        return
+    with pytest.raises(AssertionError, match=hint):
+        check(cls)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections import OrderedDict
 
 from orca_lab.course.plug import PluggedFormation
 from orca_lab.engine.kv_manager import KVSlotManager
@@ -199,3 +200,74 @@ def check_block_allocator(cls, seed: int = 0):
                 differ(f"take number {i} (step {j}: take({steps[j][1]}))", label, a, b,
                        _allocator_hint(a, b, held, freed))
     correct(N_CASES, "BlockManager's blocks")
+
+
+# -- 12: the prefix cache's eviction order ----------------------------------------------------------
+def _lru_steps(rng) -> list[tuple[str, int | None]]:
+    """Random ``freed(b)``, ``used(b)`` (b free and cached) and ``evict()`` calls, valid as the
+    prefix cache makes them: a block is freed when it is not in the list, used or evicted when it is."""
+    steps, free, held = [], [], list(range(rng.randint(3, 12)))
+    for _ in range(rng.randint(4, 30)):
+        op = rng.choice(["freed", "freed", "used", "evict"]) if held else rng.choice(["used", "evict"])
+        if op == "freed" and held:
+            b = held.pop(rng.randrange(len(held)))
+            free.append(b)
+            steps.append(("freed", b))
+        elif free and op == "used":
+            b = free.pop(rng.randrange(len(free)))
+            held.append(b)
+            steps.append(("used", b))
+        elif free:
+            held.append(free.pop(0))
+            steps.append(("evict", None))
+    return steps
+
+
+def lru_replay(lru, steps) -> list:
+    """What ``lru`` answers along ``steps``: each evicted block, and its length after every step."""
+    out, reference = [], isinstance(lru, OrderedDict)
+    for op, b in steps:
+        try:
+            if op == "evict":
+                out.append(("evict", lru.popitem(last=False)[0] if reference else lru.evict()))
+            elif reference:
+                lru.pop(b) if op == "used" else lru.__setitem__(b, None)
+            else:
+                getattr(lru, op)(b)
+            out.append(("len", len(lru)))
+        except Exception as e:           # the learner's: shown at the call that raised it
+            if reference:
+                raise
+            return out + [("raised", f"{type(e).__name__}: {e}")]
+    return out
+
+
+def _lru_hint(expected, got, steps, i) -> str:
+    op = steps[i][0]
+    if got[0] == "raised":
+        return f"your {op}() raised where the package's answers {expected[1]}"
+    if op == "used" or got[1] in [b for op, b in steps[:i] if op == "used"]:
+        return "used(b): a request holds b again, so it leaves the list (a held block is never evicted)"
+    if expected[0] == "len" and got[0] == "len":
+        return f"len() counts the free cached blocks: {'freed adds one' if op == 'freed' else 'evict takes one out'}"
+    return "evict the least recently freed block: the list is a queue, freed at its end, evicted from its front"
+
+
+def check_block_lru(cls, seed: int = 0):
+    """``cls()`` with ``freed(b)``, ``used(b)``, ``evict() -> b`` and ``len()`` against the prefix
+    cache's ``OrderedDict`` of free cached blocks, on random calls as the cache makes them."""
+    rng = random.Random(seed)
+    for case in range(N_CASES):
+        steps = _lru_steps(rng)
+        label = f"case {case} (calls {[f'{op}({b})' if b is not None else f'{op}()' for op, b in steps]})"
+        expected = lru_replay(OrderedDict(), steps)
+        got = bounded(lambda: lru_replay(cls(), steps), label=label)
+        for i, (a, b) in enumerate(zip(expected, got)):
+            if a != b:
+                differ(f"answer {i} ({a[0]})", label, a[1], b[1], _lru_hint(a, b, steps, _step_of(expected, i)))
+    correct(N_CASES, "PrefixCachingBlockManager's eviction order")
+
+
+def _step_of(answers, i: int) -> int:
+    """The step that gave answer ``i`` (each step answers its length, an eviction its block first)."""
+    return sum(kind == "len" for kind, _ in answers[:i])

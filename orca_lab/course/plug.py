@@ -175,6 +175,39 @@ class PluggedLookup:
         return [kv.block_of[h] for h in self.block_hashes(tokens, kv.block_size)[:n]]
 
 
+class _Evictable:
+    """The learner's ``BlockLRU`` (notebook 12) where the prefix cache keeps its free cached blocks,
+    least recently freed first (an ``OrderedDict``: these are the calls it makes)."""
+
+    def __init__(self, lru):
+        self.lru = lru
+
+    def __len__(self):
+        return len(self.lru)
+
+    def __setitem__(self, block, _):          # its last holder let go: cached, most recently freed
+        self.lru.freed(block)
+
+    def pop(self, block, default=None):       # a request holds it again
+        self.lru.used(block)
+
+    def popitem(self, last=True):             # the pool needs a block: the least recently freed
+        return self.lru.evict(), None
+
+
+def use_lru(engine, lru_class):
+    """``engine`` (of an LLM with ``prefix_caching=True``) evicting with the learner's
+    ``lru_class()``; the blocks already free and cached join it, oldest first."""
+    kv = engine.scheduler.kv
+    if not hasattr(kv, "evictable"):
+        raise ValueError("use_lru takes an engine with prefix caching (EngineConfig(prefix_caching=True))")
+    lru = lru_class()
+    for block in kv.evictable:
+        lru.freed(block)
+    kv.evictable = _Evictable(lru)
+    return engine
+
+
 def use_lookup(engine, block_hashes, cached_prefix):
     """``engine`` (fresh, of an LLM with ``prefix_caching=True``) finding each new request's cached
     prefix with the learner's functions. Only its scheduler sees them: the LLM keeps the package's
@@ -252,7 +285,8 @@ def run_loop(engine, loop, trace):
 PIECES = {"form_batch": ("02", "the baseline (ft)"), "select": ("03", "orca"), "flatten": ("04", "orca"),
           "SlotManager": ("05", "orca"), "loop": ("08", "run_loop: every system, offline"),
           "BlockAllocator": ("11", "paged, chunked"), "victim": ("11", "paged, chunked"),
-          "block_hashes": ("12", "prefix caching"), "cached_prefix": ("12", "prefix caching")}
+          "block_hashes": ("12", "prefix caching"), "cached_prefix": ("12", "prefix caching"),
+          "BlockLRU": ("12", "prefix caching")}
 
 
 def assemble(engine, pieces: dict) -> list[str]:
@@ -277,5 +311,6 @@ def assemble(engine, pieces: dict) -> list[str]:
         plug(["BlockAllocator"], use_blocks)
         plug(["victim"], use_victim)
         if hasattr(engine.scheduler.kv, "block_of"):
+            plug(["BlockLRU"], use_lru)
             plug(["block_hashes", "cached_prefix"], use_lookup)
     return plugged
