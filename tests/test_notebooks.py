@@ -152,7 +152,7 @@ def nbval_run(tmp_path_factory):
     cmd = [sys.executable, "-m", "pytest", "-q", "--nbval-lax", "--nbval-current-env", "--nbval-cell-timeout=300",
            "-p", "no:cacheprovider", "-p", "nbval_executed", f"--executed-dir={executed}", "-o", "addopts=",
            f"--junitxml={report}", *map(str, solved + heads)]
-    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=1500)
     if not report.exists():
         pytest.fail(f"nbval did not run: {proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     return ElementTree.parse(report).getroot(), executed
