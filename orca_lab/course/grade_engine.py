@@ -245,7 +245,7 @@ def lru_replay(lru, steps) -> list:
 def _lru_hint(expected, got, steps, i) -> str:
     op = steps[i][0]
     if got[0] == "raised":
-        return f"your {op}() raised where the package's answers {expected[1]}"
+        return f"your {op}() raised {got[1]} where the package's answers {expected[1]}"
     if op == "used" or got[1] in [b for op, b in steps[:i] if op == "used"]:
         return "used(b): a request holds b again, so it leaves the list (a held block is never evicted)"
     if expected[0] == "len" and got[0] == "len":
