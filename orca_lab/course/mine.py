@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import builtins
 import importlib.util
+import inspect
 import os
 import pkgutil
 import sys
@@ -77,17 +78,34 @@ def import_line(name: str, value, folder: Path) -> str | None:
 
 
 def module_source(ex: str, source: str, namespace: dict, folder: Path, origin: str = "a notebook") -> str:
-    """The file ``my_orca/<ex>.py`` for a cell of ``source`` run in ``namespace``."""
-    tree = ast.parse(source)
-    imports, missing = [], []
-    for name in free_names(tree):
-        line = import_line(name, namespace[name], folder) if name in namespace else None
-        (imports if line else missing).append(line or name)
-    if missing:
-        raise NameError(f"%%exercise {ex}: {', '.join(missing)} cannot be imported in my_orca/{ex}.py "
-                        "(a value of the notebook, not a module, class or function): define it in the cell")
-    body = "\n".join(imports) + ("\n\n" if imports else "") + source.strip("\n") + "\n"
-    return HEADER.format(id=ex, source=origin) + body + f"\n__all__ = {defined(tree)!r}\n"
+    """The file ``my_orca/<ex>.py`` for a cell of ``source`` run in ``namespace``. A function or class
+    that an earlier cell of the notebook defined (not an exercise) is copied in, before the cell."""
+    given, imports = [], {}
+    for _ in range(20):                      # copied code may read more of the notebook's names
+        missing = []
+        for name in free_names(ast.parse("\n\n".join(given + [source]))):
+            if name in imports:
+                continue
+            line = import_line(name, namespace[name], folder) if name in namespace else None
+            if line:
+                imports[name] = line
+            elif _notebooks(namespace.get(name)):
+                given.insert(0, inspect.getsource(namespace[name]).strip("\n") + "\n")
+            else:
+                missing.append(name)
+        if missing:
+            raise NameError(f"%%exercise {ex}: {', '.join(missing)} cannot be imported in my_orca/{ex}.py "
+                            "(a value of the notebook, not a module, class or function): define it in the cell")
+        if not any(n not in imports for n in free_names(ast.parse("\n\n".join(given + [source])))):
+            break
+    head = "\n".join(imports.values()) + ("\n\n" if imports else "") + "\n\n".join(given) + ("\n\n" if given else "")
+    return HEADER.format(id=ex, source=origin) + head + source.strip("\n") + "\n" + \
+        f"\n__all__ = {defined(ast.parse(source))!r}\n"
+
+
+def _notebooks(value) -> bool:
+    """A function or class defined by a notebook cell (its source is there to copy)."""
+    return (inspect.isfunction(value) or inspect.isclass(value)) and value.__module__ == "__main__"
 
 
 def save(ex: str, source: str, namespace: dict, folder: Path | None = None, origin: str = "a notebook") -> Path:
@@ -109,7 +127,10 @@ def exercise(line: str, cell: str):
     filename = ip.compile.cache(cell)        # a traceback shows the cell's lines
     exec(ip.compile(cell, filename, "exec"), ip.user_ns)     # raising: an unfinished cell is not saved
     if defined(ast.parse(cell)):
-        save(ex, cell, ip.user_ns)
+        try:
+            save(ex, cell, ip.user_ns)
+        except NameError as e:       # the cell ran: only your package lacks it
+            print(f"not saved into your package: {e}")
 
 
 def load_ipython_extension(ip):
