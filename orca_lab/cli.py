@@ -78,7 +78,7 @@ def serve(args):
             template = check_template(Path(args.chat_template).read_text(), args.chat_template)
         except OSError as e:
             raise ValueError(f"--chat-template {args.chat_template}: cannot read it ({e.strerror})") from None
-    run(EngineArgs(args.model, args.seed, engine, args.system, args.threads), args.host, args.port,
+    run(EngineArgs(args.model, args.seed, engine, args.system, args.threads, args.plugins), args.host, args.port,
         args.max_queue, args.drain_s, model_name=args.model, debug=args.debug, chat_template=template)
 
 
@@ -185,6 +185,9 @@ def _serve_args(s):
                    help="a Jinja chat template for /v1/chat/completions (default: the tokenizer's own, if any)")
     s.add_argument("--debug", action="store_true",
                    help="serve GET /debug/run: the engine's records of every request and iteration")
+    s.add_argument("--plugins", metavar="FOLDER_OR_MODULE", default=None,
+                   help="a course learner's package (my_orca/, written by the notebooks' %%%%exercise cells): "
+                        "the engine runs its pieces (Select, slot manager, ...) in place of the package's")
 
 
 if __name__ == "__main__":

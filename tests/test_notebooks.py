@@ -6,7 +6,8 @@ into solved copies, and those are what runs here.
 
 How they run: one ``python -m pytest --nbval-lax`` subprocess over the solved notebooks, as a reader
 runs it by hand, and over each learner notebook cut after its first exercise, which must stop there.
-nbval executes every cell, each notebook in a fresh kernel, and compares the outputs stored in cells
+nbval executes every cell, each notebook in a fresh kernel, in chapter order (chapter 13 assembles
+what the earlier ones' ``%%exercise`` cells saved), and compares the outputs stored in cells
 marked ``# NBVAL_CHECK_OUTPUT`` (deterministic numbers only, never timings) with the new ones. A
 subprocess keeps the ``.ipynb`` collection out of this session (``testpaths = ["tests"]``); its JUnit
 report gives each notebook its own pass/fail line here, with nbval's message. ``--nbval-current-env``
@@ -55,7 +56,7 @@ def test_the_course_is_all_there():
     assert IDS == ["01_generation_and_kv_cache", "02_request_level_batching", "03_iteration_level_scheduling",
                    "04_selective_batching", "05_kv_slot_manager", "06_triton_kernels",
                    "07_distributed_workers", "08_pipelined_schedules", "09_end_to_end", "10_serving",
-                   "11_after_orca", "12_prefix_caching"]
+                   "11_after_orca", "12_prefix_caching", "13_capstone"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
@@ -76,7 +77,8 @@ def test_notebook_is_stored_clean(path):
             assert not c["outputs"] and c["execution_count"] is None, f"stored output in: {src[:80]}"
         assert len([ln for ln in src.splitlines() if ln.strip() and not ln.strip().startswith("#")]) <= 30, \
             f"a cell with more than 30 lines of logic belongs in the package: {src[:80]}"
-    assert any("## Exercise" in "".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    if path.stem != "13_capstone":          # the capstone's exercise is the learner's whole package
+        assert any("## Exercise" in "".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
 
 
 def test_every_chapter_has_exercises_the_learner_writes():
@@ -141,13 +143,16 @@ def nbval_run(tmp_path_factory):
         heads[-1].parent.mkdir(exist_ok=True)
         solve.dump(solve.until_first_exercise(load(p)), heads[-1])
     # TMPDIR: a kernel is stopped without running its exit hooks, so notebook 07's forkserver socket
-    # directory would stay in /tmp; here it stays in pytest's own temporary tree.
+    # directory would stay in /tmp; here it stays in pytest's own temporary tree. ORCA_LAB_MY_ORCA: the
+    # learner's package the solved notebooks' %%exercise cells write, in chapter order, and chapter 13
+    # assembles (the learner notebooks, cut at their first exercise, run after it).
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TMPDIR": str(tmp),
+           "ORCA_LAB_MY_ORCA": str(tmp / "my_orca"),
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "pytest", "-q", "--nbval-lax", "--nbval-current-env", "--nbval-cell-timeout=300",
            "-p", "no:cacheprovider", "-p", "nbval_executed", f"--executed-dir={executed}", "-o", "addopts=",
            f"--junitxml={report}", *map(str, solved + heads)]
-    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=1500)
     if not report.exists():
         pytest.fail(f"nbval did not run: {proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     return ElementTree.parse(report).getroot(), executed

@@ -15,3 +15,13 @@ def ft_finish_iterations(prompt_lens, gens, max_bs):
         t += ft_iterations(prompt_lens[i:i + max_bs], gens[i:i + max_bs])
         finish += [t] * len(gens[i:i + max_bs])  # the whole batch returns when it ends
     return finish
+
+
+# %% exercise: form_batch
+def form_batch(waiting, kv, max_bs, max_seq_len):
+    batch = []
+    while waiting and len(batch) < max_bs and kv.can_reserve(max_seq_len):
+        req = waiting.popleft()                  # arrival order: the head of the queue
+        kv.reserve(req, max_seq_len)             # FT reserves the model's maximum length
+        batch.append(req)
+    return batch, min((len(r.prompt) for r in batch), default=0)

@@ -8,6 +8,22 @@ def block_slots(table, n_tokens, block_size):
     return [table[t // block_size] * block_size + t % block_size for t in range(n_tokens)]
 
 
+# %% exercise: block_allocator
+class BlockAllocator:
+    def __init__(self, n_blocks):
+        self.free_blocks = list(range(n_blocks))        # free block ids, sorted
+
+    def take(self, n):
+        f = self.free_blocks
+        # the lowest window of n free ids that are consecutive; none: the n lowest free blocks
+        i = next((i for i in range(len(f) - n + 1) if f[i + n - 1] - f[i] == n - 1), 0)
+        taken, f[i:i + n] = f[i:i + n], []
+        return taken
+
+    def free(self, blocks):
+        self.free_blocks = sorted(self.free_blocks + list(blocks))
+
+
 # %% exercise: victim
 from orca_lab.engine.request import RequestState
 

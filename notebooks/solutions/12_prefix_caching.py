@@ -23,6 +23,27 @@ def cached_prefix(cache, prompt, block_size):
     return n
 
 
+# %% exercise: block_lru
+from collections import OrderedDict
+
+
+class BlockLRU:
+    def __init__(self):
+        self.blocks = OrderedDict()             # free cached blocks, least recently freed first
+
+    def freed(self, block):
+        self.blocks[block] = None               # the most recently freed: at the end
+
+    def used(self, block):
+        del self.blocks[block]                  # held again: never evicted while held
+
+    def evict(self):
+        return self.blocks.popitem(last=False)[0]
+
+    def __len__(self):
+        return len(self.blocks)
+
+
 # %% exercise: hit_tokens
 hit_tokens = 24
 prefill_tokens = 13

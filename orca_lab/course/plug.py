@@ -1,5 +1,7 @@
 """Where a learner's function goes into the package: it runs in place of the package's own piece,
-and the package does the rest (the engine's loop, the model, the K/V pool)."""
+and the package does the rest (the engine's loop, the model, the K/V pool). ``assemble`` plugs every
+piece of the learner's package (``mine.py``) at once: the capstone's engine, and
+``orca-lab serve --plugins``'s."""
 from __future__ import annotations
 
 from types import MappingProxyType
@@ -10,7 +12,7 @@ import torch
 from orca_lab.engine.batch import Batch, BatchTensors
 from orca_lab.engine.policies import PAGED, _Victims
 from orca_lab.engine.request import RequestState
-from orca_lab.engine.scheduler import OrcaScheduler, enqueue
+from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler, _MicroBatch, enqueue
 
 
 class PluggedSelect(OrcaScheduler):
@@ -141,6 +143,21 @@ def use_victim(engine, victim):
     return engine
 
 
+def use_blocks(engine, allocator_class):
+    """``engine`` (a paged or chunked one, fresh) whose blocks come from the learner's
+    ``allocator_class(n_blocks)``: ``take(n)`` -> n free block ids, ``free(blocks)`` gives them back
+    (notebook 11). The block manager's spans are its only source of blocks: both go through here."""
+    kv = engine.scheduler.kv
+    if engine.scheduler.name not in PAGED:
+        raise ValueError(f"use_blocks takes an engine of system {PAGED}, not {engine.scheduler.name!r}")
+    if kv.n_reserved:
+        raise ValueError("use_blocks takes a fresh engine: this one's blocks are already handed out")
+    allocator, bs = allocator_class(kv.n_blocks), kv.block_size
+    kv._take = lambda n: [(b * bs, (b + 1) * bs) for b in allocator.take(n // bs)]
+    kv._give = lambda a, b: allocator.free(list(range(a // bs, b // bs)))
+    return engine
+
+
 class PluggedLookup:
     """A prefix cache (``PrefixCachingBlockManager``) whose lookup is the learner's: ``cached_prefix(
     cache, prompt, block_size)`` tokens found, the blocks named by ``block_hashes(tokens, block_size)``
@@ -158,6 +175,39 @@ class PluggedLookup:
         return [kv.block_of[h] for h in self.block_hashes(tokens, kv.block_size)[:n]]
 
 
+class _Evictable:
+    """The learner's ``BlockLRU`` (notebook 12) where the prefix cache keeps its free cached blocks,
+    least recently freed first (an ``OrderedDict``: these are the calls it makes)."""
+
+    def __init__(self, lru):
+        self.lru = lru
+
+    def __len__(self):
+        return len(self.lru)
+
+    def __setitem__(self, block, _):          # its last holder let go: cached, most recently freed
+        self.lru.freed(block)
+
+    def pop(self, block, default=None):       # a request holds it again
+        self.lru.used(block)
+
+    def popitem(self, last=True):             # the pool needs a block: the least recently freed
+        return self.lru.evict(), None
+
+
+def use_lru(engine, lru_class):
+    """``engine`` (of an LLM with ``prefix_caching=True``) evicting with the learner's
+    ``lru_class()``; the blocks already free and cached join it, oldest first."""
+    kv = engine.scheduler.kv
+    if not hasattr(kv, "evictable"):
+        raise ValueError("use_lru takes an engine with prefix caching (EngineConfig(prefix_caching=True))")
+    lru = lru_class()
+    for block in kv.evictable:
+        lru.freed(block)
+    kv.evictable = _Evictable(lru)
+    return engine
+
+
 def use_lookup(engine, block_hashes, cached_prefix):
     """``engine`` (fresh, of an LLM with ``prefix_caching=True``) finding each new request's cached
     prefix with the learner's functions. Only its scheduler sees them: the LLM keeps the package's
@@ -166,3 +216,101 @@ def use_lookup(engine, block_hashes, cached_prefix):
         raise ValueError("use_lookup takes an engine with prefix caching (EngineConfig(prefix_caching=True))")
     engine.scheduler.kv = PluggedLookup(engine.scheduler.kv, block_hashes, cached_prefix)
     return engine
+
+
+class PluggedFormation(RequestLevelScheduler):
+    """The baseline whose batches are formed by the learner's ``form_batch(waiting, kv, max_bs,
+    max_seq_len) -> (batch, first_q_len)`` (notebook 02): the requests it took from ``waiting`` with
+    ``max_seq_len`` slots reserved each, and the shortest prompt (its first iteration's new tokens).
+    The scheduler feeds the batch until its longest request is done, in micro-batches."""
+
+    def __init__(self, kv, max_bs: int, max_seq_len: int, mbs: int | None, form_batch):
+        super().__init__(kv, max_bs, max_seq_len, mbs)
+        self.learner_form_batch = form_batch
+
+    def _form_batch(self, now: float):
+        batch, q_len = self.learner_form_batch(self.waiting, self.kv, self.max_bs, self.max_seq_len)
+        self.active = list(batch)
+        self.n_positions = max((r.max_tokens for r in self.active), default=1) - 1    # FT's fixed step count
+        for req in self.active:
+            req.t_scheduled = now
+        self.micro = [_MicroBatch(self.active[i:i + self.mbs], 0, q_len) for i in range(0, len(self.active), self.mbs)]
+
+
+def use_form_batch(engine, form_batch):
+    """``engine`` (the baseline's, fresh) forming its batches with the learner's ``form_batch``."""
+    old = engine.scheduler
+    if old.name != "ft":
+        raise ValueError(f"use_form_batch takes an engine of system 'ft', not {old.name!r}")
+    engine.scheduler = PluggedFormation(old.kv, old.max_bs, old.max_seq_len, old.mbs, form_batch)
+    return engine
+
+
+class _Recorded:
+    """``engine``'s executor as the learner's loop sees it (``submit``, ``wait``, ``clock``), keeping
+    the engine's records: each batch numbered and timed as ``Engine.step`` does."""
+
+    def __init__(self, engine):
+        self.engine, self.clock = engine, engine.clock
+
+    def submit(self, batch):
+        e = self.engine
+        batch.iteration, e._iteration = e._iteration, e._iteration + 1
+        e.executor.submit(batch)
+        e.n_scheduled += 1
+        batch.at_submit = e._kv_snapshot()
+
+    def wait(self, timeout=None):
+        e = self.engine
+        done = e.executor.wait()
+        e.n_scheduled -= 1
+        e._record(done)
+        return done
+
+
+def run_loop(engine, loop, trace):
+    """Serve ``trace`` offline (every request there at the start) with the learner's ``loop(scheduler,
+    executor, n_workers)`` (notebook 08) in place of ``Engine.run``'s: the engine's ``RunResult``."""
+    start = engine.clock.now()
+    for it in trace:
+        engine.add_request(list(it.prompt), it.sampling_params(), arrival=start)
+    loop(engine.scheduler, _Recorded(engine), engine.n_workers)
+    if engine.has_work():
+        raise AssertionError(f"your loop returned with work left: {engine.scheduler.n_waiting} requests "
+                             f"waiting, {engine.n_scheduled} batches in flight")
+    return engine.result(start)
+
+
+# the learner's pieces, by the name their exercise gives them: the chapter that writes it, where it goes
+PIECES = {"form_batch": ("02", "the baseline (ft)"), "select": ("03", "orca"), "flatten": ("04", "orca"),
+          "SlotManager": ("05", "orca"), "loop": ("08", "run_loop: every system, offline"),
+          "BlockAllocator": ("11", "paged, chunked"), "victim": ("11", "paged, chunked"),
+          "block_hashes": ("12", "prefix caching"), "cached_prefix": ("12", "prefix caching"),
+          "BlockLRU": ("12", "prefix caching")}
+
+
+def assemble(engine, pieces: dict) -> list[str]:
+    """Plug every piece of ``pieces`` (``mine.load()``) that ``engine`` (fresh) has a place for; the
+    names plugged, in order. The slot manager goes in first: the learner's ``select`` reserves from it."""
+    system, plugged = engine.scheduler.name, []
+    model = getattr(engine.scheduler.kv, "k", None) is not None     # a model reads the batch's tensors
+
+    def plug(names, use):
+        if all(n in pieces for n in names):
+            use(engine, *(pieces[n] for n in names))
+            plugged.extend(names)
+
+    if system == "orca":
+        plug(["SlotManager"], use_slots)
+        plug(["select"], use_select)
+        if model:                                    # (the simulator reads no tensors)
+            plug(["flatten"], use_flatten)
+    if system == "ft":
+        plug(["form_batch"], use_form_batch)
+    if system in PAGED:
+        plug(["BlockAllocator"], use_blocks)
+        plug(["victim"], use_victim)
+        if hasattr(engine.scheduler.kv, "block_of"):
+            plug(["BlockLRU"], use_lru)
+            plug(["block_hashes", "cached_prefix"], use_lookup)
+    return plugged

@@ -2,7 +2,8 @@
 
 The notebooks in ``notebooks/`` hold the learner's version: an exercise is a code cell tagged
 ``exercise:<id>`` holding ``# YOUR CODE HERE`` and a ``raise NotImplementedError``, followed by the
-cell that checks it. The solutions live apart, in ``notebooks/solutions/<notebook>.py``, one section
+cell that checks it; one that writes a piece of the learner's engine opens with ``%%exercise <id>``
+(``mine.py``), a line the merge keeps. The solutions live apart, in ``notebooks/solutions/<notebook>.py``, one section
 per exercise, each opened by a line ``# %% exercise: <id>``. Every notebook of the course is written
 to the build folder, solved where it has exercises (a notebook without any is copied as it is)::
 
@@ -75,7 +76,9 @@ def solve(nb: dict, answers: dict[str, str], name: str = "notebook") -> dict:
         raise ValueError(f"{name}: exercises without a solution {sorted(missing)}, "
                          f"solutions without an exercise {sorted(extra)}")
     for i, ex in exercises(out):
-        out["cells"][i]["source"] = answers[ex].splitlines(keepends=True)
+        magic = "".join(out["cells"][i]["source"]).splitlines(keepends=True)[:1]
+        magic = magic if magic and magic[0].startswith("%%exercise") else []    # kept: it saves the answer
+        out["cells"][i]["source"] = magic + answers[ex].splitlines(keepends=True)
         out["cells"][i]["source"][-1] = out["cells"][i]["source"][-1].rstrip("\n")
     return out
 

@@ -51,6 +51,7 @@ class EngineArgs:
     engine: EngineConfig = field(default_factory=EngineConfig)
     system: str = "orca"
     threads: int = 1
+    plugins: str | None = None     # a learner's package (a folder or a module name): course/plug.py's pieces
 
     def __post_init__(self):
         """Refuse a bad model or parallel degrees here, before a process is started for it."""
@@ -58,6 +59,9 @@ class EngineArgs:
         from orca_lab.model.families import checkpoint_config
         path = Path(self.model)
         check_degrees(checkpoint_config(path) if path.is_dir() else model_config(self.model), self.engine)
+        if self.plugins is not None:      # the engine process imports it: a folder by its absolute path
+            from orca_lab.course.mine import resolve
+            object.__setattr__(self, "plugins", resolve(self.plugins))
 
     def build(self):
         import torch
@@ -86,6 +90,8 @@ def engine_main(recipe: EngineArgs, inbox, outbox, t0: float):
     try:
         llm = recipe.build()
         engine = llm.new_engine(recipe.system)
+        if recipe.plugins is not None:
+            plug_learner(engine, recipe.plugins)
     except (ValueError, TypeError) as e:        # bad settings (a model too big for the GPU): the same error
         outbox.send(("failed", e))
         return
@@ -96,6 +102,18 @@ def engine_main(recipe: EngineArgs, inbox, outbox, t0: float):
     outbox.send(("ready", EngineInfo(llm.cfg, llm.engine_config, llm.tokenizer)))
     outbox.send(("stats", engine.stats()))      # the gauges from the start (kv_slots_total)
     EngineLoop(engine, inbox, outbox).run()
+
+
+def plug_learner(engine, plugins: str):
+    """The learner's pieces in place of the package's (``orca-lab serve --plugins``, course/plug.py)."""
+    from orca_lab.course.mine import load
+    from orca_lab.course.plug import assemble
+    pieces = load(plugins)
+    plugged = assemble(engine, pieces)
+    if not plugged:
+        raise ValueError(f"plugins={plugins!r}: none of its pieces ({', '.join(sorted(pieces)) or 'none'}) "
+                         f"plugs into system {engine.scheduler.name!r}")
+    print(f"orca-lab serve: the engine runs your {', '.join(plugged)} (from {plugins})", flush=True)
 
 
 class EngineLoop:

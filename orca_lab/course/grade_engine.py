@@ -1,0 +1,273 @@
+"""Graders of the exercises that write a piece of the learner's engine (``mine.py``), bounded: each
+case runs the learner's code in a thread with a time limit and the driving loop with an iteration
+cap, so code that loops forever or never returns stops the check with the case it was given, not the
+notebook. The first case that differs is named, with both answers labelled."""
+from __future__ import annotations
+
+import random
+import threading
+from collections import OrderedDict
+
+from orca_lab.course.plug import PluggedFormation
+from orca_lab.engine.kv_manager import KVSlotManager
+from orca_lab.engine.request import Request
+from orca_lab.engine.sampling_params import SamplingParams
+from orca_lab.engine.scheduler import RequestLevelScheduler
+
+N_CASES = 40
+CASE_S = 10.0          # wall time a case may take (a few ms when right)
+MAX_ITERATIONS = 2000  # scheduler steps a case may take (tens when right)
+
+
+class Mismatch(AssertionError):
+    """The learner's answer differs from the package's on one case."""
+
+
+class Stuck(AssertionError):
+    """The learner's code did not return within a case's time or iteration bound."""
+
+
+def bounded(fn, *args, label: str, seconds: float | None = None):
+    """``fn(*args)`` in a thread, its result or its exception; past ``seconds``, ``Stuck`` naming
+    ``label`` (the thread is left behind, a daemon: Python cannot stop it)."""
+    out, seconds = {}, CASE_S if seconds is None else seconds
+
+    def run():
+        try:
+            out["value"] = fn(*args)
+        except BaseException as e:     # re-raised below, in the notebook's thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        raise Stuck(f"{label}: your code did not return within {seconds:g} s (a loop that never ends?)")
+    if "error" in out:
+        e = out["error"]
+        if isinstance(e, (NotImplementedError, Mismatch, Stuck)):
+            raise e
+        raise AssertionError(f"{label}: your code raised {type(e).__name__}: {e}") from e
+    return out["value"]
+
+
+def differ(what: str, case: str, expected, got, hint: str = ""):
+    raise Mismatch(f"{what} differs on {case}:\n  expected (the package's): {expected}\n  got (yours):"
+                   f"              {got}" + (f"\n  hint: {hint}" if hint else ""))
+
+
+def correct(n: int, against: str):
+    print(f"correct: {n} random cases agree with {against}")
+
+
+def request(rid: int, prompt_len: int, gen: int) -> Request:
+    return Request(rid, [rid % 256] * prompt_len, SamplingParams(max_gen_tokens=gen), arrival=float(rid))
+
+
+# -- 02: the request-level baseline forms a batch ----------------------------------------------------
+def drive(sched, lens, label: str = "", limit: int = MAX_ITERATIONS) -> list[tuple]:
+    """Serve requests of ``(prompt, gen)`` lengths on ``sched`` (no model, one batch in flight): per
+    iteration ``(rids, first position fed, new tokens, slots reserved)``, then each request's finish."""
+    reqs = [request(i, p, g) for i, (p, g) in enumerate(lens)]
+    for r in reqs:
+        sched.add(r)
+    log, it = [], 0
+    while sched.has_work():
+        if it == limit:
+            raise Stuck(f"{label}: {limit} iterations and requests are left: a batch that never ends?")
+        batch = sched.select(float(it))
+        if batch is None:
+            raise Mismatch(f"{label}: no batch at iteration {it} with {sched.n_waiting} requests waiting and none in "
+                           "flight: form_batch took no request (hint: take from the head of waiting while "
+                           "the batch is under max_bs and kv.can_reserve(max_seq_len))")
+        log.append((tuple(r.rid for r in sched.active), tuple(r.rid for r in batch.requests), tuple(batch.q_lens),
+                    sched.kv.n_reserved))
+        it += 1
+        sched.on_batch_return(batch, [0] * len(batch), float(it))
+    return log + [tuple(r.t_finish for r in reqs)]
+
+
+def _formation_hint(expected, got, max_bs: int) -> str:
+    if len(got[0]) > max_bs:
+        return f"more than max_bs={max_bs} requests in the batch"
+    if len(got[0]) > len(expected[0]):
+        return "a request taken without room: take one only while kv.can_reserve(max_seq_len)"
+    if len(got[0]) < len(expected[0]):
+        return "too few requests: take from waiting while the batch is under max_bs and kv.can_reserve(max_seq_len)"
+    if got[0] != expected[0]:
+        return "the first requests of waiting, in arrival order (waiting.popleft())"
+    if got[2] != expected[2]:
+        return "the first iteration feeds the shortest prompt's length to every request"
+    return "reserve max_seq_len slots for each request taken: kv.reserve(req, max_seq_len)"
+
+
+def check_form_batch(form_batch, seed: int = 0):
+    """``form_batch(waiting, kv, max_bs, max_seq_len) -> (batch, first_q_len)`` in the
+    baseline's scheduler (``plug.PluggedFormation``) against ``RequestLevelScheduler``, iteration by
+    iteration, on random traces and pools that hold fewer than ``max_bs`` reservations."""
+    rng = random.Random(seed)
+    for case in range(N_CASES):
+        max_bs, max_seq_len = rng.randint(1, 4), 16
+        n_slots = max_seq_len * rng.randint(1, max_bs + 1)
+        lens = [(rng.randint(1, 9), rng.randint(1, 6)) for _ in range(rng.randint(1, 7))]
+        label = f"case {case} (max_bs={max_bs}, n_slots={n_slots}, max_seq_len={max_seq_len}, (prompt, gen) {lens})"
+        expected = drive(RequestLevelScheduler(KVSlotManager(n_slots), max_bs, max_seq_len), lens, label)
+        got = bounded(drive, PluggedFormation(KVSlotManager(n_slots), max_bs, max_seq_len, None, form_batch), lens,
+                      label, label=label)
+        for i, (a, b) in enumerate(zip(expected[:-1], got[:-1])):
+            if a != b:
+                differ(f"iteration {i} (the batch's request ids, this iteration's, new tokens each, slots reserved)",
+                       label, a, b, _formation_hint(a, b, max_bs))
+        if expected != got:
+            differ("the iterations, then each request's finish", label, expected, got,
+                   "a batch runs until its longest request is done, then the next one forms")
+    correct(N_CASES, "RequestLevelScheduler")
+
+
+# -- 11: the paged block allocator -------------------------------------------------------------------
+def allocations(cls, n_blocks: int, steps, label: str) -> list:
+    """Replay ``steps`` (``("take", n)`` or ``("free", i)``: the blocks of the i-th take) on
+    ``cls(n_blocks)``: the blocks of each take, in order."""
+    allocator, taken = cls(n_blocks), []
+    for op, arg in steps:
+        if op == "take":
+            got = allocator.take(arg)
+            taken.append([int(b) for b in got] if got is not None else None)
+        else:
+            allocator.free(list(taken[arg]))
+    return taken
+
+
+class _Reference:
+    """The package's allocator in block units: ``KVSlotManager``'s spans, one slot per block."""
+
+    def __init__(self, n_blocks: int):
+        self.kv = KVSlotManager(n_blocks)
+
+    def take(self, n: int) -> list[int]:
+        return [b for a, e in self.kv._take(n) for b in range(a, e)]
+
+    def free(self, blocks):
+        for b in blocks:
+            self.kv._give(b, b + 1)
+
+
+def _random_steps(rng, n_blocks: int):
+    steps, held, free = [], [], n_blocks
+    for _ in range(rng.randint(4, 24)):
+        if held and (rng.random() < 0.4 or free == 0):
+            i, n = held.pop(rng.randrange(len(held)))
+            steps.append(("free", i))
+            free += n
+        else:
+            n = rng.randint(1, min(free, 6))
+            held.append((sum(op == "take" for op, _ in steps), n))
+            steps.append(("take", n))
+            free -= n
+    return steps
+
+
+def _allocator_hint(expected: list[int], got, held: set[int], freed: set[int]) -> str:
+    if got is None or len(got) != len(expected):
+        return "take(n) returns n block ids"
+    if len(set(got)) < len(got) or set(got) & held:
+        return "a block handed out twice: take must remove the blocks it hands out from the free ones"
+    if set(expected) - set(got) & freed:
+        return "a freed block was not handed out again: free(blocks) must give them back"
+    if sorted(got) == sorted(expected):
+        return "the blocks in increasing order"
+    if expected == list(range(expected[0], expected[0] + len(expected))):
+        return "one run of n consecutive free blocks when there is one, the lowest such run"
+    return "no run of n consecutive free blocks: the n lowest free blocks"
+
+
+def check_block_allocator(cls, seed: int = 0):
+    """``cls(n_blocks)`` with ``take(n)`` and ``free(blocks)`` against the package's block manager
+    (the spans ``BlockManager`` takes whole blocks from), block for block, on random takes and frees."""
+    rng = random.Random(seed)
+    for case in range(N_CASES):
+        n_blocks = rng.randint(4, 24)
+        steps = _random_steps(rng, n_blocks)
+        label = f"case {case} (n_blocks={n_blocks}, steps {steps})"
+        expected = allocations(_Reference, n_blocks, steps, label)
+        got = bounded(allocations, cls, n_blocks, steps, label, label=label)
+        for i, (a, b) in enumerate(zip(expected, got)):
+            if a != b:
+                j = [k for k, (op, _) in enumerate(steps) if op == "take"][i]
+                gone = {arg for op, arg in steps[:j] if op == "free"}        # takes freed before this one
+                held = {x for k, blocks in enumerate(got[:i]) if k not in gone for x in blocks or ()}
+                freed = {x for k in gone for x in expected[k]}
+                differ(f"take number {i} (step {j}: take({steps[j][1]}))", label, a, b,
+                       _allocator_hint(a, b, held, freed))
+    correct(N_CASES, "BlockManager's blocks")
+
+
+# -- 12: the prefix cache's eviction order ----------------------------------------------------------
+def _lru_steps(rng) -> list[tuple[str, int | None]]:
+    """Random ``freed(b)``, ``used(b)`` (b free and cached) and ``evict()`` calls, valid as the
+    prefix cache makes them: a block is freed when it is not in the list, used or evicted when it is."""
+    steps, free, held = [], [], list(range(rng.randint(3, 12)))
+    for _ in range(rng.randint(4, 30)):
+        op = rng.choice(["freed", "freed", "used", "evict"]) if held else rng.choice(["used", "evict"])
+        if op == "freed" and held:
+            b = held.pop(rng.randrange(len(held)))
+            free.append(b)
+            steps.append(("freed", b))
+        elif free and op == "used":
+            b = free.pop(rng.randrange(len(free)))
+            held.append(b)
+            steps.append(("used", b))
+        elif free:
+            held.append(free.pop(0))
+            steps.append(("evict", None))
+    return steps
+
+
+def lru_replay(lru, steps) -> list:
+    """What ``lru`` answers along ``steps``: each evicted block, and its length after every step."""
+    out, reference = [], isinstance(lru, OrderedDict)
+    for op, b in steps:
+        try:
+            if op == "evict":
+                out.append(("evict", lru.popitem(last=False)[0] if reference else lru.evict()))
+            elif reference:
+                lru.pop(b) if op == "used" else lru.__setitem__(b, None)
+            else:
+                getattr(lru, op)(b)
+            out.append(("len", len(lru)))
+        except Exception as e:           # the learner's: shown at the call that raised it
+            if reference:
+                raise
+            return out + [("raised", f"{type(e).__name__}: {e}")]
+    return out
+
+
+def _lru_hint(expected, got, steps, i) -> str:
+    op = steps[i][0]
+    if got[0] == "raised":
+        return f"your {op}() raised {got[1]} where the package's answers {expected[1]}"
+    if op == "used" or got[1] in [b for op, b in steps[:i] if op == "used"]:
+        return "used(b): a request holds b again, so it leaves the list (a held block is never evicted)"
+    if expected[0] == "len" and got[0] == "len":
+        return f"len() counts the free cached blocks: {'freed adds one' if op == 'freed' else 'evict takes one out'}"
+    return "evict the least recently freed block: the list is a queue, freed at its end, evicted from its front"
+
+
+def check_block_lru(cls, seed: int = 0):
+    """``cls()`` with ``freed(b)``, ``used(b)``, ``evict() -> b`` and ``len()`` against the prefix
+    cache's ``OrderedDict`` of free cached blocks, on random calls as the cache makes them."""
+    rng = random.Random(seed)
+    for case in range(N_CASES):
+        steps = _lru_steps(rng)
+        label = f"case {case} (calls {[f'{op}({b})' if b is not None else f'{op}()' for op, b in steps]})"
+        expected = lru_replay(OrderedDict(), steps)
+        got = bounded(lambda: lru_replay(cls(), steps), label=label)
+        for i, (a, b) in enumerate(zip(expected, got)):
+            if a != b:
+                differ(f"answer {i} ({a[0]})", label, a[1], b[1], _lru_hint(a, b, steps, _step_of(expected, i)))
+    correct(N_CASES, "PrefixCachingBlockManager's eviction order")
+
+
+def _step_of(answers, i: int) -> int:
+    """The step that gave answer ``i`` (each step answers its length, an eviction its block first)."""
+    return sum(kind == "len" for kind, _ in answers[:i])

@@ -1,0 +1,285 @@
+"""The learner's own engine without a kernel: ``%%exercise`` cells saved as a package that stands
+alone (``course/mine.py``), its pieces plugged all at once (``plug.assemble``) giving the package's
+tokens, ``orca-lab serve --plugins`` running them, and the batch-formation grader catching wrong
+versions, bounded. The capstone notebook itself runs in tests/test_notebooks.py."""
+import time
+from collections import deque
+
+import pytest
+
+from orca_lab import LLM, EngineConfig
+from orca_lab.cli import main
+from orca_lab.course import grade_engine, mine, plug, solve
+from orca_lab.engine.request import RequestState
+from orca_lab.serving.engine_core import EngineArgs
+from orca_lab.workload import few_shot_trace, paper_trace
+
+# the chapters' solutions, and what the notebook cells before them gave them to read
+CHAPTERS = {"02_request_level_batching": ["form_batch"], "03_iteration_level_scheduling": ["select"],
+            "04_selective_batching": ["flatten"], "05_kv_slot_manager": ["slot_manager"],
+            "08_pipelined_schedules": ["loop"], "11_after_orca": ["block_allocator", "victim"],
+            "12_prefix_caching": ["block_hashes", "cached_prefix", "block_lru"]}
+
+
+@pytest.fixture
+def package(tmp_path):
+    """A learner's package written as the solved notebooks write it: each exercise cell saved."""
+    folder = tmp_path / "my_orca"
+    for stem, exercises in CHAPTERS.items():
+        answers = solve.solutions(solve.SOLUTIONS / f"{stem}.py")
+        namespace = {"__name__": "__main__", "RequestState": RequestState}     # a notebook's
+        for ex in exercises:
+            exec(answers[ex], namespace)
+            mine.save(ex, answers[ex], namespace, folder)
+    return folder
+
+
+def test_a_saved_exercise_imports_what_it_read_from_the_notebook(package):
+    text = (package / "select.py").read_text()
+    assert "from orca_lab.engine.request import RequestState" in text and "__all__ = ['select']" in text
+    assert set(mine.load(package)) == set(plug.PIECES)
+
+
+def test_a_cell_reading_a_plain_value_of_the_notebook_is_refused_naming_it(tmp_path):
+    with pytest.raises(NameError, match="block_size cannot be imported"):
+        mine.save("f", "def f(n):\n    return n // block_size\n", {"block_size": 4}, tmp_path)
+
+
+def test_an_earlier_exercise_is_imported_from_its_own_file(tmp_path):
+    mine.save("a", "def a():\n    return 1\n", {}, tmp_path)
+    namespace = {}
+    exec("def a():\n    return 1\n", namespace)
+    path = mine.save("b", "def b():\n    return a() + 1\n", namespace, tmp_path)
+    assert "from .a import a" in path.read_text()
+    assert mine.load(tmp_path)["b"]() == 2
+
+
+def test_plugins_that_are_neither_a_folder_nor_a_module_are_refused(tmp_path, capsys):
+    with pytest.raises(ValueError, match="plugins='nowhere_at_all'"):
+        EngineArgs("tiny", plugins="nowhere_at_all")
+    with pytest.raises(SystemExit):
+        main(["serve", "--plugins", str(tmp_path / "missing")])
+    assert "plugins=" in capsys.readouterr().err
+
+
+def test_the_assembled_engine_gives_the_packages_tokens_and_schedule(package):
+    pieces = mine.load(package)
+    llm = LLM("tiny", seed=0, engine=EngineConfig(max_bs=3, n_slots=3 * 1024))
+    trace = paper_trace(8, None, 0, scale=0.04, vocab_size=llm.cfg.vocab_size)
+    for system, expected in (("orca", ["SlotManager", "select", "flatten"]), ("ft", ["form_batch"])):
+        reference = llm.serve(trace, system=system)
+        engine = llm.new_engine(system)
+        assert plug.assemble(engine, pieces) == expected
+        yours = plug.run_loop(engine, pieces["loop"], trace)
+        engine.close()
+        assert [r.output for r in yours.requests] == [r.output for r in reference.requests]
+        assert [it.rids for it in yours.iterations] == [it.rids for it in reference.iterations]
+
+
+def test_the_paged_engine_runs_the_learners_blocks_victims_and_lookup(package):
+    pieces = mine.load(package)
+    assert "from .block_hashes import block_hashes" in (package / "cached_prefix.py").read_text()
+    cfg = EngineConfig(max_bs=4, n_slots=20 * 4, block_size=4, prefix_caching=True)   # tight: preempts, evicts
+    model = LLM("tiny", seed=0, engine=cfg).model
+    trace = few_shot_trace(8, prefix_len=32, question_len=(2, 9), gen_len=(4, 12), vocab_size=257, seed=0)
+    runs, evictions = [], []
+    for learner in (False, True):
+        engine = LLM(gpt=model, engine=cfg).new_engine("paged")       # each with a cache of its own
+        if learner:
+            assert plug.assemble(engine, pieces) == ["BlockAllocator", "victim", "BlockLRU", "block_hashes",
+                                                     "cached_prefix"]
+        runs.append(engine.run(trace).requests_df())
+        evictions.append(engine.scheduler.kv.n_evictions)
+        engine.close()
+    a, b = runs
+    assert a.n_preemptions.sum() > 0 and a.prefix_hit_tokens.sum() > 0      # both mechanisms at work
+    for column in ("output", "n_preemptions", "prefix_hit_tokens"):
+        assert list(a[column]) == list(b[column]), column
+    assert evictions[0] > 0 and evictions[0] == evictions[1]
+
+
+def test_a_loop_that_stops_early_is_caught(package):
+    llm = LLM("tiny", seed=0, engine=EngineConfig(max_bs=2, n_slots=1024))
+    engine = llm.new_engine("orca")
+    with pytest.raises(AssertionError, match="your loop returned with work left"):
+        plug.run_loop(engine, lambda scheduler, executor, n_workers: None, paper_trace(2, None, 0, scale=0.04,
+                                                                                      vocab_size=257))
+
+
+def test_the_server_runs_the_learners_pieces(package):
+    openai = pytest.importorskip("openai")
+    from orca_lab.serving.launch import ServerProcess
+    llm = LLM("tiny", seed=0)
+    expected = llm.complete(["a prompt"], 6, ignore_eos=True)[0].text
+    with ServerProcess("--plugins", package, "--max-bs", 2, "--n-slots", 2048) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        got = client.completions.create(model="tiny", prompt="a prompt", max_tokens=6, temperature=0,
+                                        extra_body={"ignore_eos": True}).choices[0].text
+        plugged = [line for line in server.lines if "the engine runs your" in line]
+    assert plugged and "SlotManager, select, flatten" in plugged[0]
+    assert got == expected
+
+
+# -- the batch formation grader: wrong versions, each caught with its hint ----------------------------
+def take(waiting, kv, n, max_seq_len, reserve=None):
+    batch = []
+    while waiting and len(batch) < n and kv.can_reserve(max_seq_len):
+        req = waiting.popleft()
+        kv.reserve(req, max_seq_len if reserve is None else reserve(req))
+        batch.append(req)
+    return batch
+
+
+def shortest(batch):
+    return min((len(r.prompt) for r in batch), default=0)
+
+
+def right(waiting, kv, max_bs, max_seq_len):
+    batch = take(waiting, kv, max_bs, max_seq_len)
+    return batch, shortest(batch)
+
+
+def one_too_many(waiting, kv, max_bs, max_seq_len):
+    batch = take(waiting, kv, max_bs + 1, max_seq_len)
+    return batch, shortest(batch)
+
+
+def longest_prompt(waiting, kv, max_bs, max_seq_len):
+    batch = take(waiting, kv, max_bs, max_seq_len)
+    return batch, max((len(r.prompt) for r in batch), default=0)
+
+
+def reserves_max_tokens(waiting, kv, max_bs, max_seq_len):
+    batch = take(waiting, kv, max_bs, max_seq_len, reserve=lambda r: r.max_tokens)
+    return batch, shortest(batch)
+
+
+def newest_first(waiting, kv, max_bs, max_seq_len):
+    batch = take(deque(reversed(waiting)), kv, max_bs, max_seq_len)
+    for r in batch:
+        waiting.remove(r)
+    return batch, shortest(batch)
+
+
+def never_returns(waiting, kv, max_bs, max_seq_len):
+    while True:
+        time.sleep(0.01)
+
+
+WRONG = [(one_too_many, "more than max_bs"), (longest_prompt, "shortest prompt"),
+         (reserves_max_tokens, "reserve max_seq_len"), (newest_first, "in arrival order"),
+         (lambda w, kv, b, m: ([], 0), "no batch at iteration 0")]
+
+
+def test_the_batch_formation_grader_passes_the_solution():
+    grade_engine.check_form_batch(right)
+
+
+@pytest.mark.parametrize("fn, hint", WRONG, ids=[h for _, h in WRONG])
+def test_the_batch_formation_grader_names_each_wrong_version(fn, hint):
+    t0 = time.perf_counter()
+    with pytest.raises(AssertionError, match=hint):
+        grade_engine.check_form_batch(fn)
+    assert time.perf_counter() - t0 < 30
+
+
+def test_a_formation_that_never_returns_stops_the_check_in_bounded_time(monkeypatch):
+    monkeypatch.setattr(grade_engine, "CASE_S", 0.5)
+    t0 = time.perf_counter()
+    with pytest.raises(grade_engine.Stuck, match="case 0 .* did not return within 0.5 s"):
+        grade_engine.check_form_batch(never_returns)
+    assert time.perf_counter() - t0 < 5
+
+
+# -- the block allocator and eviction-order graders --------------------------------------------------
+class Allocator:
+    def __init__(self, n_blocks):
+        self.free_blocks = list(range(n_blocks))
+
+    def take(self, n):
+        f = self.free_blocks
+        i = next((i for i in range(len(f) - n + 1) if f[i + n - 1] - f[i] == n - 1), 0)
+        taken, f[i:i + n] = f[i:i + n], []
+        return taken
+
+    def free(self, blocks):
+        self.free_blocks = sorted(self.free_blocks + list(blocks))
+
+
+class LowestBlocks(Allocator):
+    def take(self, n):
+        taken, self.free_blocks = self.free_blocks[:n], self.free_blocks[n:]
+        return taken
+
+
+class NeverFrees(Allocator):
+    def free(self, blocks):
+        pass
+
+
+class TakesWithoutRemoving(Allocator):
+    def take(self, n):
+        return self.free_blocks[:n]
+
+
+class Descending(Allocator):
+    def take(self, n):
+        return super().take(n)[::-1]
+
+
+class LRU:
+    def __init__(self):
+        self.blocks = []
+
+    def freed(self, block):
+        self.blocks.append(block)
+
+    def used(self, block):
+        self.blocks.remove(block)
+
+    def evict(self):
+        return self.blocks.pop(0)
+
+    def __len__(self):
+        return len(self.blocks)
+
+
+class Stack(LRU):
+    def evict(self):
+        return self.blocks.pop()
+
+
+class UsedStays(LRU):
+    def used(self, block):
+        pass
+
+
+class LenOffByOne(LRU):
+    def __len__(self):
+        return len(self.blocks) + 1
+
+
+class UsedRaises(LRU):
+    def used(self, block):
+        raise KeyError(block)
+
+
+GRADED = [(grade_engine.check_block_allocator, Allocator, None),
+          (grade_engine.check_block_allocator, LowestBlocks, "one run of n consecutive free blocks"),
+          (grade_engine.check_block_allocator, NeverFrees, "free\(blocks\) must give them back"),
+          (grade_engine.check_block_allocator, TakesWithoutRemoving, "a block handed out twice"),
+          (grade_engine.check_block_allocator, Descending, "in increasing order"),
+          (grade_engine.check_block_lru, LRU, None),
+          (grade_engine.check_block_lru, Stack, "evict the least recently freed block"),
+          (grade_engine.check_block_lru, UsedStays, "leaves the list"),
+          (grade_engine.check_block_lru, LenOffByOne, "len\(\) counts the free cached blocks"),
+          (grade_engine.check_block_lru, UsedRaises, "your used\(\) raised .*KeyError")]
+
+
+@pytest.mark.parametrize("check, cls, hint", GRADED, ids=[c.__name__ for _, c, _ in GRADED])
+def test_the_block_graders_pass_the_right_one_and_name_each_wrong_one(check, cls, hint):
+    if hint is None:
+        check(cls)
+        return
+    with pytest.raises(AssertionError, match=hint):
+        check(cls)
