@@ -149,7 +149,9 @@ def test_silu_and_mul_reference_is_transformers_mlp(dtype):
     x = torch.randn(5, 24, generator=g).to(dtype)
     gate_up = F.linear(x, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
     expected = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
-    assert torch.equal(silu_and_mul(gate_up, backend="torch"), expected)
+    # one product of the stacked weights sums in another order than two products on some BLAS
+    # builds (an H100 machine's CPU torch 2.11 differed in the last bit): equal to rounding
+    torch.testing.assert_close(silu_and_mul(gate_up, backend="torch"), expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

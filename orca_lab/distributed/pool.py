@@ -217,8 +217,7 @@ class WorkerPool:
             for conn in self._control:
                 conn.send_raw(raw)
         except OSError as e:
-            self._check_alive("")
-            self._fail(f"the control channel to stage 0 broke ({e})")
+            self._fail_naming_the_dead(f"the control channel to stage 0 broke ({e})")
 
     def collect(self, iteration: int, timeout: float | None) -> list[StageReport] | None:
         """Every stage's report of ``iteration`` (tokens in the last), or None after ``timeout``."""
@@ -246,9 +245,7 @@ class WorkerPool:
         except ControlError as e:
             self._fail(f"worker rank {self._reports[conn]} sent a frame that was refused: {e}")
         except (EOFError, OSError):
-            time.sleep(0.2)                         # let the process be reaped: its exit code says more
-            self._check_alive("")
-            self._fail(f"worker rank {self._reports[conn]} closed its control channel")
+            self._fail_naming_the_dead(f"worker rank {self._reports[conn]} closed its control channel")
         if isinstance(msg, WorkerError):
             self._fail(f"worker rank {msg.rank} failed:\n{msg.text}")
         self._got.setdefault(msg.iteration, {})[msg.stage] = msg
@@ -260,6 +257,16 @@ class WorkerPool:
         dead += [f"worker rank 0 (thread) ended" for th in self._thread if not th.is_alive()]
         if dead:
             self._fail("; ".join(dead) + (f" {when}" if when else ""))
+
+    def _fail_naming_the_dead(self, reason: str, within: float = 2.0):
+        """A channel that broke most often means its worker died: wait (at most ``within`` s, less as
+        soon as one exits) until the process is reaped, so the failure names its exit code or signal
+        rather than the broken pipe it caused (seen on an H100: the pipe broke before the SIGKILLed
+        worker was reaped)."""
+        if self._procs:
+            wait_any([p.sentinel for p in self._procs], within)
+        self._check_alive("")
+        self._fail(reason)
 
     def _error_of(self, rank: int) -> str:
         """The last line of the error a worker left in the store before exiting (start-up errors come
