@@ -218,6 +218,35 @@ def test_bad_new_fields_get_a_400_naming_the_field(server, body, field, words):
     assert err["param"] == field and words in err["message"], err
 
 
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/completions", {"prompt": [-1, 5], "echo": True}, "prompt"),          # echo decoded them: a 500
+    ("/v1/completions", {"prompt": [[1], [5, 300]], "echo": True, "logprobs": 1}, "prompt"),
+    ("/v1/completions", {"prompt": [-1, 5], "echo": True, "stream": True}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logit_bias": {"-1": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "stop_token_ids": [999]},
+     "stop_token_ids"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+])
+def test_a_token_id_out_of_the_vocabulary_is_a_400_on_every_route(server, route, body, param):
+    """Every id is checked before anything decodes it."""
+    r = httpx.post(server.url + route, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_echo_of_a_bad_id_through_the_openai_client_names_it(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=[-1, 5], echo=True, max_tokens=1)
+    assert e.value.body["param"] == "prompt" and "-1" in e.value.body["message"]
+
+
+def test_a_request_larger_than_the_queue_can_ever_hold_is_a_400_naming_both_numbers(client):
+    """65 prompts x n=16 = 1040 sequences, past --max-queue 1024: never admissible, so not a 503."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=[[1]] * 65, n=16, max_tokens=1)
+    assert "1040" in e.value.body["message"] and "max_queue=1024" in e.value.body["message"]
+
+
 # -- shutdown ---------------------------------------------------------------------------------
 def test_past_drain_every_running_request_ends_as_an_abort_its_client_reads_and_the_process_exits_0():
     s = ServerProcess("--model", "tiny", "--seed", "0", "--max-bs", "4", "--n-slots", "2048", "--drain-s", "0.3")

@@ -5,9 +5,11 @@ import asyncio
 import json
 import os
 import random
+import resource
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -352,7 +354,8 @@ def test_an_engine_that_dies_ends_its_streams_and_the_endpoint_says_why():
                 lines = r.iter_lines()
                 next(lines)
                 assert wait_for(lambda: metrics(s.url)["orca_lab_requests_running"] == 2)
-                os.kill(engine_pid(s), signal.SIGKILL)
+                pid = engine_pid(s)
+                os.kill(pid, signal.SIGKILL)
                 chunks = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
             assert chunks[-1]["choices"][0]["finish_reason"] == "abort" and len(chunks) < 999
             whole = whole.result()
@@ -362,6 +365,30 @@ def test_an_engine_that_dies_ends_its_streams_and_the_endpoint_says_why():
             r = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
             assert r.status_code == 503 and "engine process exited" in r.json()["error"]["message"]
             assert http.get("/v1/models").status_code == 200      # the HTTP side still answers
+        assert wait_for(lambda: pid not in descendants(s.proc.pid))  # reaped, not a zombie
         assert s.stop() < 10
+    finally:
+        s.kill()
+
+
+def test_an_engine_that_raises_answers_503_with_its_exit_code_and_none_of_the_servers_files():
+    """The engine runs out of memory (its address space capped under what a long prompt needs): the
+    503 names the exit code and the kind of error; the traceback is the server's log's, not the
+    client's; the engine process is reaped."""
+    s = ServerProcess("--max-bs", "4", "--n-slots", "2048", "--drain-s", "1").start()
+    try:
+        pid = engine_pid(s)
+        vm = next(int(ln.split()[1]) for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
+                  if ln.startswith("VmSize")) * 1024
+        resource.prlimit(pid, resource.RLIMIT_AS, (vm + (8 << 20), resource.RLIM_INFINITY))
+        body = {"prompt": "a" * 500, "max_tokens": 500, "ignore_eos": True}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503, r.text
+        message = r.json()["error"]["message"]
+        assert "engine process exited (code 1)" in message and "RuntimeError" in message, message
+        assert ".py" not in message and "Traceback" not in message and "orca_lab" not in message, message
+        assert httpx.get(s.url + "/health").json()["error"]["message"] == message
+        assert wait_for(lambda: pid not in descendants(s.proc.pid))  # reaped, not a zombie
+        assert s.stop() < 10 and "Traceback" in s.output            # the operator has it
     finally:
         s.kill()

@@ -31,7 +31,6 @@ import multiprocessing as mp
 import queue
 import signal
 import threading
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,8 +132,11 @@ class EngineLoop:
                     self.turn()
                 elif msgs:
                     self._send(("stats", engine.stats()))
-        except BaseException:
-            self._send(("failed", f"the engine failed:\n{traceback.format_exc()}"))
+        except BaseException as e:
+            # the client learns the kind of failure only; the traceback, with the server's files,
+            # goes to the server's log, as multiprocessing prints it when the process exits (code 1)
+            self._send(("failed", f"the engine failed ({type(e).__name__}); the server's log has the traceback"))
+            raise
         finally:
             engine.close()
 
