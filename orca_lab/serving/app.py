@@ -234,7 +234,7 @@ class _StampArrival:
 
 def _model_card(state: ServerState) -> ModelCard:
     ec, cfg = state.pool.core.info.engine_config, state.pool.core.info.cfg
-    return ModelCard(id=state.model_name, max_model_len=cfg.max_seq_len, vocab_size=cfg.vocab_size,
+    return ModelCard(id=state.model_name, root=state.model_name, max_model_len=cfg.max_seq_len, vocab_size=cfg.vocab_size,
                      system=state.system, max_bs=ec.max_bs, n_slots=ec.n_slots)
 
 
@@ -251,14 +251,14 @@ def _streams(state: ServerState, body: CompletionRequest, arrival: float) -> lis
     out, q = [], asyncio.Queue()
     for i, ids in enumerate(prompts):
         for j in range(body.n):
-            seed = None if body.seed is None else body.seed + j       # n samples, n different draws
+            seed = None if body.seed is None else (body.seed + j) % 2 ** 63   # n samples, n different draws
             try:
                 params = SamplingParams(max_gen_tokens=max(1, body.max_tokens), temperature=body.temperature,
                                         top_k=body.top_k, top_p=body.top_p, seed=seed,
                                         ignore_eos=body.ignore_eos, stop=tuple(body.stop),
                                         stop_token_ids=tuple(body.stop_token_ids or ()),
                                         logprobs=body.logprobs,
-                                        prompt_logprobs=body.logprobs if body.echo else None,
+                                        prompt_logprobs=body.engine_prompt_logprobs,
                                         logit_bias=body.bias_pairs(), presence_penalty=body.presence_penalty,
                                         frequency_penalty=body.frequency_penalty,
                                         repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens)

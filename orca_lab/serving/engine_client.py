@@ -35,6 +35,7 @@ class Event:
     error: str | None = None
     logprob: object = None              # the token's TokenLogprob, if the request asked
     prompt_logprobs: list | None = None  # with a request's first event, if it asked (echo)
+    matched_stop: int | str | None = None  # with its last: the stop token id or string that ended it
 
 
 @dataclass(eq=False)
@@ -58,6 +59,16 @@ class Stream:
         if self.detokenizer is None:
             return ""
         return self.detokenizer.update(tokens, finish_reason, stop_at)
+
+    def matched_stop(self, token: int | None, finish_reason: str | None, stop_at: int | None) -> int | str | None:
+        """SGLang's ``matched_stop``: what ended the choice with "stop", the token id (EOS or a stop
+        token, ``stop_at`` None) or the stop string that begins at ``stop_at`` of its text."""
+        if finish_reason != "stop" or self.echo_only:
+            return None
+        if stop_at is None:
+            return token
+        rest = self.detokenizer.decode(self.output)[stop_at:]
+        return next((s for s in self.params.stop if rest.startswith(s)), None)
 
 
 class EngineClient:
@@ -202,7 +213,8 @@ class EngineClient:
                 s.t_last = now
                 s.output.append(token)
             text = "" if s.echo_only else s.text([] if token is None else [token], reason, stop_at)
-            out.append((s, Event(token, text, reason, logprob=lp, prompt_logprobs=plp)))
+            matched = s.matched_stop(token, reason, stop_at)
+            out.append((s, Event(token, text, reason, logprob=lp, prompt_logprobs=plp, matched_stop=matched)))
             if reason is not None:
                 del self.streams[stream_id]
                 m.requests.labels(reason).inc()
