@@ -18,6 +18,7 @@ import pytest
 from orca_lab import LLM
 from orca_lab.metrics import summarize
 from orca_lab.serving.bench import DebugRun, make_trace, run_load, server_records
+from orca_lab.serving.engine_core import HISTORY, EngineLoop
 from orca_lab.serving.launch import ServerProcess
 from orca_lab.serving.metrics import parse_metrics
 
@@ -392,3 +393,31 @@ def test_an_engine_that_raises_answers_503_with_its_exit_code_and_none_of_the_se
         assert s.stop() < 10 and "Traceback" in s.output            # the operator has it
     finally:
         s.kill()
+
+
+# -- what the engine process keeps -----------------------------------------------------------------
+@pytest.mark.parametrize("history", [0, HISTORY])
+def test_the_engine_loop_keeps_per_request_history_only_for_debug(history):
+    """Without --debug (history 0) the engine keeps no request or iteration once it is delivered
+    (a server's memory grew with what it served: ~160 MiB over 20,000 requests); with it, a bounded
+    history for /debug/run."""
+    import multiprocessing as mp
+    from orca_lab import SamplingParams
+    engine = LLM("tiny", seed=0).new_engine("orca")
+    inbox, to_engine = mp.Pipe(duplex=False)
+    from_engine, outbox = mp.Pipe(duplex=False)
+    loop = EngineLoop(engine, inbox, outbox, history)
+    try:
+        for i in range(3):
+            loop.handle(("add", i, [(i, [1, 2, 3], SamplingParams(max_gen_tokens=4), None)]))
+        for _ in range(100):
+            if not engine.has_work():
+                break
+            loop.turn()
+        assert not engine.has_work() and not loop.rids
+        kept = (len(engine.requests), len(engine.records) > 0)
+        assert kept == ((0, False) if history == 0 else (3, True))
+    finally:
+        engine.close()
+        for c in (inbox, to_engine, from_engine, outbox):
+            c.close()
