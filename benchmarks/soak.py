@@ -132,8 +132,8 @@ async def whole(http: httpx.AsyncClient, t: Tally, route: str, body: dict):
         if n_lp is not None:
             check_count(t, body, n_lp, c["finish_reason"])
         if body.get("prompt_logprobs") is not None:
-            t.check(c["prompt_logprobs"][0] is None and len(c["prompt_logprobs"]) == len(body["prompt"]), body,
-                    "prompt_logprobs")
+            plp = c.get("prompt_logprobs") or [0]
+            t.check(plp[0] is None and len(plp) == len(body["prompt"]), body, f"prompt_logprobs {plp}")
     usage = out["usage"]
     if "stop" not in body and "stop_token_ids" not in body:
         t.check(usage["completion_tokens"] == body["n"] * body["max_tokens"], body, f"usage {usage}")

@@ -173,6 +173,17 @@ def test_prompt_logprobs_in_vllms_shape(client, reference):
     assert first.model_extra["prompt_logprobs"] == got
 
 
+def test_a_one_token_prompt_has_its_null_entry_with_echo_and_prompt_logprobs(client):
+    """The engine scores no position of a one-token prompt: its entry is null all the same (echo's
+    first token was left out, prompt_logprobs was null), found by benchmarks/soak.py."""
+    for stream in (False, True):
+        r = client.completions.create(model="tiny", prompt=[63], max_tokens=2, echo=True, logprobs=1, stream=stream,
+                                      extra_body={"prompt_logprobs": 2, "ignore_eos": True})
+        c = next(iter(r)).choices[0] if stream else r.choices[0]
+        assert c.logprobs.tokens[0] == "?" and c.logprobs.token_logprobs[0] is None
+        assert c.model_extra["prompt_logprobs"] == [None]
+
+
 def test_the_model_card_has_root_and_parent(client):
     card = client.models.retrieve("tiny")
     assert card.model_extra["root"] == "tiny" and card.model_extra["parent"] is None

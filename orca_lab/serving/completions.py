@@ -48,17 +48,22 @@ class ChoiceWriter:
         first, self.started = not self.started, True
         if self.logprobs is None:
             return None
-        echo = first and self.echo and ev.prompt_logprobs
-        pairs = list(zip(self.stream.prompt, ev.prompt_logprobs)) if echo else []
+        pairs = list(zip(self.stream.prompt, _prompt_entries(ev))) if first and self.echo else []
         if ev.token is not None:
             pairs.append((ev.token, ev.logprob))
         return self.logprobs.chunk(pairs)
 
     def prompt_logprobs_of(self, ev: Event) -> list | None:
         """vLLM's ``prompt_logprobs``, with the choice's first event (None with the others)."""
-        if self.prompt_k is None or not ev.prompt_logprobs:
+        if self.prompt_k is None or self.started:
             return None
-        return prompt_entries(self.names, self.stream.prompt, ev.prompt_logprobs, self.prompt_k)
+        return prompt_entries(self.names, self.stream.prompt, _prompt_entries(ev), self.prompt_k)
+
+
+def _prompt_entries(ev: Event) -> list:
+    """The prompt's entries with a choice's first event: the engine scores none of a one-token
+    prompt, whose first (and only) token has no entry all the same."""
+    return ev.prompt_logprobs or [None]
 
 
 async def whole_answer(state: ServerState, body: CompletionRequest, cid: str, streams: list[Stream], form=LogprobText):
