@@ -266,6 +266,7 @@ def test_models_route_and_error_bodies_in_openai_shape(server, client):
 HONOURED = {"model", "prompt", "echo", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
             "stop_token_ids", "n", "stream", "stream_options", "ignore_eos", "return_token_ids", "logprobs",
             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
+            "prompt_logprobs", "return_tokens_as_token_ids",
             "user",          # metadata: nothing to honour
             "best_of"}       # 1 (or null) only: refused otherwise, below
 
