@@ -73,12 +73,8 @@ def kill_left(tree: dict):
 
 
 def engine_pid(s) -> int:
-    """The pid of the engine process under server ``s`` (multiprocessing's spawned child, not its
-    resource tracker)."""
-    pids = [pid for pid, cmd in running(descendants(s.proc.pid)).items()
-            if "spawn_main" in cmd and "resource_tracker" not in cmd]
-    assert len(pids) == 1, f"expected one engine process under the server, found {pids}"
-    return pids[0]
+    """The pid of the engine process under server ``s``."""
+    return s.engine_pid()
 
 
 @contextlib.contextmanager

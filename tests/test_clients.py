@@ -51,10 +51,17 @@ def text_of(t: int) -> str:
     return LLM("tiny").tokenizer.decode([t])
 
 
+def name_of(t: int) -> str:
+    """A byte tokenizer's token as logprobs name it: a byte below 128 is its character, one above a
+    piece of a character (OpenAI's ``bytes:`` form), EOS has no bytes (vLLM's ``token_id:`` form)."""
+    return chr(t) if t < 128 else f"bytes:\\x{t:02x}" if t < 256 else f"token_id:{t}"
+
+
 def check_choice(lp, ids, row_of, k, first_null=False):
-    """An OpenAI logprobs object against the reference rows: token texts, logprobs, top k, offsets."""
-    assert lp.tokens == [text_of(t) for t in ids]
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    """An OpenAI logprobs object against the reference rows: token names, logprobs, top k, offsets
+    (into the choice's text: each token's decoded text)."""
+    assert lp.tokens == [name_of(t) for t in ids]
+    assert lp.text_offset == [sum(len(text_of(t)) for t in ids[:i]) for i in range(len(ids))]
     for i, t in enumerate(ids):
         if first_null and i == 0:
             assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
@@ -63,8 +70,9 @@ def check_choice(lp, ids, row_of, k, first_null=False):
         assert math.isclose(lp.token_logprobs[i], row[t].item(), abs_tol=1e-4)
         want = {}
         for j, v in zip(row.topk(k).indices.tolist(), row.topk(k).values.tolist()):
-            want.setdefault(text_of(j), v)
-        want.setdefault(text_of(t), row[t].item())
+            want[name_of(j)] = v
+        want.setdefault(name_of(t), row[t].item())
+        assert len(want) in (k, k + 1)                 # k distinct names, and the chosen one
         got = lp.top_logprobs[i]
         assert got.keys() == want.keys() and all(math.isclose(got[x], want[x], abs_tol=1e-4) for x in want)
 
@@ -114,6 +122,95 @@ def test_echo_gives_the_prompts_logprobs_first_token_null(client, reference):
     # echo without logprobs: the prompt's text before the completion
     c2 = client.completions.create(model="tiny", prompt="ORCA", max_tokens=3, echo=True, temperature=0)
     assert c2.choices[0].text.startswith("ORCA") and c2.choices[0].logprobs is None
+
+
+def test_top_logprobs_has_k_distinct_names_streamed_and_whole(client):
+    """Every byte >= 128 decodes alone to U+FFFD: named by its text, k = 5 gave 2 to 4 keys."""
+    kw = dict(model="tiny", prompt="a", max_tokens=12, temperature=0, logprobs=5, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0].logprobs
+    assert any(t.startswith("bytes:") for top in whole.top_logprobs for t in top)
+    assert all(len(top) in (5, 6) for top in whole.top_logprobs), whole.top_logprobs
+    streamed = [x for ch in client.completions.create(stream=True, **kw) for x in ch.choices[0].logprobs.top_logprobs]
+    assert streamed == whole.top_logprobs
+
+
+def test_return_tokens_as_token_ids_in_completions_and_chat_streamed_and_whole(client):
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    kw = dict(model="tiny", prompt="ORCA", max_tokens=5, temperature=0, logprobs=3, echo=True,
+              extra_body={**extra, "return_token_ids": True})
+    c = client.completions.create(**kw).choices[0]
+    ids = list(b"ORCA") + c.model_extra["token_ids"]
+    assert c.logprobs.tokens == [f"token_id:{t}" for t in ids]
+    assert all(len(top) in (3, 4) and all(k.startswith("token_id:") for k in top) for top in c.logprobs.top_logprobs[1:])
+    assert [t for ch in client.completions.create(stream=True, **kw) for t in ch.choices[0].logprobs.tokens] == \
+        c.logprobs.tokens
+    chat = dict(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+                extra_body=extra)
+    content = client.chat.completions.create(**chat).choices[0].logprobs.content
+    assert all(x.token.startswith("token_id:") and bytes(x.bytes).decode() == x.token
+               for c in content for x in (c, *c.top_logprobs))
+    streamed = [x for ch in client.chat.completions.create(stream=True, **chat) if ch.choices and ch.choices[0].logprobs
+                for x in ch.choices[0].logprobs.content]
+    assert [x.token for x in streamed] == [x.token for x in content]
+
+
+def test_prompt_logprobs_in_vllms_shape(client, reference):
+    """``choice.prompt_logprobs``: None, then for each prompt token {id: {logprob, rank,
+    decoded_token}} of the k most likely tokens and the prompt's own, streamed and whole."""
+    prompt = random_prompts(1, 256, lo=8, hi=9, seed=3)[0]
+    kw = dict(model="tiny", prompt=prompt, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2})
+    got = client.completions.create(**kw).choices[0].model_extra["prompt_logprobs"]
+    lp = reference(prompt)
+    assert got[0] is None and len(got) == len(prompt)
+    for i, entry in enumerate(got[1:], start=1):
+        row = lp[i - 1]
+        top = row.topk(2).indices.tolist()
+        assert set(entry) == {str(t) for t in {*top, prompt[i]}}
+        for t, e in entry.items():
+            assert math.isclose(e["logprob"], row[int(t)].item(), abs_tol=1e-4) and e["decoded_token"] == name_of(int(t))
+            assert e["rank"] == (top.index(int(t)) + 1 if int(t) in top else None)
+    first = next(iter(client.completions.create(stream=True, **kw))).choices[0]
+    assert first.model_extra["prompt_logprobs"] == got
+
+
+def test_a_one_token_prompt_has_its_null_entry_with_echo_and_prompt_logprobs(client):
+    """The engine scores no position of a one-token prompt: its entry is null all the same (echo's
+    first token was left out, prompt_logprobs was null), found by benchmarks/soak.py."""
+    for stream in (False, True):
+        r = client.completions.create(model="tiny", prompt=[63], max_tokens=2, echo=True, logprobs=1, stream=stream,
+                                      extra_body={"prompt_logprobs": 2, "ignore_eos": True})
+        c = next(iter(r)).choices[0] if stream else r.choices[0]
+        assert c.logprobs.tokens[0] == "?" and c.logprobs.token_logprobs[0] is None
+        assert c.model_extra["prompt_logprobs"] == [None]
+
+
+def test_the_model_card_has_root_and_parent(client):
+    card = client.models.retrieve("tiny")
+    assert card.model_extra["root"] == "tiny" and card.model_extra["parent"] is None
+
+
+def test_matched_stop_names_the_stop_string_or_token_id_streamed_and_whole(client):
+    kw = dict(model="tiny", prompt="ab", max_tokens=30, temperature=0)
+    ids = client.completions.create(**kw, extra_body={"return_token_ids": True}).choices[0].model_extra["token_ids"]
+    text = LLM("tiny").tokenizer.decode(ids)
+    stop = next(text[i:i + 2] for i in range(2, len(text)) if "\ufffd" not in text[i:i + 2])
+    for extra, matched in (({"stop": ["\u2603", stop]}, stop), ({"stop_token_ids": [ids[3]]}, ids[3]), ({}, None)):
+        whole = client.completions.create(**kw, extra_body=extra).choices[0]
+        assert whole.model_extra["matched_stop"] == matched and whole.finish_reason == ("stop" if matched else "length")
+        last = list(client.completions.create(stream=True, **kw, extra_body=extra))[-1].choices[0]
+        assert last.model_extra["matched_stop"] == matched
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0,
+                                          extra_body={"stop_token_ids": list(range(256))})
+    assert chat.choices[0].model_extra["matched_stop"] in range(256)
+
+
+def test_a_seed_near_the_top_wraps_for_the_next_choices(client):
+    """Choice j draws with seed + j: past 2**63 - 1 it wraps to 0 (it was refused naming a seed
+    the client never sent)."""
+    kw = dict(model="tiny", prompt="ab", max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True})
+    two = sorted(client.completions.create(seed=2 ** 63 - 1, n=2, **kw).choices, key=lambda c: c.index)
+    assert two[1].text == client.completions.create(seed=0, **kw).choices[0].text
+    assert two[0].text == client.completions.create(seed=2 ** 63 - 1, **kw).choices[0].text
 
 
 def test_sampling_fields_over_http_equal_the_engines(client, llm):
@@ -169,6 +266,7 @@ def test_models_route_and_error_bodies_in_openai_shape(server, client):
 HONOURED = {"model", "prompt", "echo", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
             "stop_token_ids", "n", "stream", "stream_options", "ignore_eos", "return_token_ids", "logprobs",
             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
+            "prompt_logprobs", "return_tokens_as_token_ids",
             "user",          # metadata: nothing to honour
             "best_of"}       # 1 (or null) only: refused otherwise, below
 
@@ -202,6 +300,7 @@ def test_every_field_of_the_request_schema_is_honoured_or_refused_by_name(server
     ({"echo": 1}, "echo", "valid boolean"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream=true"),
     ({"logit_bias": {"x": 1}}, "logit_bias", "not a token id"),
+    ({"logit_bias": {"\u00b2": 1}}, "logit_bias", "not a token id"),        # a digit to str.isdigit only
     ({"logit_bias": {"5": 101}}, "logit_bias", "allowed [-100.0, 100.0]"),
     ({"logit_bias": {"300": 1}}, "logit_bias", "out of the vocabulary"),
     ({"logit_bias": [1, 2]}, "logit_bias", "must be an object"),
@@ -216,6 +315,35 @@ def test_bad_new_fields_get_a_400_naming_the_field(server, body, field, words):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field and words in err["message"], err
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/completions", {"prompt": [-1, 5], "echo": True}, "prompt"),          # echo decoded them: a 500
+    ("/v1/completions", {"prompt": [[1], [5, 300]], "echo": True, "logprobs": 1}, "prompt"),
+    ("/v1/completions", {"prompt": [-1, 5], "echo": True, "stream": True}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logit_bias": {"-1": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "stop_token_ids": [999]},
+     "stop_token_ids"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+])
+def test_a_token_id_out_of_the_vocabulary_is_a_400_on_every_route(server, route, body, param):
+    """Every id is checked before anything decodes it."""
+    r = httpx.post(server.url + route, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_echo_of_a_bad_id_through_the_openai_client_names_it(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=[-1, 5], echo=True, max_tokens=1)
+    assert e.value.body["param"] == "prompt" and "-1" in e.value.body["message"]
+
+
+def test_a_request_larger_than_the_queue_can_ever_hold_is_a_400_naming_both_numbers(client):
+    """65 prompts x n=16 = 1040 sequences, past --max-queue 1024: never admissible, so not a 503."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=[[1]] * 65, n=16, max_tokens=1)
+    assert "1040" in e.value.body["message"] and "max_queue=1024" in e.value.body["message"]
 
 
 # -- shutdown ---------------------------------------------------------------------------------
@@ -296,7 +424,7 @@ def test_chat_logprobs_are_the_completions_of_its_template_streamed_and_whole(se
     answer = client.chat.completions.create(messages=MESSAGES, **kw).choices[0].message.content
     assert bytes(b for c in chat.content for b in c.bytes).decode(errors="replace") == answer
     for c, top in zip(chat.content, comp.top_logprobs):
-        assert len(c.bytes) == 1 and c.token == bytes(c.bytes).decode(errors="replace")    # one byte a token here
+        assert len(c.bytes) == 1 and c.token == name_of(c.bytes[0])      # one byte a token here
         assert len(c.top_logprobs) == 3 and len({bytes(t.bytes) for t in c.top_logprobs}) == 3
         assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
         # the completions' top_logprobs keep one entry per text: pieces of a character share U+FFFD

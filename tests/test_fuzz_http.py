@@ -9,11 +9,14 @@ within its length and its K/V slots), as OpenAI's and vLLM's schemas leave those
 server has 64 K/V slots, so a request it accepts is short. The examples are derandomized: CI runs
 the same ones every time (``FUZZ_EXAMPLES=600`` explores further)."""
 import os
+from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis import checks
 
 from orca_lab import LLM
@@ -22,11 +25,12 @@ from orca_lab.serving.launch import ServerProcess
 CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
           checks.response_schema_conformance, checks.response_headers_conformance, checks.negative_data_rejection]
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "60"))
+CHATML = Path(__file__).parent / "chat" / "chatml.jinja"
 
 
 @pytest.fixture(scope="module")
 def fuzzed():
-    s = ServerProcess("--max-bs", "8", "--n-slots", "64", "--debug").start()
+    s = ServerProcess("--max-bs", "8", "--n-slots", "64", "--debug", "--chat-template", CHATML).start()
     yield s
     s.stop()
 
@@ -43,6 +47,36 @@ schema = schemathesis.pytest.from_fixture("api")
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 60, suppress_health_check=list(HealthCheck))
 def test_every_answer_is_what_the_schema_says(case, fuzzed):
     case.call_and_validate(base_url=fuzzed.url, checks=CHECKS)
+
+
+# token ids anywhere (the tiny model's vocabulary is [0, 256]), where the schema alone cannot refuse them
+IDS = st.lists(st.one_of(st.integers(0, 256), st.integers(-2 ** 40, -1), st.integers(257, 2 ** 40)),
+               min_size=1, max_size=6)
+MESSAGES = [{"role": "user", "content": "a"}]
+BODIES = st.one_of(
+    st.builds(lambda ids, lp, stream: ("/v1/completions", {"prompt": ids, "echo": True, "max_tokens": 1,
+                                                           "logprobs": lp, "stream": stream}, "prompt", ids),
+              IDS, st.sampled_from([None, 0, 2]), st.booleans()),
+    st.builds(lambda ids, k: ("/v1/completions", {"prompt": [[1], ids], "prompt_logprobs": k, "max_tokens": 1},
+                              "prompt", ids), IDS, st.sampled_from([None, 1])),
+    st.builds(lambda ids: ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, "stop_token_ids": ids},
+                           "stop_token_ids", ids), IDS),
+    st.builds(lambda ids: ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1,
+                                                    "logit_bias": {str(t): 1.0 for t in ids}}, "logit_bias", ids), IDS),
+    st.builds(lambda ids: ("/detokenize", {"tokens": ids}, "tokens", ids), IDS))
+
+
+@given(BODIES)
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 60, suppress_health_check=list(HealthCheck))
+def test_token_ids_out_of_the_vocabulary_are_a_400_naming_the_field_on_every_route(fuzzed, sent):
+    """Echo decoded a prompt's ids before they were checked (-1: a plain-text 500): every route
+    checks every id before anything decodes it."""
+    route, body, param, ids = sent
+    r = httpx.post(fuzzed.url + route, json=body, timeout=60)
+    if all(0 <= t <= 256 for t in ids):
+        assert r.status_code == 200, r.text
+    else:
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_the_server_still_serves_greedy_tokens_afterwards(fuzzed):

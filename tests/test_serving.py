@@ -5,9 +5,11 @@ import asyncio
 import json
 import os
 import random
+import resource
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -16,6 +18,7 @@ import pytest
 from orca_lab import LLM
 from orca_lab.metrics import summarize
 from orca_lab.serving.bench import DebugRun, make_trace, run_load, server_records
+from orca_lab.serving.engine_core import HISTORY, EngineLoop
 from orca_lab.serving.launch import ServerProcess
 from orca_lab.serving.metrics import parse_metrics
 
@@ -352,7 +355,8 @@ def test_an_engine_that_dies_ends_its_streams_and_the_endpoint_says_why():
                 lines = r.iter_lines()
                 next(lines)
                 assert wait_for(lambda: metrics(s.url)["orca_lab_requests_running"] == 2)
-                os.kill(engine_pid(s), signal.SIGKILL)
+                pid = engine_pid(s)
+                os.kill(pid, signal.SIGKILL)
                 chunks = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
             assert chunks[-1]["choices"][0]["finish_reason"] == "abort" and len(chunks) < 999
             whole = whole.result()
@@ -362,6 +366,58 @@ def test_an_engine_that_dies_ends_its_streams_and_the_endpoint_says_why():
             r = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
             assert r.status_code == 503 and "engine process exited" in r.json()["error"]["message"]
             assert http.get("/v1/models").status_code == 200      # the HTTP side still answers
+        assert wait_for(lambda: pid not in descendants(s.proc.pid))  # reaped, not a zombie
         assert s.stop() < 10
     finally:
         s.kill()
+
+
+def test_an_engine_that_raises_answers_503_with_its_exit_code_and_none_of_the_servers_files():
+    """The engine runs out of memory (its address space capped under what a long prompt needs): the
+    503 names the exit code and the kind of error; the traceback is the server's log's, not the
+    client's; the engine process is reaped."""
+    s = ServerProcess("--max-bs", "4", "--n-slots", "2048", "--drain-s", "1").start()
+    try:
+        pid = engine_pid(s)
+        vm = next(int(ln.split()[1]) for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
+                  if ln.startswith("VmSize")) * 1024
+        resource.prlimit(pid, resource.RLIMIT_AS, (vm + (8 << 20), resource.RLIM_INFINITY))
+        body = {"prompt": "a" * 500, "max_tokens": 500, "ignore_eos": True}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503, r.text
+        message = r.json()["error"]["message"]
+        assert "engine process exited (code 1)" in message and "RuntimeError" in message, message
+        assert ".py" not in message and "Traceback" not in message and "orca_lab" not in message, message
+        assert httpx.get(s.url + "/health").json()["error"]["message"] == message
+        assert wait_for(lambda: pid not in descendants(s.proc.pid))  # reaped, not a zombie
+        assert s.stop() < 10 and "Traceback" in s.output            # the operator has it
+    finally:
+        s.kill()
+
+
+# -- what the engine process keeps -----------------------------------------------------------------
+@pytest.mark.parametrize("history", [0, HISTORY])
+def test_the_engine_loop_keeps_per_request_history_only_for_debug(history):
+    """Without --debug (history 0) the engine keeps no request or iteration once it is delivered
+    (a server's memory grew with what it served: ~160 MiB over 20,000 requests); with it, a bounded
+    history for /debug/run."""
+    import multiprocessing as mp
+    from orca_lab import SamplingParams
+    engine = LLM("tiny", seed=0).new_engine("orca")
+    inbox, to_engine = mp.Pipe(duplex=False)
+    from_engine, outbox = mp.Pipe(duplex=False)
+    loop = EngineLoop(engine, inbox, outbox, history)
+    try:
+        for i in range(3):
+            loop.handle(("add", i, [(i, [1, 2, 3], SamplingParams(max_gen_tokens=4), None)]))
+        for _ in range(100):
+            if not engine.has_work():
+                break
+            loop.turn()
+        assert not engine.has_work() and not loop.rids
+        kept = (len(engine.requests), len(engine.records) > 0)
+        assert kept == ((0, False) if history == 0 else (3, True))
+    finally:
+        engine.close()
+        for c in (inbox, to_engine, from_engine, outbox):
+            c.close()

@@ -163,11 +163,7 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
         _check_model(state, body.model)
         if tokenizer is None:
             raise HTTPError(400, f"model {state.model_name!r} has no tokenizer: it takes token ids only", "tokens")
-        vocab = core.info.cfg.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise HTTPError(400, f"tokens holds {bad}: out of the vocabulary, allowed [0, {vocab - 1}]", "tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return {"prompt": tokenizer.decode(check_ids(body.tokens, core.info.cfg.vocab_size, "tokens"))}
 
     return app
 
@@ -238,7 +234,7 @@ class _StampArrival:
 
 def _model_card(state: ServerState) -> ModelCard:
     ec, cfg = state.pool.core.info.engine_config, state.pool.core.info.cfg
-    return ModelCard(id=state.model_name, max_model_len=cfg.max_seq_len, vocab_size=cfg.vocab_size,
+    return ModelCard(id=state.model_name, root=state.model_name, max_model_len=cfg.max_seq_len, vocab_size=cfg.vocab_size,
                      system=state.system, max_bs=ec.max_bs, n_slots=ec.n_slots)
 
 
@@ -248,19 +244,21 @@ def _streams(state: ServerState, body: CompletionRequest, arrival: float) -> lis
     if state.draining:
         raise HTTPError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_S)})
     _check_model(state, body.model)
-    tokenizer = state.pool.core.info.tokenizer
-    prompts = [_encode(tokenizer, p, i, len(body.prompt)) for i, p in enumerate(body.prompt)]
+    info = state.pool.core.info
+    where = lambda i: "prompt" if len(body.prompt) == 1 else f"prompt[{i}]"
+    prompts = [check_ids(_encode(info.tokenizer, p, where(i)), info.cfg.vocab_size, where(i))
+               for i, p in enumerate(body.prompt)]
     out, q = [], asyncio.Queue()
     for i, ids in enumerate(prompts):
         for j in range(body.n):
-            seed = None if body.seed is None else body.seed + j       # n samples, n different draws
+            seed = None if body.seed is None else (body.seed + j) % 2 ** 63   # n samples, n different draws
             try:
                 params = SamplingParams(max_gen_tokens=max(1, body.max_tokens), temperature=body.temperature,
                                         top_k=body.top_k, top_p=body.top_p, seed=seed,
                                         ignore_eos=body.ignore_eos, stop=tuple(body.stop),
                                         stop_token_ids=tuple(body.stop_token_ids or ()),
                                         logprobs=body.logprobs,
-                                        prompt_logprobs=body.logprobs if body.echo else None,
+                                        prompt_logprobs=body.engine_prompt_logprobs,
                                         logit_bias=body.bias_pairs(), presence_penalty=body.presence_penalty,
                                         frequency_penalty=body.frequency_penalty,
                                         repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens)
@@ -275,11 +273,20 @@ def _streams(state: ServerState, body: CompletionRequest, arrival: float) -> lis
     return out
 
 
-def _encode(tokenizer, prompt, i: int, n: int) -> list[int]:
+def check_ids(ids: list[int], vocab_size: int, where: str) -> list[int]:
+    """Token ids a client sent, refused here if one is out of the vocabulary: before anything
+    decodes them (echo's text, /detokenize), so a bad id is a 400, never a decoder's 500."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise HTTPError(400, f"{where} holds token id {bad}: out of the vocabulary, allowed [0, {vocab_size - 1}]",
+                        where.split("[")[0])
+    return ids
+
+
+def _encode(tokenizer, prompt, where: str) -> list[int]:
     if not isinstance(prompt, str):
         return prompt
     if tokenizer is None:
-        where = "prompt" if n == 1 else f"prompt[{i}]"
         raise HTTPError(400, f"{where} is text but this model has no tokenizer: send token ids", "prompt")
     ids = tokenizer.encode(prompt)
     if not ids:

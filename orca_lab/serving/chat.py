@@ -23,7 +23,7 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 # the completions fields a chat takes as they are (the checks are CompletionRequest's)
 SHARED = ("model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "stream",
           "stream_options", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
-          "min_tokens", "logit_bias", "user")
+          "min_tokens", "logit_bias", "user", "return_tokens_as_token_ids")
 
 
 class ChatMessage(BaseModel):
@@ -162,7 +162,8 @@ def chat_response(completion: dict) -> dict:
     return {"id": "chat" + completion["id"], "object": "chat.completion", "created": completion["created"],
             "model": completion["model"], "usage": completion["usage"],
             "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-                         "logprobs": c["logprobs"], "finish_reason": c["finish_reason"]} for c in completion["choices"]]}
+                         "logprobs": c["logprobs"], "finish_reason": c["finish_reason"],
+                         "matched_stop": c["matched_stop"]} for c in completion["choices"]]}
 
 
 def chat_chunk(data: str, started: set) -> str:
@@ -178,7 +179,8 @@ def chat_chunk(data: str, started: set) -> str:
         if c["index"] not in started:
             started.add(c["index"])
             delta = {"role": "assistant", **delta}
-        choices.append({"index": c["index"], "delta": delta, "logprobs": c["logprobs"], "finish_reason": c["finish_reason"]})
+        choices.append({"index": c["index"], "delta": delta, "logprobs": c["logprobs"], "finish_reason": c["finish_reason"],
+                        "matched_stop": c["matched_stop"]})
     out = {"id": "chat" + chunk["id"], "object": "chat.completion.chunk", "created": chunk["created"],
            "model": chunk["model"], "choices": choices, "usage": chunk.get("usage")}
     return f"data: {json.dumps(out)}\n\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from orca_lab.serving.engine_client import Event, HTTPError, Stream
-from orca_lab.serving.logprob_text import LogprobText
+from orca_lab.serving.logprob_text import LogprobText, TokenNames, prompt_entries
 from orca_lab.serving.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from orca_lab.serving.state import HTTPRecord, ServerState
 
@@ -29,13 +29,16 @@ def usage_of(streams, outputs, n: int) -> Usage:
 
 
 class ChoiceWriter:
-    """What one choice's events add to its answer: the echoed prompt before its first event, and its
+    """What one choice's events add to its answer: the echoed prompt before its first event, its
     log-probabilities if asked, in the shape ``form`` writes (``logprob_text.py``: the completions'
-    or the chat's), the same for a stream's chunks and a whole answer."""
+    or the chat's), and vLLM's ``prompt_logprobs`` if asked, the same for a stream's chunks and a
+    whole answer."""
 
     def __init__(self, stream: Stream, body: CompletionRequest, tokenizer, form=LogprobText):
-        self.stream, self.started = stream, False
-        self.logprobs = form(tokenizer) if body.logprobs is not None else None
+        self.stream, self.started, self.echo = stream, False, body.echo
+        as_ids = body.return_tokens_as_token_ids
+        self.logprobs = form(tokenizer, as_ids, body.logprobs) if body.logprobs is not None else None
+        self.prompt_k, self.names = body.prompt_logprobs, TokenNames(tokenizer, as_ids)
 
     def text(self, ev: Event) -> str:
         return ev.text if self.started else self.stream.prompt_text + ev.text
@@ -45,31 +48,46 @@ class ChoiceWriter:
         first, self.started = not self.started, True
         if self.logprobs is None:
             return None
-        pairs = list(zip(self.stream.prompt, ev.prompt_logprobs)) if first and ev.prompt_logprobs else []
+        pairs = list(zip(self.stream.prompt, _prompt_entries(ev))) if first and self.echo else []
         if ev.token is not None:
             pairs.append((ev.token, ev.logprob))
         return self.logprobs.chunk(pairs)
+
+    def prompt_logprobs_of(self, ev: Event) -> list | None:
+        """vLLM's ``prompt_logprobs``, with the choice's first event (None with the others)."""
+        if self.prompt_k is None or self.started:
+            return None
+        return prompt_entries(self.names, self.stream.prompt, _prompt_entries(ev), self.prompt_k)
+
+
+def _prompt_entries(ev: Event) -> list:
+    """The prompt's entries with a choice's first event: the engine scores none of a one-token
+    prompt, whose first (and only) token has no entry all the same."""
+    return ev.prompt_logprobs or [None]
 
 
 async def whole_answer(state: ServerState, body: CompletionRequest, cid: str, streams: list[Stream], form=LogprobText):
     outputs, texts, reasons = [[] for _ in streams], [[] for _ in streams], [None] * len(streams)
     writers = [ChoiceWriter(s, body, state.pool.tokenizer, form) for s in streams]
-    logprobs = [[] for _ in streams]
+    logprobs, prompt_logprobs, matched = [[] for _ in streams], [None] * len(streams), [None] * len(streams)
     async for i, ev in events_of(streams):
         if ev.error is not None:            # the engine died: no answer, not a partial one
             raise HTTPError(503, ev.error)
         if ev.token is not None:
             outputs[i].append(ev.token)
         texts[i].append(writers[i].text(ev))
+        prompt_logprobs[i] = prompt_logprobs[i] or writers[i].prompt_logprobs_of(ev)
         logprobs[i].append(writers[i].logprobs_of(ev))
-        reasons[i] = ev.finish_reason
+        reasons[i], matched[i] = ev.finish_reason, ev.matched_stop
     if state.draining and "abort" in reasons:    # cut short at shutdown: say so, not a partial answer
         raise HTTPError(503, "the server is shutting down: the request was aborted once --drain-s ran out")
     ids = body.return_token_ids
     choices = [CompletionChoice(index=i, text="".join(texts[i]), finish_reason=reasons[i],
                                 logprobs=None if body.logprobs is None else form.whole(logprobs[i]),
                                 token_ids=outputs[i] if ids else None,
-                                prompt_token_ids=streams[i].prompt if ids else None) for i in range(len(streams))]
+                                prompt_token_ids=streams[i].prompt if ids else None,
+                                prompt_logprobs=prompt_logprobs[i], matched_stop=matched[i])
+               for i in range(len(streams))]
     return CompletionResponse(id=cid, model=state.model_name, choices=choices,
                               usage=usage_of(streams, outputs, body.n))
 
@@ -88,8 +106,11 @@ async def sse_answer(state: ServerState, body: CompletionRequest, cid: str, stre
             if ev.token is not None:
                 outputs[i].append(ev.token)
             done[i] = ev.finish_reason is not None
+            plp = writers[i].prompt_logprobs_of(ev)
             choice = {"index": i, "text": writers[i].text(ev), "logprobs": writers[i].logprobs_of(ev),
-                      "finish_reason": ev.finish_reason}
+                      "finish_reason": ev.finish_reason, "matched_stop": ev.matched_stop}
+            if plp is not None:
+                choice["prompt_logprobs"] = plp
             if body.return_token_ids:
                 choice["token_ids"] = [] if ev.token is None else [ev.token]
             # a CompletionResponse with this one choice, written by hand: a token's chunk is the

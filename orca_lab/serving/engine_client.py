@@ -14,6 +14,7 @@ from orca_lab.serving.metrics import ServerMetrics
 
 log = logging.getLogger("orca_lab.serve")
 RETRY_AFTER_S = 1
+REAP_S = 10.0           # how long the endpoint waits for an engine that closed its pipe to exit
 
 
 class HTTPError(Exception):
@@ -34,6 +35,7 @@ class Event:
     error: str | None = None
     logprob: object = None              # the token's TokenLogprob, if the request asked
     prompt_logprobs: list | None = None  # with a request's first event, if it asked (echo)
+    matched_stop: int | str | None = None  # with its last: the stop token id or string that ended it
 
 
 @dataclass(eq=False)
@@ -58,6 +60,16 @@ class Stream:
             return ""
         return self.detokenizer.update(tokens, finish_reason, stop_at)
 
+    def matched_stop(self, token: int | None, finish_reason: str | None, stop_at: int | None) -> int | str | None:
+        """SGLang's ``matched_stop``: what ended the choice with "stop", the token id (EOS or a stop
+        token, ``stop_at`` None) or the stop string that begins at ``stop_at`` of its text."""
+        if finish_reason != "stop" or self.echo_only:
+            return None
+        if stop_at is None:
+            return token
+        rest = self.detokenizer.decode(self.output)[stop_at:]
+        return next((s for s in self.params.stop if rest.startswith(s)), None)
+
 
 class EngineClient:
     """The endpoint's side of the engine process: the request pool's door (``submit``, ``cancel``,
@@ -74,6 +86,8 @@ class EngineClient:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._call_ids, self._stream_ids = itertools.count(), itertools.count()
         self.stopping = False                         # asked to stop: its exit is no failure
+        self.exiting: str | None = None               # why the engine failed, as it said before it exits
+        self._reading = False
         self._in_inbox = 0                            # sent to the engine, not answered yet
         self._waiting = 0                             # never scheduled (engine), as last reported
 
@@ -83,17 +97,22 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
-        return self.error is None and self.core.proc.is_alive()
+        return self.error is None and self._reading and self.exiting is None and self.core.proc.is_alive()
 
     def start(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         loop.add_reader(self.core.receive.fileno(), self._on_readable)
+        self._reading = True
 
     def submit(self, streams: list[Stream]) -> asyncio.Future:
         """Send ``streams`` to the engine; the future settles once the engine took them all (or
         refused them: ValueError/TypeError). Past ``max_queue`` waiting requests: 503."""
         if not self.alive:
             raise HTTPError(503, self.error or "the engine is not running")
+        if len(streams) > self.max_queue:           # not a matter of time: retrying never helps
+            raise HTTPError(400, f"the request is {len(streams)} sequences (prompts x n), more than max_queue="
+                            f"{self.max_queue} waiting requests (--max-queue) can ever hold: send at most "
+                            f"{self.max_queue}", "n")
         waiting = self._in_inbox + self._waiting
         if waiting + len(streams) > self.max_queue:
             raise HTTPError(503, f"the server is overloaded: {waiting} requests waiting, max_queue="
@@ -128,8 +147,7 @@ class EngineClient:
         self.stopping = True
 
     def close(self):
-        if not self.core.receive.closed:
-            self.loop.remove_reader(self.core.receive.fileno())
+        self._stop_reading()
         self.core.send.close(), self.core.receive.close()
 
     def _expect(self, streams) -> asyncio.Future:
@@ -151,10 +169,22 @@ class EngineClient:
             while self.error is None and self.core.receive.poll():
                 msg = self.core.receive.recv()
                 getattr(self, "_on_" + msg[0])(*msg[1:])
-        except (EOFError, OSError):
-            self.core.proc.join(0.5)                  # its exit code, once it has one
-            self._failed("the server is shutting down" if self.stopping else
-                         f"the engine process exited (code {self.core.proc.exitcode})")
+        except (EOFError, OSError):                   # it is exiting: join it (no zombie), then say how
+            self._stop_reading()
+            if self.stopping:                         # the lifespan's end joins it
+                self._failed("the server is shutting down")
+            else:
+                self.loop.create_task(self._reap())
+
+    async def _reap(self):
+        await asyncio.to_thread(self.core.proc.join, REAP_S)
+        why = f": {self.exiting}" if self.exiting else ""
+        self._failed(f"the engine process exited (code {self.core.proc.exitcode}){why}")
+
+    def _stop_reading(self):
+        if self._reading:
+            self._reading = False
+            self.loop.remove_reader(self.core.receive.fileno())
 
     def _on_added(self, call_id, answer):
         fut, streams = self.pending.pop(call_id)
@@ -183,7 +213,8 @@ class EngineClient:
                 s.t_last = now
                 s.output.append(token)
             text = "" if s.echo_only else s.text([] if token is None else [token], reason, stop_at)
-            out.append((s, Event(token, text, reason, logprob=lp, prompt_logprobs=plp)))
+            matched = s.matched_stop(token, reason, stop_at)
+            out.append((s, Event(token, text, reason, logprob=lp, prompt_logprobs=plp, matched_stop=matched)))
             if reason is not None:
                 del self.streams[stream_id]
                 m.requests.labels(reason).inc()
@@ -199,7 +230,9 @@ class EngineClient:
         _settle(fut, error=value) if isinstance(value, Exception) else _settle(fut, value)
 
     def _on_failed(self, why: str):
-        self._failed(why)
+        """The engine raised (its traceback is in the server's log): it exits next, and its pipe's
+        end tells (``_on_readable``)."""
+        self.exiting = why
 
     def _failed(self, why: str):
         """The engine is gone: every waiting future gets 503, every running stream ends with
@@ -209,7 +242,7 @@ class EngineClient:
         if not self.stopping:
             log.error(why)
         self.error = why
-        self.loop.remove_reader(self.core.receive.fileno())
+        self._stop_reading()
         for fut, _ in self.pending.values():
             _settle(fut, error=HTTPError(503, why))
         self.pending.clear()

@@ -31,7 +31,6 @@ import multiprocessing as mp
 import queue
 import signal
 import threading
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,7 +81,7 @@ class EngineInfo:
 
 
 # -- the engine's side (the child process) ---------------------------------------------------------
-def engine_main(recipe: EngineArgs, inbox, outbox, t0: float):
+def engine_main(recipe: EngineArgs, inbox, outbox, t0: float, history: int = 0):
     # Ctrl-C and a service manager's SIGTERM reach the whole process group: the endpoint drains its
     # requests first and then stops us, or we stop when it is gone (the pipe closes).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -101,7 +100,7 @@ def engine_main(recipe: EngineArgs, inbox, outbox, t0: float):
     engine.clock.t0 = t0                       # one clock for both processes (perf_counter is system-wide)
     outbox.send(("ready", EngineInfo(llm.cfg, llm.engine_config, llm.tokenizer)))
     outbox.send(("stats", engine.stats()))      # the gauges from the start (kv_slots_total)
-    EngineLoop(engine, inbox, outbox).run()
+    EngineLoop(engine, inbox, outbox, history).run()
 
 
 def plug_learner(engine, plugins: str):
@@ -117,10 +116,12 @@ def plug_learner(engine, plugins: str):
 
 
 class EngineLoop:
-    """Algorithm 1's loop over the request pool, fed by the endpoint's messages."""
+    """Algorithm 1's loop over the request pool, fed by the endpoint's messages. ``history``: the
+    requests and iterations it keeps for /debug/run (``HISTORY`` with ``--debug``, up to twice as
+    many); 0 keeps none once delivered, so a server's memory does not grow with what it served."""
 
-    def __init__(self, engine, inbox, outbox):
-        self.engine, self.outbox = engine, outbox
+    def __init__(self, engine, inbox, outbox, history: int = HISTORY):
+        self.engine, self.outbox, self.history = engine, outbox, history
         self.messages: queue.SimpleQueue = queue.SimpleQueue()
         self.rids: dict[int, int] = {}           # stream_id -> rid, while the request runs
         self.stream_ids: dict[int, int] = {}     # rid -> stream_id
@@ -151,8 +152,11 @@ class EngineLoop:
                     self.turn()
                 elif msgs:
                     self._send(("stats", engine.stats()))
-        except BaseException:
-            self._send(("failed", f"the engine failed:\n{traceback.format_exc()}"))
+        except BaseException as e:
+            # the client learns the kind of failure only; the traceback, with the server's files,
+            # goes to the server's log, as multiprocessing prints it when the process exits (code 1)
+            self._send(("failed", f"the engine failed ({type(e).__name__}); the server's log has the traceback"))
+            raise
         finally:
             engine.close()
 
@@ -226,8 +230,8 @@ class EngineLoop:
         records = self.engine.records
         tokens = [r.n_tokens for r in records[self._n_records:] if r.stage == 0]
         self._n_records = len(records)
-        if len(records) > 2 * HISTORY or len(self.engine.requests) > 2 * HISTORY:
-            self.engine.forget(HISTORY, HISTORY)   # a server runs for days: keep its memory bounded
+        if len(records) > 2 * self.history or len(self.engine.requests) > 2 * self.history:
+            self.engine.forget(self.history, self.history)   # a server runs for days: keep its memory bounded
             self._n_records = len(self.engine.records)
         self._send(("out", self.engine.clock.now(), out, self.engine.stats(), tokens))
 
@@ -263,14 +267,14 @@ def records_json(engine, since: float) -> bytes:
 # -- the endpoint's side (this process) ------------------------------------------------------------
 class EngineProcess:
     """Starts the engine process and waits until it serves; the endpoint's ``EngineClient`` then
-    talks to it."""
+    talks to it. ``history``: what it keeps for /debug/run (``EngineLoop``)."""
 
-    def __init__(self, recipe: EngineArgs, start_timeout: float = 600.0):
+    def __init__(self, recipe: EngineArgs, start_timeout: float = 600.0, history: int = 0):
         ctx = mp.get_context("spawn")              # a fresh interpreter: no inherited threads or CUDA state
         engine_in, self.send = ctx.Pipe(duplex=False)       # (reader, writer)
         self.receive, engine_out = ctx.Pipe(duplex=False)
         self.clock = RealClock()
-        self.proc = ctx.Process(target=engine_main, args=(recipe, engine_in, engine_out, self.clock.t0),
+        self.proc = ctx.Process(target=engine_main, args=(recipe, engine_in, engine_out, self.clock.t0, history),
                                 name="orca-engine")
         self.proc.start()
         engine_in.close(), engine_out.close()     # the child's ends: its exit closes the pipes

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 URL = re.compile(r"orca-lab serve: .* on (http://\S+)")
 
@@ -53,6 +54,12 @@ class ServerProcess:
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
 
+    def engine_pid(self) -> int:
+        """The pid of its engine process: multiprocessing's spawned child, not its resource tracker."""
+        pids = [int(d) for d in filter(str.isdigit, os.listdir("/proc")) if _child_of(int(d), self.proc.pid)]
+        assert len(pids) == 1, f"expected one engine process under the server, found {pids}"
+        return pids[0]
+
     def stop(self, sig=signal.SIGTERM, timeout: float = 10.0) -> float:
         """Signal it and wait until it has exited; returns the seconds that took."""
         t0 = time.perf_counter()
@@ -75,3 +82,13 @@ class ServerProcess:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def _child_of(pid: int, parent: int) -> bool:
+    """Whether ``pid`` is a running engine process under ``parent`` (from /proc: no psutil)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cmd = Path(f"/proc/{pid}/cmdline").read_text()
+    except (OSError, IndexError):
+        return False
+    return int(stat[1]) == parent and stat[0] != "Z" and "spawn_main" in cmd and "resource_tracker" not in cmd

@@ -1,46 +1,73 @@
 """A choice's log-probabilities in OpenAI's completions shape (``tokens``, ``token_logprobs``,
 ``top_logprobs``, ``text_offset``: ``LogprobText``) or its chat shape (``content``, a list of tokens
-each with its bytes and its most likely tokens: ``ChatLogprobs``), written as its tokens come: one
-writer per choice serves the whole answer and each streamed chunk alike, so the chunks of a stream
-add up to the whole answer.
+each with its bytes and its most likely tokens: ``ChatLogprobs``), and vLLM's ``prompt_logprobs``
+(``prompt_entries``), written as its tokens come: one writer per choice serves the whole answer and
+each streamed chunk alike, so the chunks of a stream add up to the whole answer.
 
-A token's text is ``decode([id])`` (``"token_id:<id>"`` for a model without a tokenizer, as vLLM
-writes it); ``text_offset`` counts those texts from the start of the choice's text (the prompt's,
-with echo). ``top_logprobs`` holds the ``k`` most likely tokens and the chosen one (so ``k + 1``
-entries when it is not among them, as vLLM gives them); two ids of one text keep the likelier.
+A token is named by ``token_name``, so ``k`` ids always give ``k`` distinct names (``top_logprobs``
+holds the ``k`` most likely tokens and the chosen one: ``k + 1`` entries when it is not among them,
+as vLLM gives them). ``text_offset`` counts each token's decoded text from the start of the choice's
+text (the prompt's, with echo).
 """
 from __future__ import annotations
 
 from orca_lab.serving.protocol import ChatChoiceLogprobs, CompletionLogprobs
 
 
-def token_text(decode, token: int) -> str:
-    return f"token_id:{token}" if decode is None else decode([token])
+class TokenNames:
+    """What names a token in an answer's logprobs: its text when its bytes are whole UTF-8 on their
+    own; OpenAI's ``bytes:\\xNN...`` when they are a piece of a character (whose text, U+FFFD, many
+    tokens share); vLLM's ``token_id:<id>`` with ``return_tokens_as_token_ids``, for a model without
+    a tokenizer, and for a token without bytes (the byte tokenizer's EOS). A tokenizer that cannot
+    tell a token's bytes (a Hugging Face one) names a U+FFFD text ``token_id:<id>`` too."""
+
+    def __init__(self, tokenizer, as_ids: bool = False):
+        self.decode = getattr(tokenizer, "decode", None)
+        self.token_bytes = getattr(tokenizer, "token_bytes", None)
+        self.as_ids = as_ids or self.decode is None
+
+    def text(self, token: int) -> str:
+        """The token's own text (what it adds to the choice's text), "" without a tokenizer."""
+        return "" if self.decode is None else self.decode([token])
+
+    def raw(self, token: int) -> bytes | None:
+        """The token's own bytes, None when the tokenizer cannot tell them."""
+        return None if self.token_bytes is None else self.token_bytes(token)
+
+    def name(self, token: int) -> str:
+        if self.as_ids:
+            return f"token_id:{token}"
+        raw = self.raw(token)
+        if raw is None:
+            text = self.text(token)
+            return f"token_id:{token}" if "\ufffd" in text or not text else text
+        if not raw:
+            return f"token_id:{token}"
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 class LogprobText:
-    def __init__(self, tokenizer):
-        self.decode, self.offset = getattr(tokenizer, "decode", None), 0
-
-    def text_of(self, token: int) -> str:
-        return token_text(self.decode, token)
+    def __init__(self, tokenizer, as_ids: bool = False, k: int | None = None):
+        self.names, self.offset, self.k = TokenNames(tokenizer, as_ids), 0, k
 
     def chunk(self, pairs) -> dict:
         """``pairs``: ``(token id, TokenLogprob or None)`` in order (None: the prompt's first token)."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token, entry in pairs:
-            text = self.text_of(token)
-            out["tokens"].append(text)
+            name = self.names.name(token)
+            out["tokens"].append(name)
             out["text_offset"].append(self.offset)
-            self.offset += len(text)
+            self.offset += len(self.names.text(token))
             if entry is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
                 continue
             top = {}
-            for t, lp in entry.top:
-                top.setdefault(self.text_of(t), lp)
-            top.setdefault(text, entry.logprob)
+            for t, lp in (*entry.top[:self.k], (token, entry.logprob)):
+                top.setdefault(self.names.name(t), lp)      # (a shared name keeps the likelier)
             out["token_logprobs"].append(entry.logprob)
             out["top_logprobs"].append(top)
         return out
@@ -54,25 +81,40 @@ class LogprobText:
 
 class ChatLogprobs:
     """The chat's shape: ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob,
-    bytes}]}]}``, the ``top_logprobs`` most likely first. ``bytes`` come from the tokenizer's
-    ``token_bytes``, so a byte-level token that is a piece of a character keeps its own byte (its
-    text is U+FFFD); a tokenizer without it (a Hugging Face one, whose decoder hides such a piece)
-    gives its text's bytes, as vLLM does."""
+    bytes}]}]}``, the ``top_logprobs`` most likely first. ``bytes`` are the token's own (a
+    byte-level piece of a character keeps its byte); a tokenizer that cannot tell them, or
+    ``return_tokens_as_token_ids``, gives its name's bytes, as vLLM does."""
 
-    def __init__(self, tokenizer):
-        self.decode = getattr(tokenizer, "decode", None)
-        self.token_bytes = getattr(tokenizer, "token_bytes", None)
+    def __init__(self, tokenizer, as_ids: bool = False, k: int | None = None):
+        self.names, self.k = TokenNames(tokenizer, as_ids), k
 
     def item(self, token: int, logprob: float) -> dict:
-        text = token_text(self.decode, token)
-        raw = self.token_bytes(token) if self.token_bytes is not None else text.encode("utf-8")
-        return {"token": text, "logprob": logprob, "bytes": list(raw)}
+        name = self.names.name(token)
+        raw = None if self.names.as_ids else self.names.raw(token)
+        return {"token": name, "logprob": logprob, "bytes": list(raw if raw is not None else name.encode("utf-8"))}
 
     def chunk(self, pairs) -> dict:
         """``pairs``: ``(token id, TokenLogprob)`` of output tokens (a chat echoes no prompt)."""
-        return {"content": [{**self.item(token, e.logprob), "top_logprobs": [self.item(t, lp) for t, lp in e.top]}
+        return {"content": [{**self.item(token, e.logprob), "top_logprobs": [self.item(t, lp) for t, lp in e.top[:self.k]]}
                             for token, e in pairs]}
 
     @staticmethod
     def whole(chunks: list[dict]) -> ChatChoiceLogprobs:
         return ChatChoiceLogprobs(content=[x for c in chunks for x in c["content"]])
+
+
+def prompt_entries(names: TokenNames, prompt: list[int], entries: list, k: int) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then for each one ``{token id:
+    {logprob, rank, decoded_token}}`` of the ``k`` most likely tokens at its position and the prompt's
+    own. ``rank`` is 1 for the most likely; a prompt token outside the top ``k`` has rank None (its
+    place below them is not computed)."""
+    out = []
+    for token, e in zip(prompt, entries):
+        if e is None:
+            out.append(None)
+            continue
+        top = {t: {"logprob": lp, "rank": r, "decoded_token": names.name(t)}
+               for r, (t, lp) in enumerate(e.top[:k], start=1)}
+        top.setdefault(token, {"logprob": e.logprob, "rank": None, "decoded_token": names.name(token)})
+        out.append(top)
+    return out

@@ -41,7 +41,7 @@ def bounds(**schema) -> dict:
 FLOATS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 # OpenAI's and vLLM's completion fields this server does not implement: only the neutral value passes
 NEUTRAL = {"suffix": None, "use_beam_search": False, "length_penalty": 1.0, "truncate_prompt_tokens": None,
-           "min_p": 0.0, "prompt_logprobs": None, "include_stop_str_in_output": False,
+           "min_p": 0.0, "include_stop_str_in_output": False,
            "skip_special_tokens": True, "spaces_between_special_tokens": True, "allowed_token_ids": None,
            "bad_words": None, "response_format": None, "guided_json": None, "guided_regex": None,
            "guided_choice": None, "guided_grammar": None, "logits_processors": None, "priority": 0}
@@ -70,11 +70,15 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = Field(None, description="only with stream=true")
     ignore_eos: StrictBool = False
     return_token_ids: StrictBool = False
+    return_tokens_as_token_ids: StrictBool = Field(False, description="logprobs name each token token_id:<id>")
     logprobs: int | None = Field(None, description="the log-probabilities of the k most likely tokens at each "
                                  "position (log_softmax of the raw logits)", **bounds(minimum=0, maximum=MAX_LOGPROBS))
     presence_penalty: float | None = Field(0.0, **bounds(minimum=-2.0, maximum=2.0))
     frequency_penalty: float | None = Field(0.0, **bounds(minimum=-2.0, maximum=2.0))
     repetition_penalty: float | None = Field(1.0, **bounds(minimum=MIN_REPETITION_PENALTY, maximum=100.0))
+    prompt_logprobs: int | None = Field(None, description="vLLM's: each prompt token's log-probability with the "
+                                        "k most likely at its position, in choice.prompt_logprobs",
+                                        **bounds(minimum=0, maximum=MAX_LOGPROBS))
     min_tokens: int | None = Field(0, description="at most max_tokens", **bounds(minimum=0, maximum=MAX_TOKENS))
     logit_bias: dict[str, float] | None = Field(None, description="token id -> bias added to its logit",
                                                 **bounds(additionalProperties={"type": "number", "minimum": -100,
@@ -87,7 +91,6 @@ class CompletionRequest(BaseModel):
     length_penalty: float | None = Field(1.0, **bounds(enum=[None, 1.0]))
     truncate_prompt_tokens: int | None = Field(None, **bounds(enum=[None]))
     min_p: float | None = Field(0.0, **bounds(enum=[None, 0.0]))
-    prompt_logprobs: int | None = Field(None, **bounds(enum=[None]))
     include_stop_str_in_output: StrictBool = Field(False, **bounds(enum=[False]))
     skip_special_tokens: StrictBool = Field(True, **bounds(enum=[True]))
     spaces_between_special_tokens: StrictBool = Field(True, **bounds(enum=[True]))
@@ -103,7 +106,7 @@ class CompletionRequest(BaseModel):
 
     @field_validator("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "n", "logprobs",
                      "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                     mode="before")
+                     "prompt_logprobs", mode="before")
     @classmethod
     def _numbers(cls, v, info):
         """A number is a JSON number: pydantic would take ``true`` as 1 and ``"5"`` as 5 (``5.0`` is
@@ -197,10 +200,10 @@ class CompletionRequest(BaseModel):
             raise ValueError("stream_options is only allowed with stream=true")
         return v
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "prompt_logprobs")
     @classmethod
-    def _logprobs(cls, v):
-        return v if v is None else check_range("logprobs", v, 0, MAX_LOGPROBS)
+    def _logprobs(cls, v, info):
+        return v if v is None else check_range(info.field_name, v, 0, MAX_LOGPROBS)
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -229,12 +232,18 @@ class CompletionRequest(BaseModel):
         if not isinstance(v, dict):
             raise ValueError(f"logit_bias={_short(v)} must be an object mapping token ids to biases")
         for k, b in v.items():
-            if not str(k).isdigit():
+            if not (str(k).isascii() and str(k).isdigit()):          # "²" is a digit to str.isdigit, not to int()
                 raise ValueError(f"logit_bias key {k!r} is not a token id: keys are token ids (0 or more)")
             if isinstance(b, (bool, str)) or not isinstance(b, (int, float)):
                 raise ValueError(f"logit_bias[{k!r}]={_short(b)} is not a number")
             check_range(f"logit_bias[{k!r}]", b, -100.0, 100.0, kind=float)
         return {str(k): float(b) for k, b in v.items()}
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The k of the prompt's entries the engine computes: echo's and ``prompt_logprobs``'s."""
+        asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(asked, default=None)
 
     @property
     def include_usage(self) -> bool:
@@ -307,6 +316,12 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -315,6 +330,9 @@ class CompletionChoice(BaseModel):
     # vLLM's return_token_ids; left out of the JSON unless asked for
     token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
     prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
+    # vLLM's: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    matched_stop: int | str | None = None     # SGLang's: the stop token id or string that ended it
 
 
 class CompletionResponse(BaseModel):
@@ -332,6 +350,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "orca_lab"
+    root: str                           # vLLM's: the model it serves
+    parent: str | None = None           # vLLM's: the base model of an adapter (none here)
     max_model_len: int                  # vLLM's field
     vocab_size: int                     # lets a load generator draw token-id prompts
     system: str                         # orca or ft

@@ -22,7 +22,7 @@ import sys
 from fastapi import FastAPI
 
 from orca_lab.serving.app import build_app
-from orca_lab.serving.engine_core import EngineProcess, EngineArgs
+from orca_lab.serving.engine_core import HISTORY, EngineArgs, EngineProcess
 
 log = logging.getLogger("orca_lab.serve")
 
@@ -92,7 +92,7 @@ def serve(recipe: EngineArgs, host: str = "127.0.0.1", port: int = 8000, max_que
     url = f"http://{host}:{sock.getsockname()[1]}"
     ready = lambda app: print(f"orca-lab serve: {app.state.orca.model_name} ({recipe.system}) on {url}", flush=True)
     try:
-        core = EngineProcess(recipe)
+        core = EngineProcess(recipe, history=HISTORY if debug else 0)
     except BaseException:
         sock.close()
         raise
