@@ -1,5 +1,6 @@
 """The simulator: same scheduling decisions as the real engine, pipelines per stage, virtual time,
 memory-limited baseline, cost models, sweeps and their refusals of bad parameters."""
+import dataclasses
 import math
 
 import pandas as pd
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from helpers import random_prompts
-from orca_lab import LLM, EngineConfig
+from orca_lab import LLM, PRESETS, EngineConfig
 from orca_lab.engine.batch import Batch
 from orca_lab.engine.request import Request
 from orca_lab.engine.sampling_params import SamplingParams
@@ -146,10 +147,42 @@ def test_analytical_cost_follows_the_roofline_and_the_paper_s_differences():
     per_req = cost.attention_time(_batch(*zip(*mixed)))
     d = cost.cfg.d_model / cost.tp
     from orca_lab.sim.cost import _attention_work
-    f, b = map(sum, zip(*(_attention_work(s, q, d) for s, q in mixed)))
+    f, b = map(sum, zip(*(_attention_work(s, q, d, d) for s, q in mixed)))
     assert per_req >= cost.roofline(f, b, cost.eff.attention) - 1e-12
     faster = AnalyticalCost("gpt3-175b", "h100").iteration(_batch([100], [1]))
     assert sum(faster.stages) < sum(decode.stages)
+
+
+def test_gpt_costs_are_the_multi_head_formulas():
+    """GPT (one K/V head per query head, a 4d MLP with GeLU): the costs of multi-head attention."""
+    cost = AnalyticalCost("gpt3-175b")
+    d, tp, T = 12288, 8, 37
+    gemms = (cost.gemm(T, d, 3 * d / tp) + cost.gemm(T, d / tp, d) + cost.gemm(T, d, 4 * d / tp)
+             + cost.gemm(T, 4 * d / tp, d))
+    elementwise = 2 * cost.memory_op(2 * T * d) + 2 * cost.memory_op(3 * T * d) + cost.memory_op(2 * T * 4 * d / tp)
+    assert cost.layer_parts(T) == {"gemm": gemms, "elementwise": elementwise, "all_reduce": 2 * cost.all_reduce(T * d)}
+    from orca_lab.sim.cost import _attention_work
+    start, q = 300, 5
+    pairs = q * start + q * (q + 1) / 2
+    assert _attention_work(start, q, d / tp, cost.kv_width()) == (4 * pairs * d / tp, 2 * d / tp * (2 * (start + q) + 4 * q))
+
+
+def test_grouped_queries_read_only_their_k_v_heads_and_swiglu_has_three_matrices():
+    from orca_lab.sim.cost import _attention_work
+    llama = PRESETS["llama3-70b"]
+    assert AnalyticalCost(llama).tp == 8                        # 8 x 80 GB of a node: one K/V head per GPU
+    costs = [AnalyticalCost(dataclasses.replace(llama, n_kv_heads=n), tensor_parallel=1) for n in (8, 4)]
+    start, d = 1000, llama.d_model
+    kv_bytes = [_attention_work(start, 1, d, c.kv_width())[1] - 2 * 2 * d for c in costs]   # less Q in, O out
+    assert kv_bytes[0] == 2 * 2 * 8 * 128 * (start + 2) and kv_bytes[0] == 2 * kv_bytes[1]
+    decode = [c.attention_time(_batch([start], [1])) for c in costs]
+    assert decode[1] < decode[0]                                # decode attention is memory bound
+    # QKV: 64 query heads and 2 x 8 K/V heads of 128; SwiGLU: gate and up (stacked), then down
+    T, ff = 16, llama.intermediate_size
+    c = costs[0]
+    gemms = c.gemm(T, d, (64 + 2 * 8) * 128) + c.gemm(T, d, d) + c.gemm(T, d, 2 * ff) + c.gemm(T, ff, d)
+    assert c.layer_parts(T)["gemm"] == gemms
+    assert AnalyticalCost(llama, tensor_parallel=16).kv_width() == 128   # past 8 GPUs a K/V head is replicated
 
 
 @pytest.mark.parametrize("make,match", [
