@@ -16,7 +16,7 @@ from orca_lab.sim import params as P
 from orca_lab.sim.cost import AnalyticalCost, Efficiency
 from orca_lab.sim.executor import IterationCost, SimExecutor
 from orca_lab.sim.fitted import FittedCost
-from orca_lab.sim.memory import SCHEMES, kv_study
+from orca_lab.sim.memory import SCHEMES, kv_study, reservation_table
 from orca_lab.sim.sweep import CSV_COLUMNS, Curve, Sweep, TraceSpec, batch_time, capacity
 from orca_lab.sim.backends import SimBackend
 from orca_lab.sim.headline import headline, throughput_at
@@ -349,6 +349,20 @@ def test_kv_occupancy_matches_the_engine_and_orders_the_schemes():
     assert list(u.index) == list(SCHEMES)
     assert u["max_seq_len"] < u["max_tokens"] < u["true_length"] < u["paged"] <= 1.0
     assert (occ["used"] <= occ["paged"]).all() and (occ["paged"] <= occ["used"] + 16 * occ["n_holders"]).all()
+
+
+def test_reservation_table_puts_grouped_query_slots_beside_gpt3_s():
+    df = reservation_table(max_bs=200, n_requests=200).set_index("model")
+    gpt, llama = df.loc["gpt3-175b"], df.loc["llama3-70b"]
+    assert gpt["kv_bytes_per_token"] == 2 * 96 * 96 * 128 * 2          # layers x K/V heads x head size, K and V
+    assert llama["kv_bytes_per_token"] == 2 * 80 * 8 * 128 * 2         # 8 K/V heads, not 64
+    for model, row in df.iterrows():
+        assert row["n_slots"] == AnalyticalCost(model, "a100-80gb", 8, 1).n_slots()
+        assert row["requests_fit_max_tokens"] == row["n_slots"] // (512 + 128)
+        assert row["waste_paged"] < row["waste_max_tokens"] and row["paged_rps"] >= row["orca_rps"]
+    assert llama["requests_fit_max_tokens"] > 20 * gpt["requests_fit_max_tokens"]
+    assert gpt["orca_batch"] < gpt["paged_batch"]                      # GPT-3's reservation binds the batch
+    assert llama["orca_batch"] == llama["paged_batch"] == 200          # Llama's never does here
 
 
 def test_fidelity_statistics_of_a_run_and_their_summary_as_the_field_reports_them():
