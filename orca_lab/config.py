@@ -163,6 +163,15 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt3-101b": ModelConfig("gpt3-101b", n_layers=80, d_model=10240, n_heads=80, max_seq_len=2048),
     "gpt3-175b": ModelConfig("gpt3-175b", n_layers=96, d_model=12288, n_heads=96, max_seq_len=2048),
     "gpt3-341b": ModelConfig("gpt3-341b", n_layers=120, d_model=15360, n_heads=120, max_seq_len=2048),
+    # Llama 3 (simulator shapes): Meta's config.json on the Hugging Face Hub (meta-llama/Meta-Llama-3-8B,
+    # meta-llama/Meta-Llama-3-70B) and "The Llama 3 Herd of Models" (Dubey et al. 2024), Table 3:
+    # 8 K/V heads for 32 or 64 query heads, head size 128, untied head, rope_theta 500000, 8192 positions.
+    "llama3-8b": ModelConfig("llama3-8b", n_layers=32, d_model=4096, n_heads=32, vocab_size=128256,
+                             max_seq_len=8192, family="llama", n_kv_heads=8, intermediate_size=14336,
+                             rope_theta=500000.0, tie_embeddings=False),
+    "llama3-70b": ModelConfig("llama3-70b", n_layers=80, d_model=8192, n_heads=64, vocab_size=128256,
+                              max_seq_len=8192, family="llama", n_kv_heads=8, intermediate_size=28672,
+                              rope_theta=500000.0, tie_embeddings=False),
 }
 
 

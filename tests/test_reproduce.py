@@ -30,7 +30,7 @@ SMALL = {   # each notebook at a size that runs in seconds
                     span_s=0.0),
     "fig9_engine": dict(models=["gpt3-13b"], batch_sizes=[1, 8], input_lens=[32]),
     "fig11_homogeneous": dict(shapes=[[16, 8]], curves=["orca(4)", "ft(2,2)"], n_requests=10, loads=[0.5, 1.5], n_procs=1),
-    "kv_memory": dict(rates=[2.0], n_requests=30),
+    "kv_memory": dict(rates=[2.0], n_requests=30, reservation_requests=64),
     "sim_fidelity": dict(presets=["tiny"], curves=["orca(4)", "ft(4,4)"], loads=[0.5], n_requests=6, scale=0.05, repeats=2),
     "policies": dict(models=["gpt3-13b"], traces=["paper", "sharegpt"], n_requests=16, concurrency_requests=60,
                      measured_requests=4, loads=[0.5, 1.5], formats=["html", "png", "svg", "pdf"], prefix_chats=3,
@@ -47,7 +47,7 @@ MEASURE = {
     "fig11_homogeneous": (dict(shapes=[[32, 16]], scale=0.25, curves=["orca(4)", "ft(2,2)"], n_requests=8, loads=[0.5, 2.0]),
                           CSV_COLUMNS[:5] + ["input_len", "gen_len", "throughput_rps", "e2e_median_ms",
                                              "norm_latency_median_ms"]),
-    "kv_memory": (dict(rates=[50.0], n_requests=12, scale=0.1),
+    "kv_memory": (dict(rates=[50.0], n_requests=12, scale=0.1, reservation_requests=16),
                   ["scheme", "utilization", "mean_reserved_slots", "peak_reserved_slots", "rate"]),
 }
 BAD = {     # a bad parameter, and the message it must stop with (every check: tests/test_sim.py)
@@ -198,6 +198,8 @@ def test_kv_memory_writes_utilization_per_scheme(runs):
     assert set(df["scheme"]) == {"max_seq_len", "max_tokens", "true_length", "paged"}
     assert df["utilization"].between(0, 1).all()
     _figures(out, "kv_memory")
+    table = pd.read_csv(out / "kv_reservation.csv").set_index("model")
+    assert table.loc["llama3-70b", "n_slots"] > 20 * table.loc["gpt3-175b", "n_slots"]   # 8 K/V heads of 64
 
 
 def test_sim_fidelity_reports_errors_per_load(runs):

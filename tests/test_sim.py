@@ -1,5 +1,6 @@
 """The simulator: same scheduling decisions as the real engine, pipelines per stage, virtual time,
 memory-limited baseline, cost models, sweeps and their refusals of bad parameters."""
+import dataclasses
 import math
 
 import pandas as pd
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from helpers import random_prompts
-from orca_lab import LLM, EngineConfig
+from orca_lab import LLM, PRESETS, EngineConfig
 from orca_lab.engine.batch import Batch
 from orca_lab.engine.request import Request
 from orca_lab.engine.sampling_params import SamplingParams
@@ -15,7 +16,7 @@ from orca_lab.sim import params as P
 from orca_lab.sim.cost import AnalyticalCost, Efficiency
 from orca_lab.sim.executor import IterationCost, SimExecutor
 from orca_lab.sim.fitted import FittedCost
-from orca_lab.sim.memory import SCHEMES, kv_study
+from orca_lab.sim.memory import SCHEMES, kv_study, reservation_table
 from orca_lab.sim.sweep import CSV_COLUMNS, Curve, Sweep, TraceSpec, batch_time, capacity
 from orca_lab.sim.backends import SimBackend
 from orca_lab.sim.headline import headline, throughput_at
@@ -146,10 +147,42 @@ def test_analytical_cost_follows_the_roofline_and_the_paper_s_differences():
     per_req = cost.attention_time(_batch(*zip(*mixed)))
     d = cost.cfg.d_model / cost.tp
     from orca_lab.sim.cost import _attention_work
-    f, b = map(sum, zip(*(_attention_work(s, q, d) for s, q in mixed)))
+    f, b = map(sum, zip(*(_attention_work(s, q, d, d) for s, q in mixed)))
     assert per_req >= cost.roofline(f, b, cost.eff.attention) - 1e-12
     faster = AnalyticalCost("gpt3-175b", "h100").iteration(_batch([100], [1]))
     assert sum(faster.stages) < sum(decode.stages)
+
+
+def test_gpt_costs_are_the_multi_head_formulas():
+    """GPT (one K/V head per query head, a 4d MLP with GeLU): the costs of multi-head attention."""
+    cost = AnalyticalCost("gpt3-175b")
+    d, tp, T = 12288, 8, 37
+    gemms = (cost.gemm(T, d, 3 * d / tp) + cost.gemm(T, d / tp, d) + cost.gemm(T, d, 4 * d / tp)
+             + cost.gemm(T, 4 * d / tp, d))
+    elementwise = 2 * cost.memory_op(2 * T * d) + 2 * cost.memory_op(3 * T * d) + cost.memory_op(2 * T * 4 * d / tp)
+    assert cost.layer_parts(T) == {"gemm": gemms, "elementwise": elementwise, "all_reduce": 2 * cost.all_reduce(T * d)}
+    from orca_lab.sim.cost import _attention_work
+    start, q = 300, 5
+    pairs = q * start + q * (q + 1) / 2
+    assert _attention_work(start, q, d / tp, cost.kv_width()) == (4 * pairs * d / tp, 2 * d / tp * (2 * (start + q) + 4 * q))
+
+
+def test_grouped_queries_read_only_their_k_v_heads_and_swiglu_has_three_matrices():
+    from orca_lab.sim.cost import _attention_work
+    llama = PRESETS["llama3-70b"]
+    assert AnalyticalCost(llama).tp == 8                        # 8 x 80 GB of a node: one K/V head per GPU
+    costs = [AnalyticalCost(dataclasses.replace(llama, n_kv_heads=n), tensor_parallel=1) for n in (8, 4)]
+    start, d = 1000, llama.d_model
+    kv_bytes = [_attention_work(start, 1, d, c.kv_width())[1] - 2 * 2 * d for c in costs]   # less Q in, O out
+    assert kv_bytes[0] == 2 * 2 * 8 * 128 * (start + 2) and kv_bytes[0] == 2 * kv_bytes[1]
+    decode = [c.attention_time(_batch([start], [1])) for c in costs]
+    assert decode[1] < decode[0]                                # decode attention is memory bound
+    # QKV: 64 query heads and 2 x 8 K/V heads of 128; SwiGLU: gate and up (stacked), then down
+    T, ff = 16, llama.intermediate_size
+    c = costs[0]
+    gemms = c.gemm(T, d, (64 + 2 * 8) * 128) + c.gemm(T, d, d) + c.gemm(T, d, 2 * ff) + c.gemm(T, ff, d)
+    assert c.layer_parts(T)["gemm"] == gemms
+    assert AnalyticalCost(llama, tensor_parallel=16).kv_width() == 128   # past 8 GPUs a K/V head is replicated
 
 
 @pytest.mark.parametrize("make,match", [
@@ -316,6 +349,20 @@ def test_kv_occupancy_matches_the_engine_and_orders_the_schemes():
     assert list(u.index) == list(SCHEMES)
     assert u["max_seq_len"] < u["max_tokens"] < u["true_length"] < u["paged"] <= 1.0
     assert (occ["used"] <= occ["paged"]).all() and (occ["paged"] <= occ["used"] + 16 * occ["n_holders"]).all()
+
+
+def test_reservation_table_puts_grouped_query_slots_beside_gpt3_s():
+    df = reservation_table(max_bs=200, n_requests=200).set_index("model")
+    gpt, llama = df.loc["gpt3-175b"], df.loc["llama3-70b"]
+    assert gpt["kv_bytes_per_token"] == 2 * 96 * 96 * 128 * 2          # layers x K/V heads x head size, K and V
+    assert llama["kv_bytes_per_token"] == 2 * 80 * 8 * 128 * 2         # 8 K/V heads, not 64
+    for model, row in df.iterrows():
+        assert row["n_slots"] == AnalyticalCost(model, "a100-80gb", 8, 1).n_slots()
+        assert row["requests_fit_max_tokens"] == row["n_slots"] // (512 + 128)
+        assert row["waste_paged"] < row["waste_max_tokens"] and row["paged_rps"] >= row["orca_rps"]
+    assert llama["requests_fit_max_tokens"] > 20 * gpt["requests_fit_max_tokens"]
+    assert gpt["orca_batch"] < gpt["paged_batch"]                      # GPT-3's reservation binds the batch
+    assert llama["orca_batch"] == llama["paged_batch"] == 200          # Llama's never does here
 
 
 def test_fidelity_statistics_of_a_run_and_their_summary_as_the_field_reports_them():

@@ -95,7 +95,10 @@ class Efficiency:
 
 
 # ORCA §6, Table: (tensor parallel, pipeline stages) of each model on A100-40GB.
-PAPER_PARALLELISM = {"gpt3-13b": (1, 1), "gpt3-101b": (8, 1), "gpt3-175b": (8, 2), "gpt3-341b": (8, 4)}
+PAPER_PARALLELISM = {"gpt3-13b": (1, 1), "gpt3-101b": (8, 1), "gpt3-175b": (8, 2), "gpt3-341b": (8, 4),
+                     # not in the paper: Llama-3-70B's 141 GB of fp16 weights on the 8 GPUs of one node
+                     # (18 GB each, room for K/V even on 40 GB), one of its 8 K/V heads per GPU
+                     "llama3-70b": (8, 1)}
 DTYPE_BYTES = 2   # fp16 parameters and activations (§6)
 
 
@@ -149,14 +152,24 @@ class AnalyticalCost:
         return layer, tuple(sum(parts.values()) for parts in self.stage_extras(T, B, padded))
 
     def layer_parts(self, T: int) -> dict:
-        """One layer's time without attention, by kind of op, for ``T`` rows of ``[sum L, H]``."""
+        """One layer's time without attention, by kind of op, for ``T`` rows of ``[sum L, H]``.
+        Llama's SwiGLU has a gate beside the up projection (stacked in one GEMM, as in
+        ``model/llama.py``); GPT's MLP has the up projection only."""
         d, tp = self.cfg.d_model, self.tp
         d_tp, ff_tp = d / tp, self.cfg.d_ff / tp
-        gemms = (self.gemm(T, d, 3 * d_tp) + self.gemm(T, d_tp, d)          # QKV, attention out
-                 + self.gemm(T, d, ff_tp) + self.gemm(T, ff_tp, d))         # MLP
-        # LayerNorm x2 and the residual adds read and write [T, d]; bias+GeLU [T, 4d/tp]
-        elementwise = 2 * self.memory_op(2 * T * d) + 2 * self.memory_op(3 * T * d) + self.memory_op(2 * T * ff_tp)
+        gated = self.cfg.family == "llama"
+        gemms = (self.gemm(T, d, d_tp + 2 * self.kv_width()) + self.gemm(T, d_tp, d)   # QKV, attention out
+                 + self.gemm(T, d, (1 + gated) * ff_tp) + self.gemm(T, ff_tp, d))     # MLP
+        # the norms x2 and the residual adds read and write [T, d]; GPT's bias+GeLU reads and writes
+        # [T, d_ff/tp], SwiGLU's silu(gate) * up reads two of them and writes one
+        elementwise = (2 * self.memory_op(2 * T * d) + 2 * self.memory_op(3 * T * d)
+                       + self.memory_op((2 + gated) * T * ff_tp))
         return {"gemm": gemms, "elementwise": elementwise, "all_reduce": 2 * self.all_reduce(T * d)}
+
+    def kv_width(self) -> float:
+        """Width of K (or V) on one GPU: its share of the ``n_kv_heads`` heads, at least one head
+        (replicated when tensor parallelism exceeds them, ``ModelConfig.kv_heads_on``)."""
+        return max(self.cfg.n_kv_heads * self.cfg.head_dim / self.tp, self.cfg.head_dim)
 
     def stage_extras(self, T: int, B: int, padded: bool) -> list[dict]:
         """What each stage adds to its layers: embedding on the first, LM head and the iteration's
@@ -191,14 +204,14 @@ class AnalyticalCost:
         and the times add up (one launch for all: ORCA fuses them, §5). Batched (baseline): one
         kernel over the padded batch, whose requests all have the same shape."""
         flops_rate, bytes_rate = self.dev.flops * self.eff.attention, self.dev.hbm_bw * self.eff.hbm
-        d_tp = self.cfg.d_model / self.tp
+        d_tp, kv_tp = self.cfg.d_model / self.tp, self.kv_width()
         if batch.padded:
-            f, b = _attention_work(batch.starts[0], batch.q_lens[0], d_tp)
+            f, b = _attention_work(batch.starts[0], batch.q_lens[0], d_tp, kv_tp)
             B = len(batch.q_lens)
             return max(B * f / flops_rate, B * b / bytes_rate, self.eff.kernel_floor_s)
         t = 0.0
         for s, q in zip(batch.starts, batch.q_lens):
-            f, b = _attention_work(s, q, d_tp)
+            f, b = _attention_work(s, q, d_tp, kv_tp)
             t += max(f / flops_rate, b / bytes_rate)
         return max(t, self.eff.kernel_floor_s)
 
@@ -240,11 +253,12 @@ class AnalyticalCost:
                 "n_slots": self.n_slots()}
 
 
-def _attention_work(start: int, q: int, d_tp: float) -> tuple[float, float]:
+def _attention_work(start: int, q: int, d_tp: float, kv_tp: float) -> tuple[float, float]:
     """FLOPs and bytes of one request's attention: ``q`` new tokens after ``start`` cached ones,
-    causal, over ``d_tp`` of the hidden size (its heads on this GPU)."""
+    causal, over ``d_tp`` of the hidden size (its query heads on this GPU) and ``kv_tp`` of K/V
+    width (its K/V heads: grouped queries read each K/V head once for the whole group)."""
     pairs = q * start + q * (q + 1) / 2          # (query, key) pairs under the causal mask
     ctx = start + q
     flops = 4 * pairs * d_tp                     # Q K^T and P V
-    bytes_ = DTYPE_BYTES * d_tp * (2 * ctx + 4 * q)   # read K, V of the context; Q in, O out, K, V written
+    bytes_ = DTYPE_BYTES * (d_tp * 2 * q + kv_tp * (2 * ctx + 2 * q))   # Q in, O out; K, V of the context read, new ones written
     return flops, bytes_

@@ -109,3 +109,37 @@ def kv_study(backend, curve, rates, n_requests: int, seed: int = 0, declared_gen
         occs.append(occ.assign(rate=rate))
         utils.append(kv_utilization(occ).assign(rate=rate))
     return pd.concat(occs, ignore_index=True), pd.concat(utils, ignore_index=True)
+
+
+def reservation_table(models=("gpt3-175b", "llama3-70b"), device: str = "a100-80gb", tensor_parallel: int = 8,
+                      pipeline_parallel: int = 1, max_bs: int = 256, n_requests: int = 512,
+                      declared_gen: int = 128, block_size: int = 16, seed: int = 0) -> pd.DataFrame:
+    """ORCA's ``max_tokens`` reservation against paged K/V, per model on the same GPUs: a slot's bytes
+    (grouped-query attention shrinks it by ``n_heads / n_kv_heads``), the slots left after the weights,
+    the requests that fit when each reserves the paper's longest ``max_tokens`` (512-token prompt plus
+    ``declared_gen``), the share of reserved slots holding no real K/V in ORCA's schedule under each
+    scheme, and the throughput of ``orca(max_bs)`` and ``paged(max_bs)`` serving the same early-stopping
+    paper trace, all there at once (requests/s of the simulated GPUs, calibrated cost model)."""
+    from orca_lab.metrics import summarize
+    from orca_lab.sim.backends import SimBackend
+    from orca_lab.sim.cost import DTYPE_BYTES, GiB
+    from orca_lab.sim.sweep import Curve
+    rows = []
+    for model in models:
+        sim = SimBackend(model, device, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+                         block_size=block_size)
+        cfg, trace = sim.cfg, early_stop_trace(n_requests, None, seed, declared_gen, sim.cfg.vocab_size)
+        row = {"model": model, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
+               "kv_bytes_per_token": cfg.kv_bytes_per_token(DTYPE_BYTES),
+               "weights_gib_per_gpu": sim.cost.weight_bytes_per_gpu() / GiB, "n_slots": sim.n_slots,
+               "requests_fit_max_tokens": sim.n_slots // (512 + declared_gen)}
+        for system in ("orca", "paged"):
+            result = sim.serve(Curve(system, max_bs), trace, eos_after=eos_after(trace))
+            row[f"{system}_batch"] = max(len(it.rids) for it in result.iterations)
+            row[f"{system}_rps"] = summarize(result)["throughput_rps"]
+            if system == "orca":
+                util = kv_utilization(kv_occupancy(result, trace, cfg.max_seq_len, block_size))
+                waste = 1 - util.set_index("scheme")["utilization"]
+                row["waste_max_tokens"], row["waste_paged"] = waste["max_tokens"], waste["paged"]
+        rows.append(row)
+    return pd.DataFrame(rows)
