@@ -159,13 +159,6 @@ class GPT(nn.Module):
                 return cls(cfg, **kw).eval()
         return cls.build(cfg, RandomWeights(seed, device, dtype, init_device), **kw)
 
-    @classmethod
-    def from_pretrained(cls, path, device="cpu", dtype=torch.float32, **kw) -> "GPT":
-        """The model of a Hugging Face checkpoint directory, of whichever family its config.json names
-        (``families.py``)."""
-        from orca_lab.model.families import from_pretrained
-        return from_pretrained(path, device, dtype, **kw)
-
     def save_pretrained(self, path):
         """Write this model as a Hugging Face GPT-2 checkpoint (transformers can load it)."""
         from safetensors.torch import save_file
