@@ -7,7 +7,7 @@ def pins(lines) -> dict[str, str]:
     out = {}
     for line in lines:
         if m := re.match(r"^([A-Za-z0-9_.-]+)==([^\s;]+)", line):
-            out[re.sub(r"[-_.]+", "-", m[1]).lower()] = m[2]
+            out[re.sub(r"[-_.]+", "-", m[1]).lower()] = m[2].split("+")[0]   # 2.13.0+cpu is 2.13.0
     return out
 
 
