@@ -23,7 +23,7 @@ import nbformat
 from orca_lab.course import solve
 
 EDITIONS = ("learner", "instructor")
-GRADER = re.compile(r"\bgrade\.(check_\w+)\(|\bprint\(f?[\"']correct")
+GRADER = re.compile(r"\b(grade(?:_engine)?\.check_\w+)\(|\bprint\(f?[\"']correct")   # grade.py's and grade_engine.py's
 TASK = re.compile(r"raise NotImplementedError\((['\"])(.*?)\1\)")
 REFERENCE = ('<p class="orca-reference">Output of the reference solution '
              '(<code>notebooks/solutions/</code>): your own code may print otherwise.</p>')
@@ -47,7 +47,7 @@ def grader_of(nb, index: int) -> str:
     for cell in nb.cells[index + 1:]:
         if is_grader(cell):
             found = GRADER.search(cell.source).group(1)
-            return f"`grade.{found}` checks it" if found else "the cell after it checks your answer"
+            return f"`{found}` checks it" if found else "the cell after it checks your answer"
     return "the cells after it use it"
 
 
