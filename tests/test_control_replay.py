@@ -9,7 +9,7 @@ import pytest
 
 from orca_lab import LLM, EngineConfig
 from orca_lab.distributed.channels import Inbox, connect
-from orca_lab.distributed.messages import Reset, StageReport, Stop
+from orca_lab.distributed.messages import ControlMessage, Reset, StageReport, Stop
 from orca_lab.distributed.pool import WorkerPool
 from orca_lab.distributed.wire import ControlError
 
@@ -201,3 +201,18 @@ def test_a_worker_refuses_a_frame_of_its_connection_played_again(tiny_llm):
         with pytest.raises(RuntimeError, match=r"(?s)worker rank 0 failed:.*ControlError: refused control frame "
                                                r"\d+ where frame \d+ was due .*\(replayed\)"):
             pool.collect(1, timeout=60)
+
+
+def test_a_worker_refuses_an_iteration_it_has_run(tiny_llm):
+    """An iteration's message sent again, sealed anew (so the frame's sequence number is right): the
+    worker refuses an iteration number that does not increase, rather than sample its requests twice."""
+    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=2, n_slots=256, executor="workers"))
+    with WorkerPool(llm) as pool:
+        sent, real_send = [], pool.send
+        pool.send = lambda msg: (sent.append(msg), real_send(msg))
+        assert llm.generate([[1, 2, 3]], max_gen_tokens=3) == LLM(gpt=tiny_llm.model).generate([[1, 2, 3]], 3)
+        first = next(m for m in sent if isinstance(m, ControlMessage))
+        real_send(first)
+        with pytest.raises(RuntimeError, match=rf"(?s)worker rank 0 failed:.*refused iteration {first.iteration} "
+                                               rf"after iteration {pool._iteration} \(iterations must increase\)"):
+            pool.collect(first.iteration, timeout=60)

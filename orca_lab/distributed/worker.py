@@ -107,6 +107,7 @@ class Worker:
         self.data = DataPlane(self.rank, spec.tp, spec.pp, store, self.device)
         self._build_stage(store)
         self.requests: dict[int, RemoteRequest] = {}
+        self.last_iteration = 0             # the pool's first is 1
         self._connect(store)
         store.set(f"ready/{self.rank}", "1")
 
@@ -159,6 +160,7 @@ class Worker:
                     if isinstance(msg, Reset):
                         self.requests.clear()
                     else:
+                        self._check_order(msg.iteration)
                         self.run(msg)
         except BaseException:
             if self.report is not None:
@@ -168,6 +170,15 @@ class Worker:
                     pass
             raise
         self.close()
+
+    def _check_order(self, iteration: int):
+        """The pool numbers iterations in one increasing sequence across engines: an iteration at or
+        below the last one run is a replay the frame seals could not see (the same message signed
+        again), and running it would sample a request twice."""
+        if iteration <= self.last_iteration:
+            raise ControlError(f"worker rank {self.rank}: refused iteration {iteration} after iteration "
+                               f"{self.last_iteration} (iterations must increase)")
+        self.last_iteration = iteration
 
     def _relay(self, out: queue.Queue):
         """Check each control frame's signature and forward it downstream as it arrives (the same
