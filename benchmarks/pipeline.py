@@ -5,7 +5,7 @@
 
 Real worker processes on this machine (gloo on CPU, one torch thread each): ``--pp`` stages x ``--tp``
 tensor ranks serve one offline trace (every request at time 0, paper-shaped lengths times
-``--scale``) with ``orca(max_bs)`` (ORCA §4.3: the scheduler keeps ``n_workers = pp`` batches in flight)
+``--scale``) with ``orca(max_bs)`` (ORCA §4.2: the scheduler keeps ``n_workers = pp`` batches in flight)
 and with ``ft(max_bs, mbs)`` for each ``--mbs`` (a request-level batch split into micro-batches that
 follow one another through the stages). ``orca, 1 stage`` runs the same model in one worker as a
 reference. Per stage, utilisation = busy time / span of the run, read from ``RunResult.iterations``

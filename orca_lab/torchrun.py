@@ -1,5 +1,5 @@
 """The engine across nodes with torchrun (env:// rendezvous): every rank is a worker, rank 0 is also the
-engine master (ORCA §4.3's engine master plus worker 1, in one process: the worker runs in a thread).
+engine master (ORCA §4.1's engine master plus worker 1, in one process: the worker runs in a thread).
 
 Two nodes, a pipeline stage per node, tensor parallel inside each node (ORCA's 175B setup, scaled)::
 

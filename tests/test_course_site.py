@@ -296,3 +296,12 @@ def test_every_section_the_course_cites_is_one_of_the_papers():
     cited = {(name, s) for name, text in texts.items() for s in re.findall(r"§\d+(?:\.\d+)?", text)}
     assert {s for _, s in cited} >= {"§3", "§4.1", "§4.2"}
     assert not {c for c in cited if c[1] not in PAPER_SECTIONS}
+
+
+def test_every_section_the_package_cites_is_one_of_the_papers():
+    """The same for the package's docstrings, benchmarks, reproductions and README: a learner reads them too."""
+    files = [p for d in ("orca_lab", "benchmarks", "reproduce", "scripts") for p in (ROOT / d).rglob("*")
+             if p.suffix in (".py", ".ipynb", ".md", ".sh")] + [ROOT / "README.md"]
+    cited = {(str(p.relative_to(ROOT)), s) for p in files for s in re.findall(r"§\d+(?:\.\d+)?", p.read_text())}
+    assert {s for _, s in cited} >= {"§3", "§4.1", "§4.2", "§6"}
+    assert not {c for c in cited if c[1] not in PAPER_SECTIONS}

@@ -1,4 +1,4 @@
-"""The data plane (ORCA §4.3): tensors between workers over torch.distributed, never over control.
+"""The data plane (ORCA §4.1): tensors between workers over torch.distributed, never over control.
 
 Ranks are laid out stage-major: worker ``(stage s, tensor rank t)`` is rank ``s * T + t``. Activations
 ``[sum L, H]`` go point to point from ``(s, t)`` to ``(s + 1, t)``; within a stage the tensor-parallel

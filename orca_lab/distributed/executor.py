@@ -1,5 +1,5 @@
 """The executor interface (``engine/executor.py``) over a pool of worker processes: the engine
-master's side of ORCA's distributed execution (§4.3)."""
+master's side of ORCA's distributed execution (§4.1)."""
 from __future__ import annotations
 
 import time

@@ -1,4 +1,4 @@
-"""The control plane's messages (ORCA §4.3): what the engine master and the workers tell each other.
+"""The control plane's messages (ORCA §4.1): what the engine master and the workers tell each other.
 
 The engine master sends each iteration's ``ControlMessage`` (request ids, positions, lengths, new
 token ids, K/V slots of requests new to the workers) to the first stage's workers. Every worker

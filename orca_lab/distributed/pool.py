@@ -1,4 +1,4 @@
-"""ORCA's distributed execution engine (§4.3): worker processes driven by the engine master.
+"""ORCA's distributed execution engine (§4.1): worker processes driven by the engine master.
 
 ``EngineConfig(tensor_parallel=T, pipeline_parallel=P)`` makes ``LLM.new_engine`` start a
 ``WorkerPool`` of T x P workers (``worker.py``) and drive it through a ``WorkerExecutor``:

@@ -1,4 +1,4 @@
-"""A worker (ORCA §4.3): one process per (pipeline stage, tensor rank) running its share of each iteration.
+"""A worker (ORCA §4.1): one process per (pipeline stage, tensor rank) running its share of each iteration.
 
 Two threads. The relay forwards every control message to the next stage the moment it arrives, so the
 control plane never waits for tensor work. The tensor thread then runs the iteration: build the

@@ -28,7 +28,7 @@ class Completion:
 
 
 def split_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
-    """Equal contiguous partitions of the layers, one per pipeline stage (ORCA §4.3)."""
+    """Equal contiguous partitions of the layers, one per pipeline stage (ORCA §4.1)."""
     check_range("pipeline_parallel", n_stages, 1, n_layers)
     bounds = [round(i * n_layers / n_stages) for i in range(n_stages + 1)]
     return list(zip(bounds[:-1], bounds[1:]))

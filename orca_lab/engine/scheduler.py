@@ -83,7 +83,7 @@ class Scheduler:
 
 
 class OrcaScheduler(Scheduler):
-    """Iteration-level FCFS scheduling (ORCA §4.1, Algorithm 1)."""
+    """Iteration-level FCFS scheduling (ORCA §4.2, Algorithm 1)."""
     name = "orca"
 
     def __init__(self, kv: KVSlotManager, max_bs: int):

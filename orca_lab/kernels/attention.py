@@ -1,4 +1,4 @@
-"""Ragged attention over the K/V slot pool: every request of one iteration in one launch (ORCA §4.2).
+"""Ragged attention over the K/V slot pool: every request of one iteration in one launch (ORCA §3).
 
 Selective batching flattens the new tokens of all requests into ``q [T, H, D]``; only attention must
 be split per request, because each request attends over its own keys. ORCA concatenates the thread

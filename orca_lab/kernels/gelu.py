@@ -1,7 +1,7 @@
 """Bias add fused with GeLU (tanh approximation, as GPT-2).
 
 The first MLP matmul's bias add and the GeLU after it are both elementwise: one kernel reads the
-activations once and writes them once, where PyTorch's two ops read and write them twice (ORCA §4.2).
+activations once and writes them once, where PyTorch's two ops read and write them twice (ORCA §3).
 """
 import math
 

@@ -1,4 +1,4 @@
-"""K/V write: scatter the new tokens' keys and values into their slots of the pool (ORCA §4.2).
+"""K/V write: scatter the new tokens' keys and values into their slots of the pool (ORCA §3).
 
 The Attention K/V manager hands each new token a slot; before attention runs, every layer writes
 that token's K and V there, so the attention kernel finds each request's whole context in the pool.

@@ -1,7 +1,7 @@
 """LayerNorm over the rows of ``[T, H]``, optionally fused with the residual add before it.
 
 Selective batching runs LayerNorm on the flattened ``[sum L, H]`` tokens of all requests at once
-(ORCA §4.2). Fusing ``x + residual`` into the same pass saves one read and one write of the activations,
+(ORCA §3). Fusing ``x + residual`` into the same pass saves one read and one write of the activations,
 which is all a memory-bound op costs.
 """
 from itertools import product

@@ -1,4 +1,4 @@
-"""GPT with selective batching (ORCA §4.2), readable top to bottom.
+"""GPT with selective batching (ORCA §3), readable top to bottom.
 
 Every token-wise op (Linear, LayerNorm, GeLU, Add) runs on the flat ``[sum L, H]`` tensor of the
 whole iteration; only attention is split per request, over that request's K/V in the slot pool.

@@ -7,7 +7,7 @@ the model thinks of each token, the same whatever sampler settings drew it; an e
 scoring a continuation needs exactly that.
 
 A prompt's log-probabilities need the logits of every prompt position, which the engine otherwise
-never computes (``GPT.head`` projects each request's last token only, ORCA §4.2). The prefill of a
+never computes (``GPT.head`` projects each request's last token only, ORCA §3). The prefill of a
 request that asks computes them for that request's rows alone; the other requests of the batch pay
 nothing.
 """

@@ -1,14 +1,14 @@
 """Analytical cost of one iteration: FLOPs and bytes of every op on ``[sum L, H]``, on one GPU of a
-tensor-parallel group, for each pipeline stage (ORCA §4.2-4.3, evaluated on §6's hardware).
+tensor-parallel group, for each pipeline stage (ORCA §3, §4.1, evaluated on §6's hardware).
 
 Each op takes the longer of its compute time and its memory time (a roofline) at achievable, not
 peak, rates. Tensor parallelism adds two all-reduces per layer over NVLink; pipeline parallelism
 adds a send of the activations over InfiniBand between stages. The two engines differ only where
 the paper says they do:
-- attention: ORCA runs it per request (selective batching, §4.2), the baseline runs one batched
+- attention: ORCA runs it per request (selective batching, §3), the baseline runs one batched
   kernel over its padded ``[B, L]`` batch;
 - control: ORCA's engine master sends a gRPC message to the first worker and gets the tokens back
-  from the last (§4.3, separate control plane); FasterTransformer carries control through NCCL,
+  from the last (§4.1, separate control plane); FasterTransformer carries control through NCCL,
   so every stage synchronizes its CPU with its GPU every iteration (§6.1).
 Every number below is a named parameter with its source beside it; none is fitted to the paper's
 figures. ``AnalyticalCost(...).describe()`` records them with each result.
@@ -83,7 +83,7 @@ class Efficiency:
                                      # calibrated model
     ft_hop_s: float = 0.0            # FasterTransformer, per stage boundary per iteration: the next
                                      # stage learns of the iteration only through NCCL once the
-                                     # previous one is done, so its launches are not hidden (§4.3);
+                                     # previous one is done, so its launches are not hidden (§4.1);
                                      # 0 here, fitted to Figure 9's text in the calibrated model
 
     def __post_init__(self):

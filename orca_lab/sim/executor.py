@@ -3,7 +3,7 @@
 It keeps the executor interface (``submit``, ``wait(timeout)``, ``clock``, ``n_workers``, ``close``),
 so the engine loop, both schedulers and the K/V slot manager run unchanged on top of it. Each
 pipeline stage is a resource that runs one batch at a time: stage ``s`` of a batch starts when stage
-``s`` is free and stage ``s - 1`` of the same batch is done (ORCA §4.3). In-flight batches, the
+``s`` is free and stage ``s - 1`` of the same batch is done (ORCA §4.2). In-flight batches, the
 baseline's micro-batches and the bubbles of a pipeline therefore come out of the simulation.
 """
 from __future__ import annotations
