@@ -32,7 +32,7 @@ from orca_lab.model.gpt import GPT, Block, _place, chunk_dim, token_positions
 
 
 class RMSNorm(nn.Module):
-    """The gain of an RMSNorm (the op is ``rms_norm``, called with the block's epsilon)."""
+    """The gain of an RMSNorm (the op is ``kernels.rms_norm``, called with the block's epsilon)."""
 
     def __init__(self, d: int):
         super().__init__()
