@@ -78,8 +78,9 @@ def serve(args):
             template = check_template(Path(args.chat_template).read_text(), args.chat_template)
         except OSError as e:
             raise ValueError(f"--chat-template {args.chat_template}: cannot read it ({e.strerror})") from None
-    run(EngineArgs(args.model, args.seed, engine, args.system, args.threads, args.plugins), args.host, args.port,
-        args.max_queue, args.drain_s, model_name=args.model, debug=args.debug, chat_template=template)
+    model = args.checkpoint or args.model or "tiny"
+    run(EngineArgs(model, args.seed, engine, args.system, args.threads, args.plugins), args.host, args.port,
+        args.max_queue, args.drain_s, model_name=model, debug=args.debug, chat_template=template)
 
 
 def bench(args) -> dict:
@@ -143,10 +144,27 @@ def main(argv=None):
     _course_args(sub.add_parser("course", help="the course site: orca-lab course build"))
     args = p.parse_args(argv)
     try:
+        _check_checkpoint(args)
         _check_compare(args)
         {"compare": compare, "serve": serve, "bench": bench, "course": course}[args.cmd](args)
     except ValueError as e:       # bad input: a clear message, no traceback
         p.exit(2, f"orca-lab: error: {e}\n")
+
+
+def _check_checkpoint(args):
+    """``--checkpoint DIR`` (compare, serve) must be a checkpoint directory of a supported family:
+    refused here, naming the flag, before a model or a server is started."""
+    if getattr(args, "checkpoint", None) is None:
+        return
+    if args.cmd == "serve" and args.model is not None:
+        raise ValueError(f"--model {args.model} and --checkpoint {args.checkpoint}: give one of them")
+    from orca_lab.model.families import checkpoint_config
+    try:
+        checkpoint_config(args.checkpoint)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--checkpoint {args.checkpoint}: {e}") from None
+    except KeyError as e:
+        raise ValueError(f"--checkpoint {args.checkpoint}: config.json has no field {e}") from None
 
 
 def _check_compare(args):
@@ -162,7 +180,11 @@ def _check_compare(args):
 
 
 def _serve_args(s):
-    s.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESETS)}) or a checkpoint directory")
+    s.add_argument("--model", default=None, help=f"a preset ({', '.join(PRESETS)}; default tiny), random weights "
+                                                  "of --seed; or a checkpoint directory, as --checkpoint")
+    s.add_argument("--checkpoint", metavar="DIR", default=None,
+                   help="a local GPT-2, Llama or Qwen2 directory (Hugging Face layout: config.json, safetensors "
+                        "one file or sharded, tokenizer.json); read from disk, never downloaded")
     s.add_argument("--seed", type=int, default=0, help="random weights of a preset: those of LLM(model, seed)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0: the OS chooses (printed at start)")

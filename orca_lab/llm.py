@@ -13,7 +13,7 @@ import torch
 from orca_lab.config import EngineConfig, ModelConfig, check_degrees, check_range, model_config, uses_workers
 from orca_lab.distributed.executor import WorkerExecutor
 from orca_lab.distributed.pool import attached
-from orca_lab.engine.engine import Engine, RunResult
+from orca_lab.engine.engine import Engine, RunResult, eos_ids
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.kv_manager import KVPool
 from orca_lab.engine.policies import SYSTEMS, system as resolve  # noqa: F401 (SYSTEMS: torchrun.py)
@@ -58,10 +58,13 @@ class LLM:
     one, ``eos_token_id``); by default bytes for ``tiny`` and GPT-2's BPE for ``gpt2`` when its ranks
     are installed (``orca_lab.tokenizer``). ``gpt=``: a model of your own; it is left as it is (copied
     when the engine's device, dtype or kernels differ from its own, shared otherwise).
+    ``eos_token_id``: the EOS (default: the tokenizer's), or a list of ids each of which ends a request
+    that does not ignore EOS (``eos_token_ids``).
     """
 
     def __init__(self, model: str | ModelConfig = "tiny", seed: int = 0, engine: EngineConfig | None = None,
-                 tokenizer=None, *, gpt: GPT | None = None, checkpoint=None, eos_token_id: int | None = None):
+                 tokenizer=None, *, gpt: GPT | None = None, checkpoint=None,
+                 eos_token_id: int | list[int] | None = None):
         self.engine_config = engine or EngineConfig()
         ec = self.engine_config
         cfg = gpt.cfg if gpt is not None else model_config(model)
@@ -87,9 +90,11 @@ class LLM:
         if tokenizer is not None and not all(callable(getattr(tokenizer, f, None)) for f in ("encode", "decode")):
             raise TypeError(f"tokenizer={tokenizer!r} needs encode(text) -> ids and decode(ids) -> text")
         self.tokenizer = tokenizer if tokenizer is not None else default_tokenizer(self.cfg.vocab_size)
-        self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None) if eos_token_id is None else eos_token_id
-        if self.eos_token_id is not None:
-            check_range("eos_token_id", self.eos_token_id, 0, self.cfg.vocab_size - 1)
+        eos = getattr(self.tokenizer, "eos_token_id", None) if eos_token_id is None else eos_token_id
+        # every id a request that does not ignore EOS stops at (Llama 3 lists several); the first is its EOS
+        self.eos_token_ids = eos_ids(eos)
+        for t in self.eos_token_ids:
+            check_range("eos_token_id", t, 0, self.cfg.vocab_size - 1)
         self._kv_pool: KVPool | None = None   # allocated on the first engine, then lent to each
         self._graphs = None                   # CUDA graphs over that pool, captured once
         self._engine = None                   # weak reference to the engine holding the pool
@@ -100,15 +105,21 @@ class LLM:
         """A GPT-2, Llama or Qwen2 checkpoint in the Hugging Face layout from a local directory (never
         the network; safetensors, one file or sharded with its index), with the tokenizer saved beside
         it when there is one (``tokenizer.json``, or ``vocab.json`` + ``merges.txt``; read by
-        ``tokenizers``). EOS: the tokenizer's, else config.json's (the first, of a list). With
-        workers, each reads only its own slices of the files."""
+        ``tokenizers``). EOS: the tokenizer's, and every id of the checkpoint's ``eos_token_id`` (an
+        int or a list: Llama 3's) as transformers' ``generate`` reads it, from generation_config.json
+        else config.json; any of them ends a request, as in vLLM. With workers, each reads only its
+        own slices of the files."""
         path = Path(path)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         eos = getattr(tokenizer, "eos_token_id", None)
-        if eos is None:
-            eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
-            eos = eos[0] if isinstance(eos, list) and eos else eos
-        return cls(checkpoint_config(path), engine=engine, tokenizer=tokenizer, checkpoint=path, eos_token_id=eos)
+        ids = ([] if eos is None else [eos]) + [t for t in _generation_eos(path) if t != eos]
+        return cls(checkpoint_config(path), engine=engine, tokenizer=tokenizer, checkpoint=path,
+                   eos_token_id=ids or None)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The EOS (the first of ``eos_token_ids``), None without one."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
 
     def save_pretrained(self, path):
         """The weights, and a Hugging Face tokenizer's ``tokenizer.json`` when the LLM has one."""
@@ -143,7 +154,7 @@ class LLM:
             LocalExecutor(self.model, kv, ec.n_workers, ec.device, self._decode_graphs(kv))
         config = {"model": cfg.name, "system": system, "mbs": mbs, **vars(ec)}
         engine = Engine(scheduler, executor, cfg.vocab_size, cfg.max_seq_len, config, self.tokenizer,
-                        self.eos_token_id)
+                        self.eos_token_ids)
         self._engine = weakref.ref(engine)
         return engine
 
@@ -283,6 +294,16 @@ def _one_per_prompt(name: str, value, n: int) -> list:
         raise ValueError(f"{name} has {len(value)} entries for {n} prompts: give one per prompt, "
                          "or a single value for all")
     return list(value)
+
+
+def _generation_eos(path: Path) -> list:
+    """``eos_token_id`` of a checkpoint's generation_config.json, else of its config.json, as a list."""
+    for name in ("generation_config.json", "config.json"):
+        f = path / name
+        eos = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
+        if eos is not None:
+            return list(eos) if isinstance(eos, list) else [eos]
+    return []
 
 
 def _backends(ec: EngineConfig) -> dict:

@@ -97,6 +97,6 @@ def first_iteration_logits(llm, prompts):
             engine.add_request(p, SamplingParams(max_gen_tokens=1))
         batch = engine.scheduler.select()
         with torch.inference_mode():
-            return llm.model(batch.tensors("cpu"), engine.scheduler.kv)
+            return llm.model(batch.tensors(llm.engine_config.device), engine.scheduler.kv)
     finally:
         engine.close()

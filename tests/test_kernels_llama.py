@@ -15,8 +15,10 @@ import torch.nn.functional as F
 
 from orca_lab.kernels import (activation, apply_rotary, attention, cos_sin_cache, layernorm, ragged_attention,
                               rms_norm, rmsnorm, rope_inv_freq, rotary, silu_and_mul, write_kv)
+from orca_lab import LLM
+from orca_lab.config import ModelConfig
 from orca_lab.kernels.attention import ragged_attention_triton, triton_plan
-from helpers import DEVICE
+from helpers import DEVICE, engine_config, first_iteration_logits, random_prompts
 from test_decode_attention import make_batch, oracle
 from test_kernels import assert_close_as_torch, poison  # noqa: F401  (a fixture)
 
@@ -315,3 +317,41 @@ def test_llama_attention_layer_from_the_kernels_equals_transformers(backend):
         out = ragged_attention(q, k_pool, v_pool, slots, cu, cu, backend=backend)
         got = F.linear(out.reshape(-1, 96), layer.o_proj.weight.to(DEVICE))
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------- the model on the kernels
+@pytest.fixture
+def launches(monkeypatch):
+    """``kernel name -> [grid, ...]`` of every Triton launch made while the test runs."""
+    grids = {}
+    for module, name in ((rmsnorm, "_rms_norm_kernel"), (activation, "_silu_and_mul_kernel"),
+                         (rotary, "_rotary_kernel"), (attention, "_ragged_attention_kernel"),
+                         (attention, "_decode_attention_kernel")):
+        class Recorder:
+            def __getitem__(self, grid, _name=name, _kernel=getattr(module, name)):
+                grids.setdefault(_name, []).append(grid)
+                return _kernel[grid]
+        monkeypatch.setattr(module, name, Recorder())
+    return grids
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2], ids=["group1", "group2"])
+def test_llama_on_the_triton_kernels_equals_torch(launches, n_kv_heads):
+    """A tiny Llama (4 query heads over ``n_kv_heads``) with both backends "triton" runs every op on its
+    kernel (RMSNorm, with the residual add; SiLU-and-multiply; rotary; prefill and decode attention) and
+    equals the PyTorch reference: the logits of a batched prefill, and the greedy tokens of prompts
+    batched through prefill and decode. Grouped, each K/V head is read once for its group (one
+    program column per K/V head)."""
+    cfg = ModelConfig("llama-kernels", n_layers=2, d_model=64, n_heads=4, vocab_size=257, max_seq_len=64,
+                      family="llama", n_kv_heads=n_kv_heads, intermediate_size=96, layer_norm_eps=1e-5)
+    prompts = random_prompts(3, 257, 2, 7, seed=n_kv_heads)
+    llm = {b: LLM(cfg, engine=engine_config(max_bs=3, n_slots=64, attention_backend=b, fused_ops_backend=b))
+           for b in ("torch", "triton")}
+    torch.testing.assert_close(first_iteration_logits(llm["triton"], prompts),
+                               first_iteration_logits(llm["torch"], prompts), rtol=1e-4, atol=1e-4)
+    assert llm["triton"].generate(prompts, 3, ignore_eos=True) == llm["torch"].generate(prompts, 3, ignore_eos=True)
+    assert set(launches) == {"_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel",
+                             "_ragged_attention_kernel", "_decode_attention_kernel"}
+    assert {g[1] for g in launches["_ragged_attention_kernel"]} == {n_kv_heads}
+    if n_kv_heads < cfg.n_heads:
+        assert {g[1] for g in launches["_decode_attention_kernel"]} == {n_kv_heads}

@@ -1,7 +1,9 @@
 """The Llama family (Llama, Qwen2) against transformers on the same random weights: grouped and not,
 tied and not, Llama 3's rope scaling, Qwen2's q/k/v bias, one checkpoint sharded; logits, greedy
-tokens, and batched requests equal to each alone on every system."""
+tokens, and batched requests equal to each alone on every system; ``orca-lab serve --checkpoint``;
+Llama 3's list of EOS ids."""
 import json
+import re
 import shutil
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 from helpers import first_iteration_logits, hf_greedy, hf_llama, random_prompts
 
 from orca_lab import LLM
+from orca_lab.cli import main
 from orca_lab.config import EngineConfig, ModelConfig
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.policies import SYSTEMS
@@ -201,16 +204,70 @@ def test_tiny_llama_preset_equals_transformers_and_batches_like_alone(tmp_path):
 
 
 def test_serve_a_llama_checkpoint_directory(saved):
-    """``orca-lab serve --model DIR`` over a sharded Qwen2 checkpoint gives transformers' tokens."""
+    """``orca-lab serve --checkpoint DIR`` over a sharded Qwen2 checkpoint gives transformers' tokens
+    through the official client."""
     openai = pytest.importorskip("openai")
     hf, path = saved("qwen2-mqa-tied-sharded")
     prompts = random_prompts(3, hf.config.vocab_size, 1, 20, seed=4)
-    s = ServerProcess("--model", path, "--max-bs", "4", "--n-slots", "512").start()
+    s = ServerProcess("--checkpoint", path, "--max-bs", "4", "--n-slots", "512").start()
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [str(path)]
         resp = client.completions.create(model=str(path), prompt=prompts, max_tokens=6, temperature=0,
                                          extra_body={"return_token_ids": True, "ignore_eos": True})
         got = [c.model_extra["token_ids"] for c in sorted(resp.choices, key=lambda c: c.index)]
         assert got == [hf_greedy(hf, p, 6) for p in prompts]
     finally:
         assert s.stop() < 10
+
+
+REFUSED = {"missing": r"--checkpoint \S+/ckpt: \S+ is not a checkpoint directory: it must hold config.json",
+           "no-weights": r"--checkpoint \S+: \S+ is not a checkpoint directory",
+           "unsupported": r"--checkpoint \S+: \S+config.json: hidden_act='gelu' is not supported",
+           "and-model": r"--model tiny and --checkpoint \S+: give one of them"}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_serve_refuses_a_bad_checkpoint_naming_the_flag(saved, tmp_path, capsys, case):
+    """Refused before a server or an engine process starts, with the flag and what is wrong."""
+    path = tmp_path / "ckpt"
+    if case != "missing":
+        shutil.copytree(saved("llama-mha-tied")[1], path)
+    if case == "no-weights":
+        (path / "model.safetensors").unlink()
+    if case == "unsupported":
+        _config(path, hidden_act="gelu")
+    flags = ["--model", "tiny"] if case == "and-model" else []
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *flags, "--checkpoint", str(path)])
+    assert e.value.code == 2 and re.search(REFUSED[case], capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("where", ["config.json", "generation_config.json"])
+def test_every_eos_id_of_a_list_ends_a_request_as_in_transformers(saved, tmp_path, where):
+    """Llama 3 lists several EOS ids (config.json's ``eos_token_id``, or generation_config.json's,
+    which transformers' ``generate`` reads first): a request that does not ignore EOS stops at the
+    second id of the list, where transformers stops, that id included; batched with others as alone."""
+    hf, src = saved("llama-gqa-untied-llama3")
+    shutil.copytree(src, tmp_path, dirs_exist_ok=True)
+    prompts = random_prompts(3, hf.config.vocab_size, 4, 12, seed=7)
+    free = hf_greedy(hf, prompts[0], 12)
+    k = next(i for i in range(2, 12) if free[i] not in free[:i])      # an id first generated at k >= 2
+    eos = [next(t for t in range(hf.config.vocab_size) if t not in free), free[k]]    # the first never comes
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    if where == "config.json":
+        _config(tmp_path, eos_token_id=eos)
+        (tmp_path / "generation_config.json").unlink()
+    else:
+        _config(tmp_path, eos_token_id=eos[0])
+        (tmp_path / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": eos}))
+    transformers = pytest.importorskip("transformers")
+    ids = torch.tensor([prompts[0]])
+    out = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert out[0, len(prompts[0]):].tolist() == free[:k + 1]
+    llm = LLM.from_pretrained(tmp_path, engine=EngineConfig(max_bs=3, n_slots=512))
+    batched = llm.complete(prompts, 12, ignore_eos=False)
+    assert (batched[0].token_ids, batched[0].finish_reason) == (free[:k + 1], "stop")
+    assert llm.eos_token_ids == tuple(eos)
+    assert batched == [llm.complete([p], 12, ignore_eos=False)[0] for p in prompts]

@@ -103,19 +103,29 @@ class EngineStats:
     prefix_query_tokens: int = 0   # ... and prompt tokens looked up (each request once, at admission)
 
 
+def eos_ids(eos_token_id) -> tuple:
+    """A model's EOS ids as a tuple: none, one, or a list of them."""
+    if eos_token_id is None:
+        return ()
+    return tuple(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else (eos_token_id,)
+
+
 class Engine:
     """Algorithm 1's loop around one scheduler and one executor.
 
     ``tokenizer`` (anything with ``decode``) lets requests stop at strings and gives ``req.text``;
-    ``eos_token_id`` is the EOS a request that does not ignore it stops at unless its params name one.
+    ``eos_token_id`` is the EOS a request that does not ignore it stops at unless its params name one;
+    a model may have several (Llama 3's config.json lists them): the first becomes the request's
+    ``eos_token_id``, the others join its ``stop_token_ids`` (as vLLM does with a generation config's).
     """
 
     def __init__(self, scheduler, executor, vocab_size: int, max_seq_len: int, config: dict | None = None,
-                 tokenizer=None, eos_token_id: int | None = None):
+                 tokenizer=None, eos_token_id: int | tuple[int, ...] | None = None):
         self.scheduler, self.executor = scheduler, executor
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
         self.config = config or {}
-        self.tokenizer, self.eos_token_id = tokenizer, eos_token_id
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_ids(eos_token_id)
         self.n_workers = executor.n_workers
         self.requests: list[Request] = []
         self.live: dict[int, Request] = {}        # rid -> request not finished yet
@@ -164,8 +174,10 @@ class Engine:
         """Token ids in the vocabulary, stop strings only with a tokenizer; the engine's EOS filled in."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if not params.ignore_eos and params.eos_token_id is None and self.eos_token_id is not None:
-            params = dataclasses.replace(params, eos_token_id=self.eos_token_id)
+        if not params.ignore_eos and params.eos_token_id is None and self.eos_token_ids:
+            eos, *more = self.eos_token_ids
+            params = dataclasses.replace(params, eos_token_id=eos, stop_token_ids=params.stop_token_ids + tuple(
+                t for t in more if t not in params.stop_token_ids))
         ids = [("eos_token_id", params.eos_token_id)] if params.eos_token_id is not None else []
         ids += [("logit_bias token id", t) for t, _ in params.logit_bias]
         for name, t in ids + [("stop_token_ids", t) for t in params.stop_token_ids]:

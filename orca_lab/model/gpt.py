@@ -18,7 +18,7 @@ from torch import nn
 from orca_lab import kernels
 from orca_lab.config import ModelConfig
 from orca_lab.kernels._backend import use_triton
-from orca_lab.kernels.attention import (attention_plan, causal_mask, ragged_attention_torch,
+from orca_lab.kernels.attention import (_gqa, attention_plan, causal_mask, ragged_attention_torch,
                                         ragged_attention_triton, tf32_matmuls, triton_plan)
 from orca_lab.model.checkpoint import SafetensorFiles
 
@@ -112,24 +112,19 @@ class GPT(nn.Module):
         """``attend(q, k, v)`` of one layer. The kernels run unchecked (``check=False``) on what the
         engine built itself; the plan, built by the first layer from host data, checked the slots.
         ``k, v`` and the pools hold this rank's K/V heads, each shared by a group of its query heads
-        (grouped-query attention)."""
+        (grouped-query attention): every path reads a K/V head once for its whole group."""
         backend, scale = self.attention_backend, 1.0 / math.sqrt(self.cfg.head_dim)
         triton = use_triton(backend, k_pool)
         plan = _plan(bt, triton, k_pool.shape[0])
 
-        def attention(q, k, v):
+        def attend(q, k, v):
+            kernels.write_kv(k, v, k_pool, v_pool, bt.slot_mapping, backend=backend, check=False)
             if bt.padded:
                 return padded_attention(q, k_pool, v_pool, bt)
             if triton:
                 return ragged_attention_triton(q, k_pool, v_pool, bt.kv_slot_ids, bt.cu_seqlens_q,
                                                bt.cu_seqlens_k, scale, plan, tf32=self.tf32)
             return ragged_attention_torch(q, k_pool, v_pool, plan, scale, k, v)
-
-        def attend(q, k, v):
-            kernels.write_kv(k, v, k_pool, v_pool, bt.slot_mapping, backend=backend, check=False)
-            if q.shape[1] == k.shape[1]:
-                return attention(q, k, v)
-            return per_kv_group(lambda qg: attention(qg, k, v), q, q.shape[1] // k.shape[1])
         return attend
 
     # -- weights ----------------------------------------------------------------------------------
@@ -175,15 +170,6 @@ def token_positions(bt) -> torch.Tensor:
     return bt.positions.repeat(bt.input_ids.shape[0]) if bt.padded else bt.positions
 
 
-def per_kv_group(attention, q, group: int) -> torch.Tensor:
-    """Grouped-query attention through kernels that pair query head i with K/V head i: query heads
-    ``h * group + j`` share K/V head ``h``, so ``q[:, j::group]`` pairs with the K/V heads one to one,
-    once per ``j``. (A fallback: each K/V head is read ``group`` times, where a grouped kernel reads
-    it once.) ``attention(q_j) -> [T, n_kv_heads, D]``; the result is ``[T, n_heads, D]``."""
-    outs = [attention(q[:, j::group].contiguous()) for j in range(group)]
-    return torch.stack(outs, 2).flatten(1, 2)
-
-
 def _plan(bt, triton: bool, n_slots: int):
     """The iteration's attention plan, built by the first layer from the batch's host copies (no
     read from the device) and read by the others. The slot ids are checked here, once."""
@@ -209,7 +195,7 @@ def padded_attention(q, k_pool, v_pool, bt):
     # One new token sees its whole context: no mask needed.
     mask = None if L == 1 else causal_mask(L, kv_len, q.device)
     o = F.scaled_dot_product_attention(q.view(B, L, *q.shape[1:]).transpose(1, 2), k.transpose(1, 2),
-                                       v.transpose(1, 2), attn_mask=mask)
+                                       v.transpose(1, 2), attn_mask=mask, **_gqa(q, k_pool))
     return o.transpose(1, 2).reshape(B * L, *q.shape[1:])
 
 

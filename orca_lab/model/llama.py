@@ -4,7 +4,10 @@ Four blocks differ from GPT's: RMSNorm for LayerNorm, rotary positions (applied 
 is written to the pool) for learned ones, a SwiGLU MLP for GeLU, and grouped-query attention: the
 pool holds ``n_kv_heads`` heads per slot, each shared by ``n_heads / n_kv_heads`` query heads. No
 biases, but Qwen2's on q, k and v. Everything else (the flat ``[sum L, H]`` batch, the attention
-plan, the K/V pool, pipeline stages, tensor-parallel all-reduces) is GPT's, inherited.
+plan, the K/V pool, pipeline stages, tensor-parallel all-reduces) is GPT's, inherited, and so is how
+an op is run: each through its ``orca_lab.kernels`` wrapper, which picks Triton or PyTorch from the
+model's ``fused_ops_backend`` (RMSNorm, SiLU-and-multiply, rotary) or ``attention_backend`` (the K/V
+write, grouped attention), the PyTorch one being the reference.
 
 Parameters carry GPT's names where they play its part, so the weight sources and tensor parallelism
 read them alike: ``c_attn`` is q, k and v stacked, ``c_fc`` the gate and up projections stacked,
@@ -21,29 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from orca_lab import kernels
 from orca_lab.config import ModelConfig
 from orca_lab.kernels.attention import tf32_matmuls
 from orca_lab.model.checkpoint import SafetensorFiles
 from orca_lab.model.gpt import GPT, Block, _place, chunk_dim, token_positions
 
 
-def rms_norm(x, weight, eps: float, residual=None):
-    """RMSNorm of ``x`` (of ``x + residual``, returned with it, when given): the residual add fused
-    with the norm where a kernel does it, as GPT's ``layer_norm`` does."""
-    if residual is not None:
-        x = x + residual
-    h = F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return h if residual is None else (h, x)
-
-
-def silu_and_mul(gate_up):
-    """SwiGLU's ``silu(gate) * up`` of ``[T, 2 * d_ff]`` (gate and up side by side)."""
-    gate, up = gate_up.chunk(2, -1)
-    return F.silu(gate) * up
-
-
 class RMSNorm(nn.Module):
-    """The gain of an RMSNorm (the op is ``rms_norm``, called with the block's epsilon)."""
+    """The gain of an RMSNorm (the op is ``kernels.rms_norm``, called with the block's epsilon)."""
 
     def __init__(self, d: int):
         super().__init__()
@@ -68,15 +57,18 @@ class LlamaBlock(Block):
         self.all_reduce = None
 
     def forward(self, x, attend, backend: str):
-        """Pre-RMSNorm block on ``x [T, H]``; ``attend(q, k, v)`` rotates q and k, writes k and v to
-        the pool and attends (``Llama._attention_for``)."""
+        """Pre-RMSNorm block on ``x [T, H]``, through the kernels as GPT's ``Block`` (unchecked: the
+        engine built every argument); ``attend(qk, v)`` takes q and k as one ``[T, heads + kv heads, D]``
+        view, rotates them together, writes k and v to the pool and attends (``Llama._attention_for``)."""
         T, D = len(x), self.head_dim
-        h = rms_norm(x, self.ln_1.weight, self.eps)
-        q, k, v = F.linear(h, self.c_attn.weight, self.c_attn.bias).split(
-            (self.n_heads * D, self.n_kv_heads * D, self.n_kv_heads * D), -1)
-        a = attend(q.view(T, self.n_heads, D), k.view(T, self.n_kv_heads, D), v.view(T, self.n_kv_heads, D))
-        h, x = rms_norm(self._row_parallel(a.flatten(1), self.attn_proj), self.ln_2.weight, self.eps, residual=x)
-        return x + self._row_parallel(silu_and_mul(F.linear(h, self.c_fc.weight)), self.mlp_proj)
+        h = kernels.rms_norm(x, self.ln_1.weight, self.eps, backend=backend, check=False)
+        qk, v = F.linear(h, self.c_attn.weight, self.c_attn.bias).split(
+            ((self.n_heads + self.n_kv_heads) * D, self.n_kv_heads * D), -1)
+        a = attend(qk.view(T, -1, D), v.view(T, self.n_kv_heads, D))
+        h, x = kernels.rms_norm(self._row_parallel(a.flatten(1), self.attn_proj), self.ln_2.weight, self.eps,
+                                residual=x, backend=backend, check=False)
+        m = kernels.silu_and_mul(F.linear(h, self.c_fc.weight), backend=backend, check=False)
+        return x + self._row_parallel(m, self.mlp_proj)
 
 
 class Llama(GPT):
@@ -89,24 +81,40 @@ class Llama(GPT):
         self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
         self.ln_f = RMSNorm(cfg.d_model)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.rotary_caches = {}     # device -> cos/sin of every position (``rotary_cache``)
 
     def embed(self, bt) -> torch.Tensor:
         return self.wte(bt.input_ids.reshape(-1))
 
     def head_at(self, x, rows) -> torch.Tensor:
-        h = rms_norm(x.index_select(0, rows), self.ln_f.weight, self.cfg.layer_norm_eps)
+        h = kernels.rms_norm(x.index_select(0, rows), self.ln_f.weight, self.cfg.layer_norm_eps,
+                             backend=self.fused_ops_backend, check=False)
         with tf32_matmuls(self.tf32 and x.is_cuda):
             return F.linear(h, (self.wte if self.lm_head is None else self.lm_head).weight)
 
     def _attention_for(self, bt, x):
-        """Rotary tables of this iteration's tokens, made once from the batch's own positions and read
-        by every layer: q and k are rotated before k is written to the pool."""
-        cos, sin = rotary_tables(self.cfg, token_positions(bt), x.dtype)
+        """Each layer's ``attend(qk, v)``: q and k rotated at the batch's own per-token positions (a
+        token-wise op: ``fused_ops_backend``, one launch for both), then GPT's attention, which writes
+        the rotated k to the pool (so attention needs no positions) and reads each K/V head once for
+        its group of query heads."""
+        positions, cache = token_positions(bt), self.rotary_cache(x.device)
 
         def for_layer(k_pool, v_pool):
             attend = self._attention(bt, k_pool, v_pool)
-            return lambda q, k, v: attend(rotate(q, cos, sin), rotate(k, cos, sin), v)
+
+            def rotate_and_attend(qk, v):
+                qk = kernels.apply_rotary(qk, positions, cache, backend=self.fused_ops_backend, check=False)
+                return attend(*qk.split((qk.shape[1] - v.shape[1], v.shape[1]), 1), v)
+            return rotate_and_attend
         return for_layer
+
+    def rotary_cache(self, device) -> torch.Tensor:
+        """cos and sin of every position below ``max_seq_len`` (``kernels.cos_sin_cache``, fp32), made
+        on ``device`` by the first iteration there (before a CUDA graph is captured) and kept."""
+        if device not in self.rotary_caches:
+            self.rotary_caches[device] = kernels.cos_sin_cache(inverse_frequencies(self.cfg).to(device),
+                                                               self.cfg.max_seq_len)
+        return self.rotary_caches[device]
 
     def save_pretrained(self, path):
         """Write this model as a Hugging Face Llama (Qwen2, with q/k/v biases) checkpoint."""
@@ -129,8 +137,7 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     """``theta ** (-2i / D)`` per pair of dimensions (fp32), with Llama 3's scaling when configured:
     wavelengths beyond the original context divided by ``factor``, those between the two bounds
     blended smoothly (as transformers' ``_compute_llama3_parameters``)."""
-    D = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    inv = kernels.rope_inv_freq(cfg.head_dim, cfg.rope_theta)
     if cfg.rope_scaling is None:
         return inv
     s = dict(cfg.rope_scaling)
@@ -142,19 +149,6 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old / high) & (wavelen <= old / low)
     return torch.where(medium, blended, scaled)
-
-
-def rotary_tables(cfg: ModelConfig, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin`` of each token's angles, ``[T, 1, D/2]`` (computed in fp32, then cast)."""
-    angles = positions.float()[:, None] * inverse_frequencies(cfg).to(positions.device)[None]
-    return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
-
-
-def rotate(x, cos, sin):
-    """Rotate each pair (``x[i]``, ``x[i + D/2]``) of ``x [T, heads, D]`` by its token's angle
-    (Llama's half-split layout, transformers' ``rotate_half``)."""
-    x1, x2 = x.chunk(2, -1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
 
 
 # -- the Hugging Face Llama / Qwen2 layout --------------------------------------------------------
