@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import threading
-from collections import OrderedDict
 
 from orca_lab.course.bounded import Bounded, PackageCode, TooSlow, refuse_package_code, run_bounded
 from orca_lab.course.plug import PluggedFormation
@@ -227,18 +226,16 @@ def _lru_steps(rng) -> list[tuple[str, int | None]]:
 
 def lru_replay(lru, steps) -> list:
     """What ``lru`` answers along ``steps``: each evicted block, and its length after every step."""
-    out, reference = [], isinstance(lru, OrderedDict)
+    out = []
     for op, b in steps:
         try:
             if op == "evict":
-                out.append(("evict", lru.popitem(last=False)[0] if reference else lru.evict()))
-            elif reference:
-                lru.pop(b) if op == "used" else lru.__setitem__(b, None)
+                out.append(("evict", lru.evict()))
             else:
                 getattr(lru, op)(b)
             out.append(("len", len(lru)))
         except Exception as e:           # the learner's: shown at the call that raised it
-            if reference:
+            if isinstance(lru, FreeCached):
                 raise
             return out + [("raised", f"{type(e).__name__}: {e}")]
     return out
@@ -257,13 +254,14 @@ def _lru_hint(expected, got, steps, i) -> str:
 
 def check_block_lru(cls, seed: int = 0):
     """``cls()`` with ``freed(b)``, ``used(b)``, ``evict() -> b`` and ``len()`` against the prefix
-    cache's ``OrderedDict`` of free cached blocks, on random calls as the cache makes them."""
+    cache's ``FreeCached``, on random calls as the cache makes them."""
+    refuse_package_code(cls, FreeCached)
     rng = random.Random(seed)
     for case in range(N_CASES):
         steps = _lru_steps(rng)
         label = f"case {case} (calls {[f'{op}({b})' if b is not None else f'{op}()' for op, b in steps]})"
-        expected = lru_replay(OrderedDict(), steps)
-        got = bounded(lambda: lru_replay(cls(), steps), label=label)
+        expected = lru_replay(FreeCached(), steps)
+        got = bounded(lambda: lru_replay(run_bounded(cls, case=label, references=(FreeCached,)), steps), label=label)
         for i, (a, b) in enumerate(zip(expected, got)):
             if a != b:
                 differ(f"answer {i} ({a[0]})", label, a[1], b[1], _lru_hint(a, b, steps, _step_of(expected, i)))
