@@ -88,8 +88,8 @@ def test_the_paged_engine_runs_the_learners_blocks_victims_and_lookup(package):
     for learner in (False, True):
         engine = LLM(gpt=model, engine=cfg).new_engine("paged")       # each with a cache of its own
         if learner:
-            assert plug.assemble(engine, pieces) == ["BlockAllocator", "victim", "BlockLRU", "BlockRefs", "block_hashes",
-                                                     "cached_prefix"]
+            assert plug.assemble(engine, pieces) == ["BlockAllocator", "victim", "BlockLRU", "BlockRefs",
+                                                     "block_hashes", "cached_prefix"]
         runs.append(engine.run(trace).requests_df())
         evictions.append(engine.scheduler.kv.n_evictions)
         engine.close()

@@ -433,3 +433,25 @@ def test_the_refs_grader_passes_a_right_one_and_the_solution(capsys):
     grade_engine.check_block_refs(Refs)
     grade_engine.check_block_refs(solution("12", "BlockRefs"))
     assert capsys.readouterr().out.count("correct:") == 2
+
+
+def test_plugged_counts_take_over_the_blocks_an_earlier_engine_left_cached():
+    """An LLM keeps its cache from one engine to the next: ``use_refs`` hands the cached blocks to the
+    learner's counts, oldest first, and the second run finds what the package's second run finds."""
+    from orca_lab import LLM, EngineConfig
+    from orca_lab.course.plug import use_refs
+    from orca_lab.workload import few_shot_trace
+    cfg = EngineConfig(max_bs=2, n_slots=24 * 4, block_size=4, prefix_caching=True)
+    trace = few_shot_trace(4, prefix_len=16, question_len=(2, 9), gen_len=(3, 6), vocab_size=257, seed=0)
+    hits, model = {}, LLM("tiny", seed=0, engine=cfg).model
+    for who in ("package", "yours"):
+        llm = LLM(gpt=model, engine=cfg)                        # a cache of its own
+        llm.new_engine("paged").run(trace)
+        engine = llm.new_engine("paged")
+        cached = list(engine.scheduler.kv.lru)
+        if who == "yours":
+            use_refs(engine, Refs)
+            kv = engine.scheduler.kv
+            assert list(kv.lru) == cached and cached and not any(kv.refs.count(b) for b in cached)
+        hits[who] = list(engine.run(trace).requests_df().prefix_hit_tokens)
+    assert hits["yours"] == hits["package"] and sum(hits["package"]) > 0

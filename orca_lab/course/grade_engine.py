@@ -325,8 +325,8 @@ def _call(call) -> str:
 
 
 def refs_replay(refs, lru, calls, n_blocks: int) -> list:
-    """What ``refs`` answers along ``calls``: after each, ``(what it returned, the counts above 0,
-    the free cached blocks in ``lru``, least recently freed first)``; a learner's exception ends it."""
+    """What ``refs`` answers along ``calls``: after each, what it returned, the counts above 0 and
+    the free cached blocks in ``lru``, least recently freed first; a learner's exception ends it."""
     out = []
     for call in calls:
         try:
@@ -347,6 +347,12 @@ def refs_replay(refs, lru, calls, n_blocks: int) -> list:
             return out + [("raised", f"{type(e).__name__}: {e}")]
         out.append((got, counts, list(lru)))
     return out
+
+
+def _answer(x) -> str:
+    if x[0] == "raised":
+        return f"raised {x[1]}"
+    return f"returned {x[0]}, counts {x[1]}, free cached (least recently freed first) {x[2]}"
 
 
 def _refs_hint(call, expected, got, before) -> str:
@@ -400,10 +406,8 @@ def check_block_refs(cls, seed: int = 0):
         got = refs_replay(refs, lru, calls, n_blocks)
         for i, (a, b) in enumerate(zip(expected, got)):
             if a != b:
-                shown = lambda x: f"raised {x[1]}" if x[0] == "raised" else \
-                    f"returned {x[0]}, counts {x[1]}, free cached (least recently freed first) {x[2]}"
                 differ(f"call {i}, {_call(calls[i])}", f"{label}, after the calls {[_call(c) for c in calls[:i]]}",
-                       shown(a), shown(b), _refs_hint(calls[i], a, b, expected[i - 1] if i else (None, {}, [])))
+                       _answer(a), _answer(b), _refs_hint(calls[i], a, b, expected[i - 1] if i else (None, {}, [])))
         if len(got) != len(expected):
             raise AssertionError(f"{label}: your BlockRefs stopped answering after call {len(got)}")
     correct(N_CASES, "PrefixCachingBlockManager's reference counts")

@@ -175,15 +175,18 @@ class PluggedLookup:
         return [kv.block_of[h] for h in self.block_hashes(tokens, kv.block_size)[:n]]
 
 
-def _recount(engine, refs_class, lru_class):
-    """``engine``'s prefix cache counting its blocks' holders with ``refs_class(lru_class())``; the
-    blocks already free and cached (of an earlier engine of its LLM) handed over, oldest first."""
+def _recount(engine, use: str, refs_class=None, lru_class=None):
+    """``engine``'s prefix cache counting its blocks' holders with ``refs_class(lru_class())`` (either
+    None: the class it has); the blocks already free and cached (an earlier engine of its LLM left
+    them) handed over, oldest first."""
     kv = engine.scheduler.kv
+    if not hasattr(kv, "refs"):
+        raise ValueError(f"{use} takes an engine with prefix caching (EngineConfig(prefix_caching=True))")
     if kv.n_holders:
-        raise ValueError("a fresh engine, please: requests of this one hold blocks")
+        raise ValueError(f"{use} takes a fresh engine: {kv.n_holders} requests of this one hold blocks")
     old, n_cached = kv.refs, len(kv.lru)
-    kv.lru = lru_class()
-    kv.refs = refs_class(kv.lru)
+    kv.lru = (lru_class or type(kv.lru))()
+    kv.refs = (refs_class or type(old))(kv.lru)
     for _ in range(n_cached):
         block = old.evict()
         kv.refs.hold(block)
@@ -191,30 +194,25 @@ def _recount(engine, refs_class, lru_class):
     return engine
 
 
-def _prefix_cache_of(engine, use: str):
-    if not hasattr(engine.scheduler.kv, "refs"):
-        raise ValueError(f"{use} takes an engine with prefix caching (EngineConfig(prefix_caching=True))")
-    return engine.scheduler.kv
-
-
 def use_lru(engine, lru_class):
     """``engine`` (of an LLM with ``prefix_caching=True``) evicting with the learner's ``lru_class()``
     (notebook 12's ``BlockLRU``: ``freed``, ``used``, ``evict``, ``len``)."""
-    return _recount(engine, type(_prefix_cache_of(engine, "use_lru").refs), lru_class)
+    return _recount(engine, "use_lru", lru_class=lru_class)
 
 
 def use_refs(engine, refs_class):
     """``engine`` (of an LLM with ``prefix_caching=True``) counting who holds each block with the
     learner's ``refs_class(lru)`` (notebook 12's ``BlockRefs``: ``count``, ``hold``, ``release``,
     ``evict``), over the eviction order it has (the learner's too, after ``use_lru``)."""
-    return _recount(engine, refs_class, type(_prefix_cache_of(engine, "use_refs").lru))
+    return _recount(engine, "use_refs", refs_class=refs_class)
 
 
 def use_lookup(engine, block_hashes, cached_prefix):
     """``engine`` (fresh, of an LLM with ``prefix_caching=True``) finding each new request's cached
     prefix with the learner's functions. Only its scheduler sees them: the LLM keeps the package's
     cache for its later engines."""
-    _prefix_cache_of(engine, "use_lookup")
+    if not hasattr(engine.scheduler.kv, "block_of"):
+        raise ValueError("use_lookup takes an engine with prefix caching (EngineConfig(prefix_caching=True))")
     engine.scheduler.kv = PluggedLookup(engine.scheduler.kv, block_hashes, cached_prefix)
     return engine
 
