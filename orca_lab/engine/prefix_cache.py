@@ -16,7 +16,9 @@ least (that token's logits give its first output token).
 A block whose count drops to 0 stays cached while free: it counts as free (admission and growth may
 take it), and is evicted, least recently freed first, only when no never-used block is left. When a
 request leaves, its blocks are freed from its last to its first, so a prefix's tail is evicted before
-its head (vLLM's order): what many requests share outlives what one did alone.
+its head (vLLM's order): what many requests share outlives what one did alone. The counts are
+``BlockRefs``', the order of the free cached blocks ``FreeCached``'s (notebook 12 has the learner
+write both).
 
 Accounting: ``n_reserved`` counts the slots of blocks some request holds (each block once, however
 many share it), ``n_used`` the slots of those blocks that hold real K/V; a cached free block is in
@@ -253,7 +255,7 @@ class PrefixCachingBlockManager(BlockManager):
         req.n_cached = n_cached
 
     def release(self, req):
-        """Free ``req``'s blocks, last first: a registered one stays cached (evictable), the others go
+        """Free ``req``'s blocks, last first: a registered one stays cached (in the LRU), the others go
         back to the pool."""
         bs = self.block_size
         pad = self._pads.pop(req.rid, None)
