@@ -13,7 +13,7 @@ from orca_lab.course.online_softmax import update
 from orca_lab.engine.engine import Engine
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.kv_manager import KVSlotManager
-from orca_lab.engine.prefix_cache import BlockRefs, block_hash, chain_hashes
+from orca_lab.engine.prefix_cache import BlockRefs, FreeCached, block_hash, chain_hashes
 from orca_lab.engine.request import RequestState
 from orca_lab.engine.scheduler import OrcaScheduler
 
@@ -423,10 +423,28 @@ class WrapsPackageRefs:
         return getattr(self.refs, name)
 
 
-@pytest.mark.parametrize("cls", [BlockRefs, PackageRefs, WrapsPackageRefs])
-def test_the_refs_grader_refuses_the_package_code(cls):
+class PackageLRU(FreeCached):
+    pass
+
+
+class WrapsPackageLRU:
+    def __init__(self):
+        self.lru = FreeCached()
+
+    def __getattr__(self, name):
+        return getattr(self.lru, name)
+
+
+@pytest.mark.parametrize("check, cls", [(grade_engine.check_block_refs, BlockRefs),
+                                        (grade_engine.check_block_refs, PackageRefs),
+                                        (grade_engine.check_block_refs, WrapsPackageRefs),
+                                        (grade_engine.check_block_lru, FreeCached),
+                                        (grade_engine.check_block_lru, PackageLRU),
+                                        (grade_engine.check_block_lru, WrapsPackageLRU)],
+                         ids=lambda x: getattr(x, "__name__", ""))
+def test_the_refs_and_lru_graders_refuse_the_package_code(check, cls):
     with pytest.raises(bounded.PackageCode, match="the package's own"):
-        grade_engine.check_block_refs(cls)
+        check(cls)
 
 
 def test_the_refs_grader_passes_a_right_one_and_the_solution(capsys):

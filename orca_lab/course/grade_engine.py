@@ -46,7 +46,7 @@ def bounded(fn, *args, label: str, seconds: float | None = None):
         raise Stuck(f"{label}: your code did not return within {seconds:g} s (a loop that never ends?)")
     if "error" in out:
         e = out["error"]
-        if isinstance(e, (NotImplementedError, Mismatch, Stuck)):
+        if isinstance(e, (NotImplementedError, Mismatch, Stuck, PackageCode)):
             raise e
         raise AssertionError(f"{label}: your code raised {type(e).__name__}: {e}") from e
     return out["value"]
