@@ -20,7 +20,7 @@ from tests.test_graders import solution
 CHAPTERS = {"02_request_level_batching": ["form_batch"], "03_iteration_level_scheduling": ["select"],
             "04_selective_batching": ["flatten"], "05_kv_slot_manager": ["slot_manager"],
             "08_pipelined_schedules": ["loop"], "11_after_orca": ["block_allocator", "victim"],
-            "12_prefix_caching": ["block_hashes", "cached_prefix", "block_lru"]}
+            "12_prefix_caching": ["block_hashes", "cached_prefix", "block_lru", "block_refs"]}
 
 
 @pytest.fixture
@@ -88,8 +88,8 @@ def test_the_paged_engine_runs_the_learners_blocks_victims_and_lookup(package):
     for learner in (False, True):
         engine = LLM(gpt=model, engine=cfg).new_engine("paged")       # each with a cache of its own
         if learner:
-            assert plug.assemble(engine, pieces) == ["BlockAllocator", "victim", "BlockLRU", "block_hashes",
-                                                     "cached_prefix"]
+            assert plug.assemble(engine, pieces) == ["BlockAllocator", "victim", "BlockLRU", "BlockRefs",
+                                                     "block_hashes", "cached_prefix"]
         runs.append(engine.run(trace).requests_df())
         evictions.append(engine.scheduler.kv.n_evictions)
         engine.close()

@@ -8,12 +8,12 @@ import time
 import pytest
 import torch
 
-from orca_lab.course import _references, bounded, grade, solve
+from orca_lab.course import _references, bounded, grade, grade_engine, solve
 from orca_lab.course.online_softmax import update
 from orca_lab.engine.engine import Engine
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.kv_manager import KVSlotManager
-from orca_lab.engine.prefix_cache import block_hash, chain_hashes
+from orca_lab.engine.prefix_cache import BlockRefs, FreeCached, block_hash, chain_hashes
 from orca_lab.engine.request import RequestState
 from orca_lab.engine.scheduler import OrcaScheduler
 
@@ -288,3 +288,188 @@ def _chain(tokens, bs):
     for i in range(len(tokens) // bs):
         names.append(block_hash(names[-1] if names else None, tokens[i * bs:(i + 1) * bs]))
     return names
+
+
+# -- 12: the prefix cache's reference counts (grade_engine.check_block_refs) -------------------------
+class Refs:
+    """A learner's BlockRefs, right; each wrong one below changes one thing."""
+
+    def __init__(self, lru):
+        self.lru, self.n = lru, {}
+
+    def count(self, block):
+        return self.n.get(block, 0)
+
+    def hold(self, block):
+        if self.n.get(block) == 0:
+            self.lru.used(block)
+        self.n[block] = self.count(block) + 1
+
+    def order(self, blocks):
+        return reversed(blocks)
+
+    def release(self, blocks, cached):
+        freed = []
+        for b in self.order(blocks):
+            self.n[b] -= 1
+            if self.n[b] and not self.frees_held():
+                continue
+            freed.append(b)
+            if b in cached:
+                self.lru.freed(b)
+            elif self.forgets():
+                del self.n[b]
+        return freed
+
+    def frees_held(self):
+        return False
+
+    def forgets(self):
+        return True
+
+    def evict(self):
+        b = self.lru.evict()
+        del self.n[b]
+        return b
+
+
+class HoldSetsOne(Refs):
+    def hold(self, block):
+        if self.n.get(block) == 0:
+            self.lru.used(block)
+        self.n[block] = 1
+
+
+class HeldStaysInTheLRU(Refs):
+    def hold(self, block):
+        self.n[block] = self.count(block) + 1
+
+
+class FreesWhileHeld(Refs):
+    def frees_held(self):
+        return True
+
+
+class FirstToLast(Refs):
+    def order(self, blocks):
+        return blocks
+
+
+class ReleasesTwice(Refs):
+    def release(self, blocks, cached):
+        for b in blocks:
+            self.n[b] -= 1
+        return super().release(blocks, cached)
+
+
+class UncachedKeepsItsCount(Refs):
+    def forgets(self):
+        return False
+
+
+class EvictedKeepsItsCount(Refs):
+    def evict(self):
+        return self.lru.evict()
+
+
+class UncachedIntoTheLRU(Refs):
+    def release(self, blocks, cached):
+        return super().release(blocks, set(blocks))
+
+
+class ReturnsNothing(Refs):
+    def release(self, blocks, cached):
+        super().release(blocks, cached)
+
+
+class HoldsForever(Refs):
+    def hold(self, block):
+        while True:
+            pass
+
+
+WRONG_REFS = {
+    "hold sets the count to 1": (HoldSetsOne, "hold\\(b\\) adds one to b's count"),
+    "a held block stays in the LRU": (HeldStaysInTheLRU, "a held block left in the LRU"),
+    "freed while another request holds it": (FreesWhileHeld, "freed while another request still holds it"),
+    "freed first to last": (FirstToLast, "from its last to its first"),
+    "a release counted twice": (ReleasesTwice, "a count went below 0"),
+    "an uncached block keeps its count": (UncachedKeepsItsCount, "comes from the pool .* has no count"),
+    "an evicted block keeps its count": (EvictedKeepsItsCount, "comes from the pool .* has no count"),
+    "an uncached block into the LRU": (UncachedIntoTheLRU, "only a cached block \\(b in cached\\) waits in the LRU"),
+    "release returns nothing": (ReturnsNothing, "release returns the blocks whose count reached 0"),
+    "a hold that never returns": (HoldsForever, "did not return within"),
+}
+
+
+@pytest.mark.parametrize("wrong", WRONG_REFS)
+def test_the_refs_grader_names_the_symptom(wrong):
+    cls, hint = WRONG_REFS[wrong]
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=hint):
+        grade_engine.check_block_refs(cls)
+    assert time.monotonic() - start < 2 * grade_engine.CASE_S + 30       # bounded, on a loaded machine
+
+
+class PackageRefs(BlockRefs):
+    pass
+
+
+class WrapsPackageRefs:
+    def __init__(self, lru):
+        self.refs = BlockRefs(lru)
+
+    def __getattr__(self, name):
+        return getattr(self.refs, name)
+
+
+class PackageLRU(FreeCached):
+    pass
+
+
+class WrapsPackageLRU:
+    def __init__(self):
+        self.lru = FreeCached()
+
+    def __getattr__(self, name):
+        return getattr(self.lru, name)
+
+
+@pytest.mark.parametrize("check, cls", [(grade_engine.check_block_refs, BlockRefs),
+                                        (grade_engine.check_block_refs, PackageRefs),
+                                        (grade_engine.check_block_refs, WrapsPackageRefs),
+                                        (grade_engine.check_block_lru, FreeCached),
+                                        (grade_engine.check_block_lru, PackageLRU),
+                                        (grade_engine.check_block_lru, WrapsPackageLRU)],
+                         ids=lambda x: getattr(x, "__name__", ""))
+def test_the_refs_and_lru_graders_refuse_the_package_code(check, cls):
+    with pytest.raises(bounded.PackageCode, match="the package's own"):
+        check(cls)
+
+
+def test_the_refs_grader_passes_a_right_one_and_the_solution(capsys):
+    grade_engine.check_block_refs(Refs)
+    grade_engine.check_block_refs(solution("12", "BlockRefs"))
+    assert capsys.readouterr().out.count("correct:") == 2
+
+
+def test_plugged_counts_take_over_the_blocks_an_earlier_engine_left_cached():
+    """An LLM keeps its cache from one engine to the next: ``use_refs`` hands the cached blocks to the
+    learner's counts, oldest first, and the second run finds what the package's second run finds."""
+    from orca_lab import LLM, EngineConfig
+    from orca_lab.course.plug import use_refs
+    from orca_lab.workload import few_shot_trace
+    cfg = EngineConfig(max_bs=2, n_slots=24 * 4, block_size=4, prefix_caching=True)
+    trace = few_shot_trace(4, prefix_len=16, question_len=(2, 9), gen_len=(3, 6), vocab_size=257, seed=0)
+    hits, model = {}, LLM("tiny", seed=0, engine=cfg).model
+    for who in ("package", "yours"):
+        llm = LLM(gpt=model, engine=cfg)                        # a cache of its own
+        llm.new_engine("paged").run(trace)
+        engine = llm.new_engine("paged")
+        cached = list(engine.scheduler.kv.lru)
+        if who == "yours":
+            use_refs(engine, Refs)
+            kv = engine.scheduler.kv
+            assert list(kv.lru) == cached and cached and not any(kv.refs.count(b) for b in cached)
+        hits[who] = list(engine.run(trace).requests_df().prefix_hit_tokens)
+    assert hits["yours"] == hits["package"] and sum(hits["package"]) > 0

@@ -78,10 +78,10 @@ def want(tiny_llm):
 def assert_clean(kv):
     """Every block free or cached with reference count 0: nothing held, nothing lost."""
     assert (kv.n_reserved, kv.n_used, kv.n_holders) == (0, 0, 0)
-    assert all(kv.ref[b] == 0 for b in kv.evictable) and set(kv.ref) == set(kv.evictable)
+    assert all(kv.refs.counts[b] == 0 for b in kv.lru) and set(kv.refs.counts) == set(kv.lru)
     free = sum(b - a for a, b in kv._spans) // kv.block_size
-    assert free + len(kv.evictable) == kv.n_blocks
-    assert set(kv.evictable) == set(kv.hash_of)
+    assert free + len(kv.lru) == kv.n_blocks
+    assert set(kv.lru) == set(kv.hash_of)
 
 
 def check_invariants(kv):
@@ -90,8 +90,8 @@ def check_invariants(kv):
     for rid in kv._holders:
         for b in kv._blocks[rid]:
             held[b] = held.get(b, 0) + 1
-    assert {b: n for b, n in kv.ref.items() if n} == held
-    assert not set(held) & set(kv.evictable)
+    assert {b: n for b, n in kv.refs.counts.items() if n} == held
+    assert not set(held) & set(kv.lru)
     assert kv.n_reserved == len(held) * kv.block_size
     assert kv.n_used == kv.stats().used
 
@@ -351,7 +351,7 @@ def test_hashes_reference_counts_and_lru_against_a_plain_reference(ops):
                 ref.release(req.rid)
                 del live[req.rid]
         check_invariants(kv)
-        lru_keys = [kv.hash_of[b] for b in kv.evictable]
+        lru_keys = [kv.hash_of[b] for b in kv.lru]
         assert lru_keys == [chain_hashes(list(k), BS, len(k) // BS)[-1] for k in ref.lru]
         assert sorted(kv.hash_of.values()) == sorted(chain_hashes(list(k), BS, len(k) // BS)[-1]
                                                      for k in [*ref.held, *ref.lru])
@@ -405,11 +405,11 @@ def test_a_padding_row_takes_a_block_outside_the_cache_even_when_every_free_bloc
     kv.grow(req, 4 * BS)
     kv.cache(req, 4 * BS)
     kv.release(req)
-    assert len(kv.evictable) == 4 and kv._spans == []                  # every free block is cached
+    assert len(kv.lru) == 4 and kv._spans == []                  # every free block is cached
     pad = PadRequest()
     assert kv.can_reserve(1)
     kv.reserve(pad, 1)
-    assert pad.slots.tolist() == [3 * BS] and kv.n_reserved == BS and list(kv.evictable) == [2, 1, 0]
+    assert pad.slots.tolist() == [3 * BS] and kv.n_reserved == BS and list(kv.lru) == [2, 1, 0]
     kv.release(pad)                                                    # the prompt's tail went first
     assert pad.slots is None and kv._spans == [[3 * BS, 4 * BS]]
     assert_clean(kv)

@@ -44,6 +44,39 @@ class BlockLRU:
         return len(self.blocks)
 
 
+# %% exercise: block_refs
+class BlockRefs:
+    def __init__(self, lru):
+        self.lru = lru                          # where the free cached blocks wait
+        self.counts = {}                        # block -> requests holding it; 0: free and cached
+
+    def count(self, block):
+        return self.counts.get(block, 0)
+
+    def hold(self, block):
+        if self.counts.get(block) == 0:         # free and cached: held now, never evicted
+            self.lru.used(block)
+        self.counts[block] = self.count(block) + 1
+
+    def release(self, blocks, cached):
+        freed = []
+        for block in reversed(blocks):          # the last first: a prefix's tail is evicted first
+            self.counts[block] -= 1
+            if self.counts[block]:
+                continue                        # another request still holds it
+            freed.append(block)
+            if block in cached:
+                self.lru.freed(block)
+            else:
+                del self.counts[block]          # back to the pool: no count
+        return freed
+
+    def evict(self):
+        block = self.lru.evict()
+        del self.counts[block]                  # back to the pool
+        return block
+
+
 # %% exercise: hit_tokens
 hit_tokens = 24
 prefill_tokens = 13

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import random
 import threading
-from collections import OrderedDict
 
+from orca_lab.course.bounded import Bounded, PackageCode, TooSlow, refuse_package_code, run_bounded
 from orca_lab.course.plug import PluggedFormation
 from orca_lab.engine.kv_manager import KVSlotManager
+from orca_lab.engine.prefix_cache import BlockRefs, FreeCached, PrefixCachingBlockManager
 from orca_lab.engine.request import Request
 from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.engine.scheduler import RequestLevelScheduler
@@ -45,7 +46,7 @@ def bounded(fn, *args, label: str, seconds: float | None = None):
         raise Stuck(f"{label}: your code did not return within {seconds:g} s (a loop that never ends?)")
     if "error" in out:
         e = out["error"]
-        if isinstance(e, (NotImplementedError, Mismatch, Stuck)):
+        if isinstance(e, (NotImplementedError, Mismatch, Stuck, PackageCode)):
             raise e
         raise AssertionError(f"{label}: your code raised {type(e).__name__}: {e}") from e
     return out["value"]
@@ -225,18 +226,16 @@ def _lru_steps(rng) -> list[tuple[str, int | None]]:
 
 def lru_replay(lru, steps) -> list:
     """What ``lru`` answers along ``steps``: each evicted block, and its length after every step."""
-    out, reference = [], isinstance(lru, OrderedDict)
+    out = []
     for op, b in steps:
         try:
             if op == "evict":
-                out.append(("evict", lru.popitem(last=False)[0] if reference else lru.evict()))
-            elif reference:
-                lru.pop(b) if op == "used" else lru.__setitem__(b, None)
+                out.append(("evict", lru.evict()))
             else:
                 getattr(lru, op)(b)
             out.append(("len", len(lru)))
         except Exception as e:           # the learner's: shown at the call that raised it
-            if reference:
+            if isinstance(lru, FreeCached):
                 raise
             return out + [("raised", f"{type(e).__name__}: {e}")]
     return out
@@ -255,13 +254,14 @@ def _lru_hint(expected, got, steps, i) -> str:
 
 def check_block_lru(cls, seed: int = 0):
     """``cls()`` with ``freed(b)``, ``used(b)``, ``evict() -> b`` and ``len()`` against the prefix
-    cache's ``OrderedDict`` of free cached blocks, on random calls as the cache makes them."""
+    cache's ``FreeCached``, on random calls as the cache makes them."""
+    refuse_package_code(cls, FreeCached)
     rng = random.Random(seed)
     for case in range(N_CASES):
         steps = _lru_steps(rng)
         label = f"case {case} (calls {[f'{op}({b})' if b is not None else f'{op}()' for op, b in steps]})"
-        expected = lru_replay(OrderedDict(), steps)
-        got = bounded(lambda: lru_replay(cls(), steps), label=label)
+        expected = lru_replay(FreeCached(), steps)
+        got = bounded(lambda: lru_replay(run_bounded(cls, case=label, references=(FreeCached,)), steps), label=label)
         for i, (a, b) in enumerate(zip(expected, got)):
             if a != b:
                 differ(f"answer {i} ({a[0]})", label, a[1], b[1], _lru_hint(a, b, steps, _step_of(expected, i)))
@@ -271,3 +271,143 @@ def check_block_lru(cls, seed: int = 0):
 def _step_of(answers, i: int) -> int:
     """The step that gave answer ``i`` (each step answers its length, an eviction its block first)."""
     return sum(kind == "len" for kind, _ in answers[:i])
+
+
+# -- 12: the prefix cache's reference counts --------------------------------------------------------
+class _Recording(BlockRefs):
+    """The package's counts, writing down the calls the prefix cache makes on them (of a release's
+    ``cached``, the request's blocks that are)."""
+
+    def __init__(self, lru):
+        super().__init__(lru)
+        self.calls = []
+
+    def hold(self, block):
+        self.calls.append(("hold", block))
+        super().hold(block)
+
+    def release(self, blocks, cached):
+        self.calls.append(("release", list(blocks), sorted(b for b in blocks if b in cached)))
+        return super().release(blocks, cached)
+
+    def evict(self):
+        self.calls.append(("evict",))
+        return super().evict()
+
+
+def _refs_calls(rng) -> tuple[int, list]:
+    """A pool of a few blocks, and the calls its prefix cache makes on its counts while random
+    requests sharing two prefixes come, several at a time, and leave in random order."""
+    bs, n_blocks = 2, rng.randint(4, 9)
+    kv = PrefixCachingBlockManager(n_blocks * bs, bs)
+    kv.refs = _Recording(kv.lru)
+    stems = [[rng.randrange(3) for _ in range(4 * bs)] for _ in range(2)]
+    live = []
+    for rid in range(rng.randint(3, 9)):
+        while live and (len(live) > 2 or rng.random() < 0.3):
+            kv.release(live.pop(rng.randrange(len(live))))
+        prompt = rng.choice(stems)[:rng.randint(0, 4 * bs)] + [rng.randrange(3) for _ in range(rng.randint(1, 3))]
+        req = Request(rid, prompt, SamplingParams(max_gen_tokens=1))
+        hit = kv.lookup(req)
+        if kv.can_admit(len(prompt) - len(hit) * bs, hit):
+            kv.share(req, hit)
+            kv.grow(req, len(prompt))
+            kv.cache(req, len(prompt))
+            live.append(req)
+    while live:
+        kv.release(live.pop(rng.randrange(len(live))))
+    return n_blocks, kv.refs.calls
+
+
+def _call(call) -> str:
+    return {"hold": lambda: f"hold({call[1]})", "evict": lambda: "evict()",
+            "release": lambda: f"release({call[1]}, cached={set(call[2]) or '{}'})"}[call[0]]()
+
+
+def refs_replay(refs, lru, calls, n_blocks: int) -> list:
+    """What ``refs`` answers along ``calls``: after each, what it returned, the counts above 0 and
+    the free cached blocks in ``lru``, least recently freed first; a learner's exception ends it."""
+    out = []
+    for call in calls:
+        try:
+            if call[0] == "hold":
+                got = None
+                refs.hold(call[1])
+            elif call[0] == "release":
+                got = refs.release(list(call[1]), set(call[2]))
+                got = list(got) if isinstance(got, (list, tuple)) else got
+            else:
+                got = refs.evict()
+            counts = {b: n for b in range(n_blocks) if (n := refs.count(b))}
+        except (TooSlow, PackageCode):
+            raise
+        except Exception as e:            # the learner's: shown at the call that raised it
+            if isinstance(refs, BlockRefs):
+                raise
+            return out + [("raised", f"{type(e).__name__}: {e}")]
+        out.append((got, counts, list(lru)))
+    return out
+
+
+def _answer(x) -> str:
+    if x[0] == "raised":
+        return f"raised {x[1]}"
+    return f"returned {x[0]}, counts {x[1]}, free cached (least recently freed first) {x[2]}"
+
+
+def _refs_hint(call, expected, got, before) -> str:
+    op, (e_ret, e_counts, e_lru) = call[0], expected
+    if got[0] == "raised":
+        if op == "hold" and call[1] not in before[2]:
+            return (f"block {call[1]} comes from the pool (never used, or evicted), not from the LRU: a block "
+                    "no request holds and the LRU does not hold has no count (release forgets an uncached "
+                    "one, evict() the one it evicts), so hold leaves the LRU alone")
+        return f"your {op}() raised {got[1]} where the package's answers {e_ret}"
+    ret, counts, lru = got
+    if any(n < 0 for n in counts.values()):
+        return "a count went below 0: each hold adds one, each release takes one (a block released twice?)"
+    if op == "hold":
+        if call[1] in lru:
+            return ("a held block left in the LRU (it would be evicted while held): hold(b) of a free cached "
+                    "block (count 0) takes it out, lru.used(b)")
+        return "hold(b) adds one to b's count: a block found cached may be held by other requests already"
+    if op == "evict":
+        if ret != e_ret:
+            return "evict(): the LRU's least recently freed block (lru.evict())"
+        return "evict() forgets the block's count: it goes back to the pool"
+    freed = ret if isinstance(ret, list) else []
+    held = [b for b in freed + lru if e_counts.get(b)]
+    if held:
+        return (f"block {held[0]} was freed while another request still holds it (count {e_counts[held[0]]} "
+                "after this release): a block is free only when its count reaches 0")
+    if set(lru) - set(call[2]):
+        return "only a cached block (b in cached) waits in the LRU: the others go back to the pool"
+    if (sorted(freed), sorted(lru)) == (sorted(e_ret), sorted(e_lru)):
+        return "free a request's blocks from its last to its first (reversed): its tail is evicted before its head"
+    if set(e_lru) - set(lru):
+        return "a freed cached block goes into the LRU, as the most recently freed: lru.freed(b)"
+    if counts != e_counts:
+        return "release takes one off the count of each of the request's blocks"
+    return "release returns the blocks whose count reached 0, in the order they were freed"
+
+
+def check_block_refs(cls, seed: int = 0):
+    """``cls(lru)`` with ``count(b)``, ``hold(b)``, ``release(blocks, cached) -> freed`` and ``evict()
+    -> b`` against the prefix cache's ``BlockRefs``, call by call, on the calls the cache makes while
+    random requests sharing prefixes come and go on a pool small enough to evict."""
+    refuse_package_code(cls, BlockRefs)
+    rng = random.Random(seed)
+    for case in range(N_CASES):
+        n_blocks, calls = _refs_calls(rng)
+        expected = refs_replay(BlockRefs(lru := FreeCached()), lru, calls, n_blocks)
+        label, lru = f"case {case} ({n_blocks} blocks)", FreeCached()
+        refs = Bounded(run_bounded(cls, lru, case=label, references=(BlockRefs,), timeout_s=CASE_S),
+                       case=label, references=(BlockRefs,), timeout_s=CASE_S)
+        got = refs_replay(refs, lru, calls, n_blocks)
+        for i, (a, b) in enumerate(zip(expected, got)):
+            if a != b:
+                differ(f"call {i}, {_call(calls[i])}", f"{label}, after the calls {[_call(c) for c in calls[:i]]}",
+                       _answer(a), _answer(b), _refs_hint(calls[i], a, b, expected[i - 1] if i else (None, {}, [])))
+        if len(got) != len(expected):
+            raise AssertionError(f"{label}: your BlockRefs stopped answering after call {len(got)}")
+    correct(N_CASES, "PrefixCachingBlockManager's reference counts")

@@ -175,37 +175,36 @@ class PluggedLookup:
         return [kv.block_of[h] for h in self.block_hashes(tokens, kv.block_size)[:n]]
 
 
-class _Evictable:
-    """The learner's ``BlockLRU`` (notebook 12) where the prefix cache keeps its free cached blocks,
-    least recently freed first (an ``OrderedDict``: these are the calls it makes)."""
-
-    def __init__(self, lru):
-        self.lru = lru
-
-    def __len__(self):
-        return len(self.lru)
-
-    def __setitem__(self, block, _):          # its last holder let go: cached, most recently freed
-        self.lru.freed(block)
-
-    def pop(self, block, default=None):       # a request holds it again
-        self.lru.used(block)
-
-    def popitem(self, last=True):             # the pool needs a block: the least recently freed
-        return self.lru.evict(), None
+def _recount(engine, use: str, refs_class=None, lru_class=None):
+    """``engine``'s prefix cache counting its blocks' holders with ``refs_class(lru_class())`` (either
+    None: the class it has); the blocks already free and cached (an earlier engine of its LLM left
+    them) handed over, oldest first."""
+    kv = engine.scheduler.kv
+    if not hasattr(kv, "refs"):
+        raise ValueError(f"{use} takes an engine with prefix caching (EngineConfig(prefix_caching=True))")
+    if kv.n_holders:
+        raise ValueError(f"{use} takes a fresh engine: {kv.n_holders} requests of this one hold blocks")
+    old, n_cached = kv.refs, len(kv.lru)
+    kv.lru = (lru_class or type(kv.lru))()
+    kv.refs = (refs_class or type(old))(kv.lru)
+    for _ in range(n_cached):
+        block = old.evict()
+        kv.refs.hold(block)
+        kv.refs.release([block], kv.hash_of)
+    return engine
 
 
 def use_lru(engine, lru_class):
-    """``engine`` (of an LLM with ``prefix_caching=True``) evicting with the learner's
-    ``lru_class()``; the blocks already free and cached join it, oldest first."""
-    kv = engine.scheduler.kv
-    if not hasattr(kv, "evictable"):
-        raise ValueError("use_lru takes an engine with prefix caching (EngineConfig(prefix_caching=True))")
-    lru = lru_class()
-    for block in kv.evictable:
-        lru.freed(block)
-    kv.evictable = _Evictable(lru)
-    return engine
+    """``engine`` (of an LLM with ``prefix_caching=True``) evicting with the learner's ``lru_class()``
+    (notebook 12's ``BlockLRU``: ``freed``, ``used``, ``evict``, ``len``)."""
+    return _recount(engine, "use_lru", lru_class=lru_class)
+
+
+def use_refs(engine, refs_class):
+    """``engine`` (of an LLM with ``prefix_caching=True``) counting who holds each block with the
+    learner's ``refs_class(lru)`` (notebook 12's ``BlockRefs``: ``count``, ``hold``, ``release``,
+    ``evict``), over the eviction order it has (the learner's too, after ``use_lru``)."""
+    return _recount(engine, "use_refs", refs_class=refs_class)
 
 
 def use_lookup(engine, block_hashes, cached_prefix):
@@ -286,7 +285,7 @@ PIECES = {"form_batch": ("02", "the baseline (ft)"), "select": ("03", "orca"), "
           "SlotManager": ("05", "orca"), "loop": ("08", "run_loop: every system, offline"),
           "BlockAllocator": ("11", "paged, chunked"), "victim": ("11", "paged, chunked"),
           "block_hashes": ("12", "prefix caching"), "cached_prefix": ("12", "prefix caching"),
-          "BlockLRU": ("12", "prefix caching")}
+          "BlockLRU": ("12", "prefix caching"), "BlockRefs": ("12", "prefix caching")}
 
 
 def assemble(engine, pieces: dict) -> list[str]:
@@ -310,7 +309,8 @@ def assemble(engine, pieces: dict) -> list[str]:
     if system in PAGED:
         plug(["BlockAllocator"], use_blocks)
         plug(["victim"], use_victim)
-        if hasattr(engine.scheduler.kv, "block_of"):
+        if hasattr(engine.scheduler.kv, "refs"):
             plug(["BlockLRU"], use_lru)
+            plug(["BlockRefs"], use_refs)
             plug(["block_hashes", "cached_prefix"], use_lookup)
     return plugged

@@ -16,7 +16,9 @@ least (that token's logits give its first output token).
 A block whose count drops to 0 stays cached while free: it counts as free (admission and growth may
 take it), and is evicted, least recently freed first, only when no never-used block is left. When a
 request leaves, its blocks are freed from its last to its first, so a prefix's tail is evicted before
-its head (vLLM's order): what many requests share outlives what one did alone.
+its head (vLLM's order): what many requests share outlives what one did alone. The counts are
+``BlockRefs``', the order of the free cached blocks ``FreeCached``'s (notebook 12 has the learner
+write both).
 
 Accounting: ``n_reserved`` counts the slots of blocks some request holds (each block once, however
 many share it), ``n_used`` the slots of those blocks that hold real K/V; a cached free block is in
@@ -52,16 +54,81 @@ def chain_hashes(tokens, block_size: int, n_blocks: int, known: list[bytes] | No
     return hashes
 
 
+class FreeCached:
+    """The free cached blocks (count 0, still registered), least recently freed first: the pool
+    evicts from the front when no never-used block is left."""
+
+    def __init__(self):
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def freed(self, block: int):
+        self.blocks[block] = None
+
+    def used(self, block: int):
+        del self.blocks[block]
+
+    def evict(self) -> int:
+        return self.blocks.popitem(last=False)[0]
+
+    def __len__(self):
+        return len(self.blocks)
+
+    def __iter__(self):
+        return iter(self.blocks)
+
+
+class BlockRefs:
+    """How many requests hold each block: a held block counts 1 or more; a free cached one 0, and it
+    waits in ``lru``; any other block (never used, or evicted) has no count: it is in the pool."""
+
+    def __init__(self, lru):
+        self.lru = lru
+        self.counts: dict[int, int] = {}
+
+    def count(self, block: int) -> int:
+        """The requests holding ``block``; 0: it is free (cached or not), admission may take it."""
+        return self.counts.get(block, 0)
+
+    def hold(self, block: int):
+        """A request holds ``block``, new from the pool or found cached: a free cached one leaves the
+        LRU (a held block is never evicted)."""
+        if self.counts.get(block) == 0:
+            self.lru.used(block)
+        self.counts[block] = self.count(block) + 1
+
+    def release(self, blocks: list[int], cached) -> list[int]:
+        """A request lets go of its ``blocks``, last first (so a prefix's tail is evicted before its
+        head, which more requests share): those no request holds any more, in that order. Those in
+        ``cached`` (registered) wait in the LRU, the others are forgotten (back to the pool)."""
+        freed = []
+        for b in reversed(blocks):
+            self.counts[b] -= 1
+            if self.counts[b]:
+                continue
+            freed.append(b)
+            if b in cached:
+                self.lru.freed(b)
+            else:
+                del self.counts[b]
+        return freed
+
+    def evict(self) -> int:
+        """The least recently freed cached block, forgotten: the pool reuses it."""
+        b = self.lru.evict()
+        del self.counts[b]
+        return b
+
+
 class PrefixCachingBlockManager(BlockManager):
     """``BlockManager`` whose full blocks outlive their requests, shared by reference count."""
 
     def __init__(self, n_slots: int, block_size: int = 16, *shape, **pool):
         super().__init__(n_slots, block_size, *shape, **pool)
-        self.ref: dict[int, int] = {}                 # block -> requests holding it (taken blocks only)
         self.block_of: dict[bytes, int] = {}          # name -> the block registered under it
         self.hash_of: dict[int, bytes] = {}           # block -> its name, while registered
         self.key_of: dict[int, tuple] = {}            # block -> (parent's name, its tokens), while registered
-        self.evictable: OrderedDict[int, None] = OrderedDict()   # cached blocks with ref 0, LRU first
+        self.lru = FreeCached()                       # cached blocks no request holds, LRU first
+        self.refs = BlockRefs(self.lru)               # block -> requests holding it
         self._blocks: dict[int, list[int]] = {}       # rid -> its block table
         self._pads: dict[int, list[int]] = {}         # rid -> blocks of a row outside the cache (reserve)
         self.hit_tokens = 0                           # over first admissions: tokens found cached
@@ -94,7 +161,7 @@ class PrefixCachingBlockManager(BlockManager):
     def can_admit(self, n_tokens: int, hit: list[int] = ()) -> bool:
         """As ``BlockManager.can_admit`` for the ``n_tokens`` after the cached blocks ``hit``; those
         of them free now stop being free once shared."""
-        spare = self.n_free_blocks - sum(self.ref.get(b, 0) == 0 for b in hit) \
+        spare = self.n_free_blocks - sum(not self.refs.count(b) for b in hit) \
             - (self.blocks_for(len(hit) * self.block_size + n_tokens) - len(hit))
         return spare >= (self.watermark_blocks if self.n_holders else 0)
 
@@ -114,11 +181,10 @@ class PrefixCachingBlockManager(BlockManager):
         req.n_cached = len(hit) * self.block_size     # K/V already written (``_hold`` counted it)
 
     def _hold(self, b: int):
-        if self.ref.get(b, 0) == 0:          # cached and free: in use again
-            self.evictable.pop(b, None)
+        if not self.refs.count(b):           # cached and free: in use again
             self.n_reserved += self.block_size
             self.n_used += self.block_size
-        self.ref[b] = self.ref.get(b, 0) + 1
+        self.refs.hold(b)
 
     # -- a row outside the cache: the CUDA graphs' padding (cuda_graphs.py) -------------------------
     def can_reserve(self, n: int) -> bool:
@@ -142,18 +208,18 @@ class PrefixCachingBlockManager(BlockManager):
         self._blocks.setdefault(req.rid, [])
         new = self._take_blocks(need)
         for b in new:
-            self.ref[b] = 1
+            self.refs.hold(b)
         self.n_reserved += need * self.block_size
         self._append(req, new)
 
     def _take_blocks(self, n: int) -> list[int]:
         """``n`` blocks: never-used ones first, then cached free ones, least recently freed first."""
         bs = self.block_size
-        fresh = min(n, (self.n_slots - self.n_reserved) // bs - len(self.evictable))
+        fresh = min(n, (self.n_slots - self.n_reserved) // bs - len(self.lru))
         blocks = [s // bs for a, b in (self._take(fresh * bs) if fresh else []) for s in range(a, b, bs)]
         while len(blocks) < n:
-            b, _ = self.evictable.popitem(last=False)
-            del self.block_of[self.hash_of.pop(b)], self.key_of[b], self.ref[b]
+            b = self.refs.evict()
+            del self.block_of[self.hash_of.pop(b)], self.key_of[b]
             self.n_evictions += 1
             blocks.append(b)
         return blocks
@@ -189,7 +255,7 @@ class PrefixCachingBlockManager(BlockManager):
         req.n_cached = n_cached
 
     def release(self, req):
-        """Free ``req``'s blocks, last first: a registered one stays cached (evictable), the others go
+        """Free ``req``'s blocks, last first: a registered one stays cached (in the LRU), the others go
         back to the pool."""
         bs = self.block_size
         pad = self._pads.pop(req.rid, None)
@@ -201,17 +267,11 @@ class PrefixCachingBlockManager(BlockManager):
             return
         del self._holders[req.rid]
         table = self._blocks.pop(req.rid)
-        for i in reversed(range(len(table))):
-            b = table[i]
-            self.ref[b] -= 1
-            if self.ref[b]:
-                continue
+        index = {b: i for i, b in enumerate(table)}
+        for b in self.refs.release(table, self.hash_of):
             self.n_reserved -= bs
-            self.n_used -= min(max(req.n_cached - i * bs, 0), bs)
-            if b in self.hash_of:
-                self.evictable[b] = None
-            else:
-                del self.ref[b]
+            self.n_used -= min(max(req.n_cached - index[b] * bs, 0), bs)
+            if b not in self.hash_of:
                 self._give(b * bs, (b + 1) * bs)
         self._tables.pop(req.rid, None)
         req.slots = None
