@@ -1,4 +1,4 @@
-"""Intra-layer (tensor) parallelism, Megatron-LM style (ORCA §4.3), cut from the full model's weights.
+"""Intra-layer (tensor) parallelism, Megatron-LM style (ORCA §4.1), cut from the full model's weights.
 
 Rank ``t`` of ``T`` owns attention heads ``[t*h, (t+1)*h)`` with ``h = n_heads / T``, and the K/V
 heads they read (``n_kv_heads / T`` of them, or one replicated head when ``T`` exceeds their number):
