@@ -359,8 +359,11 @@ def test_the_split_linear_solution_passes_and_gives_the_package_tokens(capsys):
     llm = LLM("tiny", seed=0, engine=EngineConfig(max_bs=4, n_slots=512))
     prompts = [[(7 * i + j) % 256 for j in range(3 + i)] for i in range(4)]
     alone = llm.generate(prompts, max_gen_tokens=4)
+    pieces = {"split_linear": split_linear, "all_reduce": all_reduce}
+    assert plug.assemble(llm.new_engine(), pieces) == []           # one rank: nothing to split
     for T in (2, 4):
-        engine = plug.use_split_linear(llm.new_engine(), split_linear, all_reduce, T)
+        engine = llm.new_engine()
+        assert plug.assemble(engine, pieces, tensor_ranks=T) == ["split_linear", "all_reduce"]
         for p in prompts:
             engine.add_request(p, SamplingParams(max_gen_tokens=4))
         assert [list(r.output) for r in engine.run().requests] == alone
