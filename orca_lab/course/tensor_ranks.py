@@ -60,6 +60,7 @@ class ThreadGroup:
     def __init__(self, T: int, reduce):
         self.T, self.reduce = T, reduce
         self.partials: list = [None] * T
+        self.whole = None
         self.barrier = threading.Barrier(T, timeout=WAIT_S)
 
     def all_reduce_of(self, t: int):
