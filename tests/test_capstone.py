@@ -6,6 +6,7 @@ import time
 from collections import deque
 
 import pytest
+import torch
 
 from orca_lab import LLM, EngineConfig
 from orca_lab.cli import main
@@ -19,7 +20,8 @@ from tests.test_graders import solution
 # the chapters' solutions, and what the notebook cells before them gave them to read
 CHAPTERS = {"02_request_level_batching": ["form_batch"], "03_iteration_level_scheduling": ["select"],
             "04_selective_batching": ["flatten"], "05_kv_slot_manager": ["slot_manager"],
-            "08_pipelined_schedules": ["loop"], "11_after_orca": ["block_allocator", "victim"],
+            "07_distributed_workers": ["split_linear"], "08_pipelined_schedules": ["loop"],
+            "11_after_orca": ["block_allocator", "victim"],
             "12_prefix_caching": ["block_hashes", "cached_prefix", "block_lru", "block_refs"]}
 
 
@@ -29,7 +31,7 @@ def package(tmp_path):
     folder = tmp_path / "my_orca"
     for stem, exercises in CHAPTERS.items():
         answers = solve.solutions(solve.SOLUTIONS / f"{stem}.py")
-        namespace = {"__name__": "__main__", "RequestState": RequestState}     # a notebook's
+        namespace = {"__name__": "__main__", "RequestState": RequestState, "torch": torch}     # a notebook's
         for ex in exercises:
             exec(answers[ex], namespace)
             mine.save(ex, answers[ex], namespace, folder)

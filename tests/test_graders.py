@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from orca_lab.course import _references, bounded, grade, grade_engine, solve
+from orca_lab import LLM, EngineConfig, SamplingParams
+from orca_lab.course import _references, bounded, grade, grade_engine, plug, solve
 from orca_lab.course.online_softmax import update
 from orca_lab.engine.engine import Engine
 from orca_lab.engine.executor import split_layers
@@ -16,6 +17,7 @@ from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.prefix_cache import BlockRefs, FreeCached, block_hash, chain_hashes
 from orca_lab.engine.request import RequestState
 from orca_lab.engine.scheduler import OrcaScheduler
+from orca_lab.model.tensor_parallel import even_range
 
 from tests.test_course import LowestFirst, skipping_select
 
@@ -473,3 +475,92 @@ def test_plugged_counts_take_over_the_blocks_an_earlier_engine_left_cached():
             assert list(kv.lru) == cached and cached and not any(kv.refs.count(b) for b in cached)
         hits[who] = list(engine.run(trace).requests_df().prefix_hit_tokens)
     assert hits["yours"] == hits["package"] and sum(hits["package"]) > 0
+
+
+# -- 07: a tensor-parallel split of a linear layer, and its all-reduce -------------------------------
+def _split(mistake=""):
+    """Chapter 07's split_linear with one of a learner's mistakes."""
+    def split_linear(weight, bias, t, T, parallel):
+        dim = (0 if parallel == "column" else 1) ^ (mistake == "wrong dimension")
+        n = weight.shape[dim]
+        size = -(-n // T) if mistake == "overlapping" else n // T
+        extra = 0 if mistake in ("floor", "overlapping", "last rank the rest") else n % T
+        lo = min(t * size, n - size) if mistake == "overlapping" else t * size + min(t, extra)
+        hi = n if mistake == "last rank the rest" and t == T - 1 else lo + size + (t < extra)
+        w = weight.narrow(dim, lo, hi - lo)
+        if parallel == "row":
+            return w, bias if mistake == "bias on every rank" else None
+        return w, bias if mistake == "whole bias" or bias is None else bias[lo:hi]
+    return split_linear
+
+
+def _sum(partials):
+    return torch.stack(partials).sum(0)
+
+
+SPLITS = {
+    "split along the wrong dimension": (_split("wrong dimension"), _sum, "split along the wrong dimension"),
+    "bias on every rank before the sum": (_split("bias on every rank"), _sum, "T x bias"),
+    "the whole bias on a column rank": (_split("whole bias"), _sum, "bias entries of its own outputs"),
+    "n // T rows each": (_split("floor"), _sum, "missing rows when T does not divide"),
+    "ceil(n / T) rows each": (_split("overlapping"), _sum, "overlapping shards"),
+    "the last rank takes the rest": (_split("last rank the rest"), _sum, "uneven shards"),
+    "an all-reduce that averages": (_split(), lambda ps: torch.stack(ps).mean(0), "averages instead of sums"),
+    "an all-reduce that concatenates": (_split(), lambda ps: torch.cat(ps, -1), "concatenates the partials"),
+    "an all-reduce of rank 0 alone": (_split(), lambda ps: ps[0], "one rank's partial"),
+    "a split that returns the weight only": (lambda w, b, t, T, p: w, _sum, "return the pair"),
+    "a split that never returns": (forever, _sum, "did not return within"),
+}
+
+
+@pytest.mark.parametrize("wrong", SPLITS)
+def test_split_linear_grader_names_the_symptom(wrong):
+    split_linear, all_reduce, hint = SPLITS[wrong]
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=hint):
+        grade_engine.check_split_linear(split_linear, all_reduce)
+    assert time.monotonic() - start < bounded.TIMEOUT_S + 10
+
+
+def on_even_range(weight, bias, t, T, parallel):
+    lo, hi = even_range(weight.shape[parallel == "row"], t, T)
+    return (weight[:, lo:hi], None) if parallel == "row" else (weight[lo:hi], None if bias is None else bias[lo:hi])
+
+
+@pytest.mark.parametrize("split_linear", [grade_engine._package_shard,
+                                          lambda w, b, t, T, p: grade_engine._package_shard(w, b, t, T, p),
+                                          on_even_range],
+                         ids=["the grader's reference", "a wrapper of it", "a split on the package's even_range"])
+def test_the_package_split_is_refused(split_linear):
+    with pytest.raises(bounded.PackageCode, match="the package's own"):
+        grade_engine.check_split_linear(split_linear, _sum)
+
+
+def test_the_split_linear_solution_passes_and_gives_the_package_tokens(capsys):
+    split_linear = solution("07", "split_linear")
+    all_reduce = solution("07", "all_reduce")
+    grade_engine.check_split_linear(split_linear, all_reduce)
+    assert capsys.readouterr().out.startswith("correct:")
+    llm = LLM("tiny", seed=0, engine=EngineConfig(max_bs=4, n_slots=512))
+    prompts = [[(7 * i + j) % 256 for j in range(3 + i)] for i in range(4)]
+    alone = llm.generate(prompts, max_gen_tokens=4)
+    pieces = {"split_linear": split_linear, "all_reduce": all_reduce}
+    assert plug.assemble(llm.new_engine(), pieces) == []           # one rank: nothing to split
+    for T in (2, 4):
+        engine = llm.new_engine()
+        assert plug.assemble(engine, pieces, tensor_ranks=T) == ["split_linear", "all_reduce"]
+        for p in prompts:
+            engine.add_request(p, SamplingParams(max_gen_tokens=4))
+        assert [list(r.output) for r in engine.run().requests] == alone
+
+
+def test_a_rank_whose_all_reduce_raises_stops_the_engine_with_its_error():
+    llm = LLM("tiny", seed=0, engine=EngineConfig(max_bs=4, n_slots=512))
+
+    def broken(partials):
+        raise ValueError("not yet")
+
+    engine = plug.use_split_linear(llm.new_engine(), _split(), broken, 2)
+    engine.add_request([1, 2, 3], SamplingParams(max_gen_tokens=2))
+    with pytest.raises(ValueError, match="not yet"):
+        engine.run()

@@ -7,13 +7,18 @@ from __future__ import annotations
 import random
 import threading
 
+import torch
+import torch.nn.functional as F
+
 from orca_lab.course.bounded import Bounded, PackageCode, TooSlow, refuse_package_code, run_bounded
 from orca_lab.course.plug import PluggedFormation
+from orca_lab.distributed.data_plane import DataPlane
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.prefix_cache import BlockRefs, FreeCached, PrefixCachingBlockManager
 from orca_lab.engine.request import Request
 from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.engine.scheduler import RequestLevelScheduler
+from orca_lab.model.tensor_parallel import even_range, shard_ranges
 
 N_CASES = 40
 CASE_S = 10.0          # wall time a case may take (a few ms when right)
@@ -411,3 +416,124 @@ def check_block_refs(cls, seed: int = 0):
         if len(got) != len(expected):
             raise AssertionError(f"{label}: your BlockRefs stopped answering after call {len(got)}")
     correct(N_CASES, "PrefixCachingBlockManager's reference counts")
+
+
+# -- 07: a tensor-parallel split of a linear layer, and its all-reduce -------------------------------
+def _package_shard(weight, bias, t: int, T: int, parallel: str):
+    """Rank ``t``'s ``(weight, bias)`` as ``shard_ranges`` cuts the model's linears (``even_range``):
+    column-parallel, rows (outputs) of the weight and the same entries of the bias; row-parallel,
+    columns (inputs) and no bias (the layer adds it once, after the all-reduce)."""
+    dim = 0 if parallel == "column" else 1
+    lo, hi = even_range(weight.shape[dim], t, T)
+    return weight.narrow(dim, lo, hi - lo), bias[lo:hi] if dim == 0 and bias is not None else None
+
+
+def _span(weight, w, dim: int):
+    """``(lo, hi)`` when ``w`` is ``weight``'s slice ``[lo, hi)`` along ``dim``, else None."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1 - dim] != weight.shape[1 - dim]:
+        return None
+    n = w.shape[dim]
+    return next(((lo, lo + n) for lo in range(weight.shape[dim] - n + 1)
+                 if torch.equal(weight.narrow(dim, lo, n), w)), None)
+
+
+def _slice_of(weight, w) -> str:
+    for dim in (0, 1):
+        where = _span(weight, w, dim)
+        if where is not None:
+            return f"{('rows', 'columns')[dim]} [{where[0]}, {where[1]}) of weight"
+    return f"a tensor of shape {tuple(w.shape)}, not weight's rows or columns"
+
+
+def _values(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return repr(t)
+    return f"shape {tuple(t.shape)}, first values {[round(v, 4) for v in t.flatten()[:4].tolist()]}"
+
+
+def _split_hint(weight, ws, dim: int, T: int) -> str:
+    n, what = weight.shape[dim], ("rows (its outputs)", "columns (its inputs)")[dim]
+    spans = [_span(weight, w, dim) for w in ws]
+    if T > 1 and None in spans and all(_span(weight, w, 1 - dim) for w in ws):
+        return (f"split along the wrong dimension: a {('column', 'row')[dim]}-parallel rank keeps weight's {what} "
+                "(nn.Linear stores weight as [out_features, in_features])")
+    if None in spans:
+        return f"each rank's weight is one contiguous slice of weight's {what}, [lo, hi)"
+    rows = [i for lo, hi in spans for i in range(lo, hi)]
+    if len(set(rows)) < len(rows):
+        return "overlapping shards: rank t starts where rank t-1 ends, every row on exactly one rank"
+    if len(rows) < n:
+        return (f"missing rows when T does not divide {n}: {n} // {T} per rank leaves {n % T} to no rank; the first "
+                f"{n} % {T} ranks take one more" if n % T else "missing rows: every row on exactly one rank")
+    if spans != sorted(spans):
+        return "the shards in rank order: rank 0 the first rows"
+    return "uneven shards: sizes differ by at most one, the first n % T ranks one more (as torch.tensor_split)"
+
+
+def _bias_hint(parallel: str) -> str:
+    if parallel == "row":
+        return ("bias added on every rank before the sum: the T partials would carry T x bias. A row-parallel "
+                "rank's linear has no bias (None); the layer adds it once, after the all-reduce")
+    return "a column-parallel rank keeps the bias entries of its own outputs, bias[lo:hi] (None when bias is None)"
+
+
+def _reduce_hint(got, partials) -> str:
+    whole = torch.stack(partials).sum(0)
+    if not isinstance(got, torch.Tensor) or got.shape != whole.shape:
+        if isinstance(got, torch.Tensor) and got.shape[-1] == whole.shape[-1] * len(partials):
+            return "concatenates the partials: an all-reduce adds them elementwise, each the whole output's shape"
+        return f"return one tensor of the partials' shape {tuple(whole.shape)}"
+    if len(partials) > 1 and torch.allclose(got, whole / len(partials), atol=1e-5):
+        return "averages instead of sums: each rank's partial is a share of the output, not an estimate of it"
+    if any(torch.allclose(got, p, atol=1e-5) for p in partials):
+        return "one rank's partial: the output is the sum of all T"
+    return "the elementwise sum of the T partial outputs"
+
+
+def _pair(got, label: str, rank: int):
+    ok = (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], torch.Tensor)
+          and (got[1] is None or isinstance(got[1], torch.Tensor)))
+    if not ok:
+        differ(f"rank {rank}'s shard", label, "(weight_t, bias_t): a tensor, and a tensor or None", repr(got),
+               "return the pair (weight_t, bias_t)")
+    return got
+
+
+def check_split_linear(split_linear, all_reduce, seed: int = 0):
+    """``split_linear(weight, bias, t, T, parallel) -> (weight_t, bias_t)`` against the package's cut
+    of the model's linears (``shard_ranges``, ``even_range``), rank by rank, for T in 1..4 on random
+    shapes (T dividing them or not); then the T ranks' outputs of a row-parallel layer, added by
+    ``all_reduce(partials)`` and the bias once, against the unsplit ``F.linear(x, weight, bias)``."""
+    refs = (_package_shard, even_range, shard_ranges, DataPlane.all_reduce)
+    refuse_package_code(split_linear, *refs)
+    refuse_package_code(all_reduce, *refs)
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    for case in range(N_CASES):
+        T = (2, 3, 4, 1)[case % 4]
+        d_out, d_in, n = rng.randint(T, 3 * T + 3), rng.randint(T, 3 * T + 3), rng.randint(1, 4)
+        weight, x = torch.randn(d_out, d_in, generator=g), torch.randn(n, d_in, generator=g)
+        bias = torch.randn(d_out, generator=g) if rng.random() < 0.75 else None
+        for dim, parallel in enumerate(("column", "row")):
+            label = (f"case {case} (weight [{d_out}, {d_in}], bias {'None' if bias is None else [d_out]}, T={T}, "
+                     f"parallel={parallel!r})")
+            got = [_pair(run_bounded(split_linear, weight.clone(), None if bias is None else bias.clone(), t, T,
+                                     parallel, case=f"{label}, rank {t}", references=refs), label, t)
+                   for t in range(T)]
+            for t, ((w, b), (w_ref, b_ref)) in enumerate(zip(got, (_package_shard(weight, bias, t, T, parallel)
+                                                                  for t in range(T)))):
+                if not (w.shape == w_ref.shape and torch.equal(w, w_ref)):
+                    differ(f"rank {t}'s weight", label, _slice_of(weight, w_ref), _slice_of(weight, w),
+                           _split_hint(weight, [s[0] for s in got], dim, T))
+                if (b is None) != (b_ref is None) or b is not None and not torch.equal(b, b_ref):
+                    show = lambda v: "None" if v is None else f"bias of shape {tuple(v.shape)}"  # noqa: E731
+                    differ(f"rank {t}'s bias", label, show(b_ref), show(b), _bias_hint(parallel))
+        partials = [F.linear(x[:, slice(*even_range(d_in, t, T))], w) for t, (w, _) in enumerate(got)]
+        label = f"case {case} (x [{n}, {d_in}], weight [{d_out}, {d_in}], T={T} row-parallel partials)"
+        whole = run_bounded(all_reduce, [p.clone() for p in partials], case=label, references=refs)
+        expected = F.linear(x, weight, bias)
+        out = whole + bias if isinstance(whole, torch.Tensor) and bias is not None and whole.shape == expected.shape \
+            else whole
+        if not (isinstance(out, torch.Tensor) and out.shape == expected.shape and torch.allclose(out, expected, atol=1e-5)):
+            differ("the layer's output (your all_reduce of the ranks' partials, then the bias once)", label,
+                   f"F.linear(x, weight, bias): {_values(expected)}", _values(out), _reduce_hint(whole, partials))
+    correct(N_CASES, "the package's split (shard_ranges) and the unsplit F.linear")

@@ -9,10 +9,13 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
+from orca_lab.course.tensor_ranks import LearnerShards, TensorRanks
 from orca_lab.engine.batch import Batch, BatchTensors
 from orca_lab.engine.policies import PAGED, _Victims
 from orca_lab.engine.request import RequestState
 from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler, _MicroBatch, enqueue
+from orca_lab.model.executor import LocalExecutor
+from orca_lab.model.gpt import GPT, StateDictWeights
 
 
 class PluggedSelect(OrcaScheduler):
@@ -282,15 +285,17 @@ def run_loop(engine, loop, trace):
 
 # the learner's pieces, by the name their exercise gives them: the chapter that writes it, where it goes
 PIECES = {"form_batch": ("02", "the baseline (ft)"), "select": ("03", "orca"), "flatten": ("04", "orca"),
-          "SlotManager": ("05", "orca"), "loop": ("08", "run_loop: every system, offline"),
+          "SlotManager": ("05", "orca"), "split_linear": ("07", "tensor_ranks > 1, in this process"),
+          "all_reduce": ("07", "tensor_ranks > 1, in this process"), "loop": ("08", "run_loop: every system, offline"),
           "BlockAllocator": ("11", "paged, chunked"), "victim": ("11", "paged, chunked"),
           "block_hashes": ("12", "prefix caching"), "cached_prefix": ("12", "prefix caching"),
           "BlockLRU": ("12", "prefix caching"), "BlockRefs": ("12", "prefix caching")}
 
 
-def assemble(engine, pieces: dict) -> list[str]:
+def assemble(engine, pieces: dict, tensor_ranks: int = 1) -> list[str]:
     """Plug every piece of ``pieces`` (``mine.load()``) that ``engine`` (fresh) has a place for; the
-    names plugged, in order. The slot manager goes in first: the learner's ``select`` reserves from it."""
+    names plugged, in order. The slot manager goes in first: the learner's ``select`` reserves from it.
+    ``tensor_ranks`` above 1 runs the model on that many tensor-parallel ranks cut by the learner's split."""
     system, plugged = engine.scheduler.name, []
     model = getattr(engine.scheduler.kv, "k", None) is not None     # a model reads the batch's tensors
 
@@ -306,6 +311,8 @@ def assemble(engine, pieces: dict) -> list[str]:
             plug(["flatten"], use_flatten)
     if system == "ft":
         plug(["form_batch"], use_form_batch)
+    if tensor_ranks > 1:
+        plug(["split_linear", "all_reduce"], lambda e, split, reduce: use_split_linear(e, split, reduce, tensor_ranks))
     if system in PAGED:
         plug(["BlockAllocator"], use_blocks)
         plug(["victim"], use_victim)
@@ -314,3 +321,25 @@ def assemble(engine, pieces: dict) -> list[str]:
             plug(["BlockRefs"], use_refs)
             plug(["block_hashes", "cached_prefix"], use_lookup)
     return plugged
+
+
+def use_split_linear(engine, split_linear, all_reduce, T: int):
+    """``engine`` (in this process, fresh) running its model on ``T`` tensor-parallel ranks, threads
+    of this process (``tensor_ranks.py``): each rank's linear layers cut by the learner's
+    ``split_linear(weight, bias, t, T, parallel)``, its partial outputs added by the learner's
+    ``all_reduce(partials)`` (notebook 07)."""
+    executor = engine.executor
+    if not isinstance(executor, LocalExecutor) or not isinstance(executor.model, GPT):
+        raise ValueError("use_split_linear takes an engine whose model runs in this process "
+                         "(EngineConfig(executor='local'), tensor_parallel=1)")
+    model = executor.model
+    model.cfg.check_tensor_parallel(T)
+    if model.cfg.kv_heads_on(T) * T != model.cfg.n_kv_heads:
+        raise ValueError(f"T={T} exceeds n_kv_heads={model.cfg.n_kv_heads}: the ranks would share K/V heads, "
+                         f"which a split of rows does not give: allowed T dividing {model.cfg.n_kv_heads}")
+    weights = StateDictWeights(model.state_dict(), model.wte.weight.device, model.wte.weight.dtype)
+    executor.model = TensorRanks(model.cfg, T, lambda t: LearnerShards(weights, model.cfg, split_linear, t, T),
+                                 all_reduce, attention_backend=model.attention_backend,
+                                 fused_ops_backend=model.fused_ops_backend, tf32=model.tf32)
+    executor.graphs = None              # captured over the whole model
+    return engine

@@ -26,24 +26,32 @@ from orca_lab.model.families import model_class
 from orca_lab.model.gpt import GPT, Block
 
 
+def even_range(n: int, t: int, T: int) -> tuple[int, int]:
+    """Rank ``t``'s ``[lo, hi)`` of ``n`` rows split over ``T`` ranks: contiguous, in rank order, sizes
+    that differ by at most one (the first ``n % T`` ranks take one more, as ``torch.tensor_split``)."""
+    size, extra = divmod(n, T)
+    lo = t * size + min(t, extra)
+    return lo, lo + size + (t < extra)
+
+
 def shard_ranges(leaf: str, cfg, t: int, T: int):
     """Rank ``t``'s pieces of block parameter ``leaf`` along ``chunk_dim`` (None: the whole tensor).
     q, k and v each keep this rank's heads (rows of c_attn; K/V heads replicated when ``T`` exceeds
     their number); the MLP's hidden units split evenly (Llama's gate and up each); attn_proj and
     mlp_proj split by input rows, so their outputs are partial sums (all-reduced)."""
-    D, ff = cfg.head_dim, cfg.d_ff // T
-    hD, kvD = cfg.n_heads // T * D, cfg.kv_heads_on(T) * D
-    q_lo, kv_lo = t * hD, t * cfg.n_kv_heads // T * D
+    D, (ff_lo, ff_hi) = cfg.head_dim, even_range(cfg.d_ff, t, T)
+    q_lo, q_hi = (D * h for h in even_range(cfg.n_heads, t, T))
+    kvD, kv_lo = cfg.kv_heads_on(T) * D, t * cfg.n_kv_heads // T * D
     if leaf.startswith("c_attn."):
         q_rows, kv_rows = cfg.n_heads * D, cfg.n_kv_heads * D
-        return ((q_lo, q_lo + hD), (q_rows + kv_lo, q_rows + kv_lo + kvD),
+        return ((q_lo, q_hi), (q_rows + kv_lo, q_rows + kv_lo + kvD),
                 (q_rows + kv_rows + kv_lo, q_rows + kv_rows + kv_lo + kvD))
     if leaf == "attn_proj.weight":
-        return ((q_lo, q_lo + hD),)
+        return ((q_lo, q_hi),)
     if leaf.startswith("c_fc.") and cfg.family == "llama":      # gate and up stacked
-        return ((t * ff, (t + 1) * ff), (cfg.d_ff + t * ff, cfg.d_ff + (t + 1) * ff))
+        return ((ff_lo, ff_hi), (cfg.d_ff + ff_lo, cfg.d_ff + ff_hi))
     if leaf.startswith("c_fc.") or leaf == "mlp_proj.weight":
-        return ((t * ff, (t + 1) * ff),)
+        return ((ff_lo, ff_hi),)
     return None            # norms and the row-parallel biases (added once, after the reduction)
 
 
