@@ -353,7 +353,7 @@ def _budget_hint(case: tuple, expected: list, got: list) -> str:
             return hint
     if not got:
         rid, n, _ = expected[0]
-        cut = f"; prompt {rid} is not cut to the remainder: it gets the {n} tokens of the budget" if n < tokens[rid] else ""
+        cut = f"; prompt {rid} is not cut to the remainder: it gets the {n} tokens of the budget" * (n < tokens[rid])
         return f"no request ran: call run(request, n) for each request you feed{cut}"
     i = _diverges(expected, got)
     if i == len(expected):
@@ -366,8 +366,9 @@ def _budget_hint(case: tuple, expected: list, got: list) -> str:
         return f"decode {rid} did not run: every decode runs, one token each, before any prompt"
     if i < len(got):
         return f"prompt {rid} skipped: it {'gets what is left (a chunk)' if n < tokens[rid] else 'fits'}"
-    cut = f": not cut to the remainder, it gets the {n} tokens left (a chunk)" if n < tokens[rid] else ""
-    return f"budget left unused while prompt {rid} waits{cut}; stop only when the budget is spent or max_bs requests run"
+    cut = f": not cut to the remainder, it gets the {n} tokens left (a chunk)" * (n < tokens[rid])
+    return (f"budget left unused while prompt {rid} waits{cut}; stop only when the budget is spent or max_bs "
+            "requests run")
 
 
 def _budget_mistakes(case: tuple, expected: list):
@@ -391,8 +392,9 @@ def _budget_mistakes(case: tuple, expected: list):
     if len(skipping) > _diverges(skipping, expected):       # went on past the prompt it did not cut
         yield ("a prompt longer than what is left of the budget is not cut to the remainder: it gets what is "
                "left (a chunk), it is not skipped"), skipping
+    by_length = (decodes, sorted(prompts, key=lambda p: p[1]), budget, max_bs, refused)
     yield ("a later prompt fed before an earlier one: prompts in arrival order, as offered (not by length)",
-           budget_calls(fill, (decodes, sorted(prompts, key=lambda p: p[1]), budget, max_bs, refused), "", learner=False))
+           budget_calls(fill, by_length, "", learner=False))
 
 
 def _diverges(a: list, b: list) -> int:
