@@ -222,12 +222,18 @@ class _Forming:
 def _then_waiting(scheduled: list[Request], waiting, admitting, order=None):
     """``scheduled``, then the head of ``waiting`` while ``admitting()``: the head is either admitted
     (it leaves ``waiting``, and the next one is the head) or stops admission, so the rest of the
-    queue, which could only be skipped, is never visited. ``order(waiting)``: the waiting requests in
-    another order than arrival (a snapshot, taken once the scheduled ones are done)."""
+    queue, which could only be skipped, is never visited. A head still there when the next is asked
+    for (a plugged ``fill_budget`` read on without running it) is passed, so the walk always ends.
+    ``order(waiting)``: the waiting requests in another order than arrival (a snapshot, taken once
+    the scheduled ones are done)."""
     yield from scheduled
     if order is None:
-        while waiting and admitting():
-            yield waiting[0]
+        i = 0
+        while i < len(waiting) and admitting():
+            req = waiting[i]
+            yield req
+            if i < len(waiting) and waiting[i] is req:
+                i += 1             # neither admitted nor refused: read on past it
         return
     for req in order(waiting) if waiting and admitting() else ():
         if not admitting():
