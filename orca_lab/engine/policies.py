@@ -8,11 +8,11 @@
   and it waits again, to recompute its prompt and the tokens it has generated in one pass (vLLM's
   recompute preemption: those tokens are kept, so the output does not change).
 - ``ChunkedScheduler`` (``system="chunked"``, Sarathi-Serve's stall-free batching, vLLM V1's default):
-  paging plus a budget of ``max_num_batched_tokens`` new tokens per iteration. Decodes go first; the
-  prefill chunks of the oldest waiting or partly prefilled requests fill what is left, so a long
-  prompt spans several iterations and never stalls the decodes. A chunk that does not finish the
-  context produces no token and is not sampled (``Batch.yields``): a seeded request draws nothing
-  for it, so it gets the tokens it gets unchunked, as in vLLM and SGLang.
+  paging plus a budget of ``max_num_batched_tokens`` new tokens per iteration (``fill_budget``).
+  Decodes go first; the prefill chunks of the oldest waiting or partly prefilled requests fill what
+  is left, so a long prompt spans several iterations and never stalls the decodes. A chunk that does
+  not finish the context produces no token and is not sampled (``Batch.yields``): a seeded request
+  draws nothing for it, so it gets the tokens it gets unchunked, as in vLLM and SGLang.
 
 - Prefix caching (``prefix_caching=True``, ``prefix_cache.py``, vLLM's automatic prefix caching) is a
   flag of both, not a scheduler: a request admitted from ``waiting`` starts with the cached blocks of
