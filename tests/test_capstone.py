@@ -21,7 +21,7 @@ from tests.test_graders import solution
 CHAPTERS = {"02_request_level_batching": ["form_batch"], "03_iteration_level_scheduling": ["select"],
             "04_selective_batching": ["flatten"], "05_kv_slot_manager": ["slot_manager"],
             "07_distributed_workers": ["split_linear"], "08_pipelined_schedules": ["loop"],
-            "11_after_orca": ["block_allocator", "victim"],
+            "11_after_orca": ["block_allocator", "victim", "fill_budget"],
             "12_prefix_caching": ["block_hashes", "cached_prefix", "block_lru", "block_refs"]}
 
 

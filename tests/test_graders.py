@@ -9,15 +9,20 @@ import pytest
 import torch
 
 from orca_lab import LLM, EngineConfig, SamplingParams
+from orca_lab.config import model_config
 from orca_lab.course import _references, bounded, grade, grade_engine, plug, solve
 from orca_lab.course.online_softmax import update
+from orca_lab.engine import policies
 from orca_lab.engine.engine import Engine
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.kv_manager import KVSlotManager
+from orca_lab.engine.policies import new_kv, new_scheduler
 from orca_lab.engine.prefix_cache import BlockRefs, FreeCached, block_hash, chain_hashes
 from orca_lab.engine.request import RequestState
 from orca_lab.engine.scheduler import OrcaScheduler
 from orca_lab.model.tensor_parallel import even_range
+from orca_lab.sim.cost import AnalyticalCost
+from orca_lab.sim.executor import SimExecutor
 
 from tests.test_course import LowestFirst, skipping_select
 
@@ -564,3 +569,104 @@ def test_a_rank_whose_all_reduce_raises_stops_the_engine_with_its_error():
     engine.add_request([1, 2, 3], SamplingParams(max_gen_tokens=2))
     with pytest.raises(ValueError, match="not yet"):
         engine.run()
+
+
+# -- 11: the chunked-prefill token budget ----------------------------------------------------------
+def budget_with(prompts_first=False, decode_left=False, whole=False, skip=False, shortest_first=False, zero=False,
+                one_prompt=False, count_refused=False, max_bs_extra=0, plan=False, twice=False, calls_forever=False):
+    """The token budget with one of a learner's mistakes."""
+    def fill_budget(decodes, prompts, budget, max_bs, run):
+        decodes, prompts = list(decodes), sorted(prompts, key=lambda p: p[1]) if shortest_first else list(prompts)
+        left, n_run = budget, 0
+        for req, n in (prompts + decodes if prompts_first else decodes + prompts) * (2 if twice else 1):
+            if n_run == max_bs + max_bs_extra or (left == 0 and not zero):
+                break
+            if skip and n > left:
+                continue
+            q = left if decode_left and (req, n) in decodes else n if whole else min(n, left)
+            if plan:
+                continue
+            while calls_forever:
+                run(req, q)
+            if run(req, q) or count_refused:
+                left, n_run = left - q, n_run + 1
+                if one_prompt and (req, n) in prompts:
+                    break
+    return fill_budget
+
+
+BUDGETS = {
+    "a prompt fed whole": (budget_with(whole=True), "budget exceeded"),
+    "a decode fed what is left": (budget_with(decode_left=True), "a decode given .* tokens"),
+    "prompts before decodes": (budget_with(prompts_first=True), "decodes go first|before any prompt"),
+    "a prompt that does not fit skipped": (budget_with(skip=True), "not cut to the remainder"),
+    "shortest prompt first": (budget_with(shortest_first=True), "a later prompt fed before an earlier one"),
+    "no stop at a spent budget": (budget_with(zero=True), "fed 0 tokens"),
+    "one prompt an iteration": (budget_with(one_prompt=True), "budget left unused while prompt"),
+    "a refused run counted": (budget_with(count_refused=True), "a run that returns False took nothing"),
+    "max_bs off by one": (budget_with(max_bs_extra=1), "more than max_bs"),
+    "one short of max_bs": (budget_with(max_bs_extra=-1), "one request short of max_bs"),
+    "a plan, never run": (budget_with(plan=True), "no request ran"),
+    "every request twice": (budget_with(twice=True), "run twice"),
+    "run called without end": (budget_with(calls_forever=True), "run was called .* times"),
+    "returns without a word": (lambda decodes, prompts, budget, max_bs, run: None, "no request ran"),
+}
+
+
+@pytest.mark.parametrize("wrong", BUDGETS)
+def test_budget_grader_names_the_symptom(wrong):
+    fn, hint = BUDGETS[wrong]
+    t = time.monotonic()
+    with pytest.raises(AssertionError, match=hint) as e:
+        grade_engine.check_fill_budget(fn)
+    assert time.monotonic() - t < bounded.TIMEOUT_S                   # bounded in calls, not by the clock
+    if isinstance(e.value, grade_engine.Mismatch):
+        assert "expected (the package's)" in str(e.value) and "got (yours)" in str(e.value)
+
+
+def test_a_budget_that_never_returns_is_stopped():
+    def forever(decodes, prompts, budget, max_bs, run):
+        while True:
+            pass
+    t = time.monotonic()
+    with pytest.raises(bounded.TooSlow, match="did not return within .* on case 0"):
+        grade_engine.check_fill_budget(forever)
+    assert time.monotonic() - t < 3 * bounded.TIMEOUT_S
+
+
+@pytest.mark.parametrize("fn", [policies.fill_budget, policies.ChunkedScheduler.fill_budget,
+                                lambda d, p, b, m, run: policies.fill_budget(d, p, b, m, run)],
+                         ids=["fill_budget itself", "the scheduler's", "a wrapper"])
+def test_the_packages_budget_is_refused(fn):
+    with pytest.raises(bounded.PackageCode, match="the package's own"):
+        grade_engine.check_fill_budget(fn)
+
+
+def test_the_budget_solution_passes_and_runs_the_chunked_engine(capsys):
+    """The course's solution passes; plugged (``use_budget``), the chunked engine (simulated) makes the
+    package's iterations, prompts in chunks; a different budget makes others, and a call the package
+    never makes (a prompt fed whole past the budget) stops the engine naming it."""
+    fill = solution("11", "fill_budget")
+    grade_engine.check_fill_budget(fill)
+    assert capsys.readouterr().out.startswith("correct:")
+
+    def engine(system="chunked"):
+        cfg = model_config("tiny")
+        return Engine(new_scheduler(system, new_kv(system, 1024, 8), 4, cfg.max_seq_len, None, 16),
+                      SimExecutor(AnalyticalCost(cfg)), cfg.vocab_size, cfg.max_seq_len)
+
+    def iterations(budget_fn=None):
+        e = engine() if budget_fn is None else plug.use_budget(engine(), budget_fn)
+        e.add_requests([([1 + i] * p, SamplingParams(max_gen_tokens=g), 0.0)
+                        for i, (p, g) in enumerate([(40, 5), (3, 9), (21, 4), (9, 6), (33, 3)])])
+        return [(it.rids, it.q_lens) for it in e.run().iterations]
+
+    package = iterations()
+    assert iterations(fill) == package
+    assert iterations(budget_with()) == package      # reads every prompt before it runs one: the walk ends
+    assert any(q < 16 and rid in (0, 2, 4) for rids, q_lens in package for rid, q in zip(rids, q_lens))
+    assert iterations(budget_with(prompts_first=True)) != package
+    with pytest.raises(AssertionError, match="your fill_budget called run"):
+        iterations(budget_with(whole=True))
+    with pytest.raises(ValueError, match="use_budget takes an engine of system 'chunked'"):
+        plug.use_budget(engine("paged"), fill)

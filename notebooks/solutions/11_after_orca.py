@@ -37,6 +37,18 @@ def victim(running, req, chosen):
     return None
 
 
+# %% exercise: fill_budget
+def fill_budget(decodes, prompts, budget, max_bs, run):
+    left, n_run = budget, 0
+    for pairs in (decodes, prompts):                  # decodes first, then prompts in arrival order
+        for req, n_tokens in pairs:
+            n = min(n_tokens, left)                   # a prompt longer than what is left: a chunk
+            if run(req, n):                           # False: it cannot run now, and takes nothing
+                left, n_run = left - n, n_run + 1
+                if left == 0 or n_run == max_bs:
+                    return
+
+
 # %% exercise: slots_held
 orca_slots = 140
 paged_slots = 64

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from orca_lab.course.bounded import Bounded, PackageCode, TooSlow, refuse_package_code, run_bounded
 from orca_lab.course.plug import PluggedFormation
 from orca_lab.distributed.data_plane import DataPlane
+from orca_lab.engine import policies
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.prefix_cache import BlockRefs, FreeCached, PrefixCachingBlockManager
 from orca_lab.engine.request import Request
@@ -537,3 +538,148 @@ def check_split_linear(split_linear, all_reduce, seed: int = 0):
             differ("the layer's output (your all_reduce of the ranks' partials, then the bias once)", label,
                    f"F.linear(x, weight, bias): {_values(expected)}", _values(out), _reduce_hint(whole, partials))
     correct(N_CASES, "the package's split (shard_ranges) and the unsplit F.linear")
+
+
+# -- 11: the chunked-prefill token budget -----------------------------------------------------------
+class _Runs:
+    """One case's ``run(request, n)``: each call noted as ``(rid, n, ran)``; the requests of
+    ``refused`` cannot run (no room, or in flight) and get False. Past ``cap`` calls, ``Stuck``."""
+
+    def __init__(self, reqs: dict, refused: set, cap: int, label: str):
+        self.reqs, self.refused, self.cap, self.label, self.calls = reqs, refused, cap, label, []
+
+    def __call__(self, req, n) -> bool:
+        if len(self.calls) == self.cap:
+            raise Stuck(f"{self.label}: run was called {self.cap} times: each request is offered once; run it once "
+                        "at most")
+        rid = req.rid if any(req is r for r in self.reqs.values()) else repr(req)
+        self.calls.append((rid, n, rid in self.reqs and rid not in self.refused))
+        return self.calls[-1][2]
+
+
+def budget_calls(fill, case: tuple, label: str, learner: bool = True) -> list[tuple]:
+    """The ``run`` calls ``fill(decodes, prompts, budget, max_bs, run)`` makes on ``case`` =
+    ``(decodes, prompts, budget, max_bs, refused)`` (``(rid, tokens)`` pairs, offered once, as
+    iterators, as the scheduler does), ``learner``'s bounded in time and in calls."""
+    decodes, prompts, budget, max_bs, refused = case
+    reqs = {rid: request(rid, n, 1) for rid, n in decodes + prompts}
+    runs = _Runs(reqs, refused, 2 * len(reqs) + 2, label)
+    args = (iter([(reqs[r], n) for r, n in decodes]), iter([(reqs[r], n) for r, n in prompts]), budget, max_bs, runs)
+    if learner:
+        run_bounded(fill, *args, case=label, references=(policies.fill_budget,))
+    else:
+        fill(*args)
+    return runs.calls
+
+
+def _budget_case(rng, part: int) -> tuple:
+    """One iteration's candidates: the rules alone first (``part`` 0: max_bs never reached, every run
+    succeeds), then max_bs reached (1), then runs refused too (2), so a hint names the first rule
+    broken."""
+    budget = rng.choice([rng.randint(1, 6), rng.randint(6, 40)])
+    rids = iter(range(100))
+    decodes = [(next(rids), 1) for _ in range(rng.randint(0, 5))]
+    prompts = [(next(rids), rng.randint(1, 2 * budget + 2)) for _ in range(rng.randint(0 if decodes else 1, 5))]
+    n = len(decodes) + len(prompts)
+    max_bs = rng.randint(n + 1, n + 2) if part == 0 else rng.randint(1, 8)
+    refused = {rid for rid, _ in decodes + prompts if part == 2 and rng.random() < 0.15}
+    return decodes, prompts, budget, max_bs, refused
+
+
+def _budget_hint(case: tuple, expected: list, got: list) -> str:
+    decodes, prompts, budget, max_bs, refused = case
+    tokens, order, is_decode = dict(decodes + prompts), [rid for rid, _ in decodes + prompts], dict(decodes)
+    done = set()
+    for rid, n, _ in got:                      # a call no iteration could make
+        if rid not in tokens:
+            return "run(request, n) takes the request of a (request, tokens) pair, as offered"
+        if rid in done:
+            return f"request {rid} run twice: each request is offered once and runs at most once an iteration"
+        done.add(rid)
+        if not n >= 1:
+            return f"request {rid} fed {n} tokens: never run a request with none; stop once the budget is spent"
+        if rid in is_decode and n > 1:
+            return f"a decode given {n} tokens (request {rid}): a decode feeds one token, its last"
+        if n > tokens[rid]:
+            return f"request {rid} fed {n} tokens, more than the {tokens[rid]} it has to feed"
+    ran = [(rid, n) for rid, n, ok in got if ok]
+    if sum(n for _, n in ran) > budget:
+        return f"budget exceeded ({sum(n for _, n in ran)} > {budget} new tokens): a prompt is cut to what is left"
+    if len(ran) > max_bs:
+        return f"more than max_bs={max_bs} requests run"
+    called = [rid for rid, _, _ in got]
+    for a, b in zip(called, called[1:]):
+        if order.index(a) > order.index(b):
+            if b in is_decode:
+                return f"decode {b} run after prompt {a}: decodes go first (a long prompt must not stall them)"
+            return f"prompt {a} fed before prompt {b}, which arrived earlier: prompts in arrival order, as offered"
+    for hint, calls in _budget_mistakes(case, expected):
+        if got == calls:
+            return hint
+    if not got:
+        rid, n, _ = expected[0]
+        cut = f"; prompt {rid} is not cut to the remainder: it gets the {n} tokens of the budget" * (n < tokens[rid])
+        return f"no request ran: call run(request, n) for each request you feed{cut}"
+    i = _diverges(expected, got)
+    if i == len(expected):
+        full = sum(ok for _, _, ok in expected) == max_bs
+        return f"stop once {'max_bs requests run' if full else 'the budget is spent'}"
+    rid, n, _ = expected[i]
+    if i < len(got) and got[i][0] == rid:
+        return f"request {rid} fed {got[i][1]} tokens where {n} were left for it: min(its tokens, what is left)"
+    if rid in is_decode:
+        return f"decode {rid} did not run: every decode runs, one token each, before any prompt"
+    if i < len(got):
+        return f"prompt {rid} skipped: it {'gets what is left (a chunk)' if n < tokens[rid] else 'fits'}"
+    cut = f": not cut to the remainder, it gets the {n} tokens left (a chunk)" * (n < tokens[rid])
+    return (f"budget left unused while prompt {rid} waits{cut}; stop only when the budget is spent or max_bs "
+            "requests run")
+
+
+def _budget_mistakes(case: tuple, expected: list):
+    """``(hint, calls)``: what a budget with one well-known mistake calls on ``case``, from the
+    package's rule on changed input, or its calls cut short (never the rule written again)."""
+    decodes, prompts, budget, max_bs, refused = case
+    tokens, fill = dict(decodes + prompts), policies.fill_budget
+
+    def skips_cuts(d, p, b, m, run):          # a prompt longer than what is left: not run, not counted
+        fill(d, p, b, m, lambda req, n: n == tokens[req.rid] and run(req, n))
+
+    def counts_refused(d, p, b, m, run):      # a run that returned False taken from the budget too
+        fill(d, p, b, m, lambda req, n: run(req, n) or True)
+
+    yield ("a run that returns False took nothing: count only the requests that ran, and the tokens they took",
+           budget_calls(counts_refused, case, "", learner=False))
+    ran = [i for i, c in enumerate(expected) if c[2]]
+    if len(ran) == max_bs:
+        yield f"one request short of max_bs={max_bs}", expected[:ran[max_bs - 2] + 1] if max_bs > 1 else []
+    skipping = budget_calls(skips_cuts, case, "", learner=False)
+    if len(skipping) > _diverges(skipping, expected):       # went on past the prompt it did not cut
+        yield ("a prompt longer than what is left of the budget is not cut to the remainder: it gets what is "
+               "left (a chunk), it is not skipped"), skipping
+    by_length = (decodes, sorted(prompts, key=lambda p: p[1]), budget, max_bs, refused)
+    yield ("a later prompt fed before an earlier one: prompts in arrival order, as offered (not by length)",
+           budget_calls(fill, by_length, "", learner=False))
+
+
+def _diverges(a: list, b: list) -> int:
+    """The first index where the lists differ (the shorter one's length if one starts the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def check_fill_budget(fn, seed: int = 0):
+    """``fn(decodes, prompts, budget, max_bs, run)`` against the chunked scheduler's token budget
+    (``policies.fill_budget``): the same ``run(request, n)`` calls, in the same order, on random
+    iterations (decodes, prompts longer and shorter than the budget, requests that cannot run)."""
+    refuse_package_code(fn, policies.fill_budget)
+    rng = random.Random(seed)
+    for case in range(N_CASES):
+        c = _budget_case(rng, min(2, 3 * case // N_CASES))
+        decodes, prompts, budget, max_bs, refused = c
+        label = (f"case {case} (budget={budget}, max_bs={max_bs}, decodes {[rid for rid, _ in decodes]}, prompts "
+                 f"(request, tokens) {prompts}, run returns False for {sorted(refused)})")
+        expected = budget_calls(policies.fill_budget, c, label, learner=False)
+        got = budget_calls(fn, c, label)
+        if got != expected:
+            differ("the run calls (request, new tokens, ran)", label, expected, got, _budget_hint(c, expected, got))
+    correct(N_CASES, "the chunked scheduler's token budget")

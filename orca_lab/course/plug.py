@@ -283,11 +283,46 @@ def run_loop(engine, loop, trace):
     return engine.result(start)
 
 
+def use_budget(engine, fill_budget):
+    """``engine`` (a chunked one) giving each request of an iteration the new tokens the learner's
+    ``fill_budget(decodes, prompts, budget, max_bs, run)`` says (notebook 11). Each ``run(request, n)``
+    it makes is checked first: a request offered and not run yet, 1 <= n <= its tokens, within the
+    budget and max_bs; a wrong call stops the engine naming it, not a broken batch run."""
+    if engine.scheduler.name != "chunked":
+        raise ValueError(f"use_budget takes an engine of system 'chunked', not {engine.scheduler.name!r}")
+
+    def checked(decodes, prompts, budget, max_bs, run):
+        offered, spent = {}, {"tokens": 0, "requests": 0}
+
+        def offer(pairs):
+            for req, n in pairs:
+                offered[req.rid] = n
+                yield req, n
+
+        def run_checked(req, n):
+            has = offered.pop(getattr(req, "rid", None), 0)
+            if not 1 <= n <= has or spent["tokens"] + n > budget or spent["requests"] == max_bs:
+                raise AssertionError(f"your fill_budget called run(request {getattr(req, 'rid', req)!r}, {n}): it "
+                                     f"must be a request offered and not run yet, 1 <= n <= its {has} tokens, within "
+                                     f"budget={budget} ({spent['tokens']} taken) and max_bs={max_bs} "
+                                     f"({spent['requests']} run)")
+            ran = run(req, n)
+            if ran:
+                spent["tokens"], spent["requests"] = spent["tokens"] + n, spent["requests"] + 1
+            return ran
+
+        fill_budget(offer(decodes), offer(prompts), budget, max_bs, run_checked)
+
+    engine.scheduler.fill_budget = checked
+    return engine
+
+
 # the learner's pieces, by the name their exercise gives them: the chapter that writes it, where it goes
 PIECES = {"form_batch": ("02", "the baseline (ft)"), "select": ("03", "orca"), "flatten": ("04", "orca"),
           "SlotManager": ("05", "orca"), "split_linear": ("07", "tensor_ranks > 1, in this process"),
           "all_reduce": ("07", "tensor_ranks > 1, in this process"), "loop": ("08", "run_loop: every system, offline"),
           "BlockAllocator": ("11", "paged, chunked"), "victim": ("11", "paged, chunked"),
+          "fill_budget": ("11", "chunked"),
           "block_hashes": ("12", "prefix caching"), "cached_prefix": ("12", "prefix caching"),
           "BlockLRU": ("12", "prefix caching"), "BlockRefs": ("12", "prefix caching")}
 
@@ -320,6 +355,8 @@ def assemble(engine, pieces: dict, tensor_ranks: int = 1) -> list[str]:
             plug(["BlockLRU"], use_lru)
             plug(["BlockRefs"], use_refs)
             plug(["block_hashes", "cached_prefix"], use_lookup)
+    if system == "chunked":
+        plug(["fill_budget"], use_budget)
     return plugged
 
 

@@ -8,11 +8,11 @@
   and it waits again, to recompute its prompt and the tokens it has generated in one pass (vLLM's
   recompute preemption: those tokens are kept, so the output does not change).
 - ``ChunkedScheduler`` (``system="chunked"``, Sarathi-Serve's stall-free batching, vLLM V1's default):
-  paging plus a budget of ``max_num_batched_tokens`` new tokens per iteration. Decodes go first; the
-  prefill chunks of the oldest waiting or partly prefilled requests fill what is left, so a long
-  prompt spans several iterations and never stalls the decodes. A chunk that does not finish the
-  context produces no token and is not sampled (``Batch.yields``): a seeded request draws nothing
-  for it, so it gets the tokens it gets unchunked, as in vLLM and SGLang.
+  paging plus a budget of ``max_num_batched_tokens`` new tokens per iteration (``fill_budget``).
+  Decodes go first; the prefill chunks of the oldest waiting or partly prefilled requests fill what
+  is left, so a long prompt spans several iterations and never stalls the decodes. A chunk that does
+  not finish the context produces no token and is not sampled (``Batch.yields``): a seeded request
+  draws nothing for it, so it gets the tokens it gets unchunked, as in vLLM and SGLang.
 
 - Prefix caching (``prefix_caching=True``, ``prefix_cache.py``, vLLM's automatic prefix caching) is a
   flag of both, not a scheduler: a request admitted from ``waiting`` starts with the cached blocks of
@@ -27,6 +27,8 @@ waits for a later iteration, keeping its own.
 """
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -43,9 +45,26 @@ from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler, arri
 LPM_MAX_WAITING = 128
 
 
+def fill_budget(decodes, prompts, budget, max_bs: int, run):
+    """One iteration under Sarathi-Serve's token budget (stall-free batching): every decode first, one
+    token each, then the prompts in arrival order, each cut to what is left of ``budget``, until the
+    budget is spent or ``max_bs`` requests run. ``decodes`` and ``prompts`` yield ``(request, tokens
+    it still has to feed)``; ``run(request, n) -> bool`` puts it in the batch with ``n`` new tokens,
+    False when it cannot run now (no room; the scheduler says why): it takes nothing then. ``budget``
+    is ``math.inf`` for whole prompts (``system="paged"``). Notebook 11 has a learner write it."""
+    left, n_run = budget, 0
+    for req, n_tokens in itertools.chain(decodes, prompts):
+        n = min(n_tokens, left)
+        if run(req, n):
+            left, n_run = left - n, n_run + 1
+            if left == 0 or n_run == max_bs:
+                return
+
+
 class PagedScheduler(OrcaScheduler):
     name = "paged"
     budget: int | None = None       # new tokens per iteration; None: whole prompts (no chunking)
+    fill_budget = staticmethod(fill_budget)   # how many new tokens each request feeds (a learner's plugs in)
 
     def __init__(self, kv: BlockManager, max_bs: int, schedule_policy: str = "fcfs"):
         super().__init__(kv, max_bs)
@@ -58,50 +77,22 @@ class PagedScheduler(OrcaScheduler):
 
     def select(self, now: float = 0.0) -> Batch | None:
         """Decodes first, then in arrival order the scheduled requests that are not decoding (a
-        prompt in chunks, a preempted request to recompute) and the head of ``waiting``. A preempted
-        request stays among the scheduled ones, at its place in arrival order: it arrived before
-        every waiting request, and is admitted again before any of them."""
-        batch, q_lens, left = [], [], self.budget or float("inf")
-        preempted, admitting = set(), True
-        ready = [r for r in self.running if _decoding(r)]
-        rest = [r for r in self.running if not _decoding(r)]
-        chosen: set[int] = set()             # rids of this batch
-        victims = self.victims(list(self.running), chosen)
+        prompt in chunks, a preempted request to recompute) and the head of ``waiting``, offered to
+        ``fill_budget``, which says how many new tokens each feeds. A preempted request stays among
+        the scheduled ones, at its place in arrival order: it arrived before every waiting request,
+        and is admitted again before any of them."""
+        forming = _Forming(self, now)
         lpm = self.schedule_policy == "lpm" and len(self.waiting) <= LPM_MAX_WAITING
         order = self._longest_prefix_first if lpm else None
-        for req in _then_waiting(ready + rest, self.waiting, lambda: admitting, order):
-            if len(batch) == self.max_bs or left == 0:
-                break
-            if req.state is RequestState.RUNNING:
-                continue
-            if req.rid in preempted:
-                admitting = False         # FCFS: nothing waiting overtakes a request preempted now
-                continue
-            starting = req.state is RequestState.INITIATION
-            hit = self.kv.lookup(req) if starting and admitting else []     # prefix caching's blocks
-            q = min(len(req.pending_tokens()) - len(hit) * self.kv.block_size, left)
-            if starting:
-                if not (admitting and self.kv.can_admit(q, hit)):
-                    admitting = False     # FCFS admission: a later, smaller prompt does not overtake;
-                    continue              # requests holding blocks still run (else they would deadlock)
-                first = req.t_scheduled is None
-                if first:
-                    self._admit_waiting(req)   # it joins the scheduled requests
-                    req.t_scheduled = now
-                self.kv.share(req, hit, first)
-            elif not self._make_room(req, req.n_cached + q, victims, preempted):
-                admitting = admitting and req.rid in preempted   # waiting for room: none overtakes it
-                continue                  # it preempted itself, or waits for a later request's blocks
-            self.kv.grow(req, req.n_cached + q)
-            chosen.add(req.rid)
-            batch.append(req)
-            q_lens.append(q)
-            left -= q
-        if not batch:
+        decodes = forming.offer([r for r in self.running if _decoding(r)])
+        prompts = forming.offer(_then_waiting([r for r in self.running if not _decoding(r)], self.waiting,
+                                              lambda: forming.admitting, order))
+        self.fill_budget(decodes, prompts, self.budget or math.inf, self.max_bs, forming.run)
+        if not forming.batch:
             return None
-        for req in batch:
+        for req in forming.batch:
             req.state = RequestState.RUNNING
-        return Batch.selective(batch, q_lens)
+        return Batch.selective(forming.batch, forming.q_lens)
 
     def victims(self, running: list[Request], chosen: set[int]) -> "_Victims":
         """Who may be preempted during one ``select`` (a learner's choice plugs in here, notebook 11)."""
@@ -180,15 +171,69 @@ class _Victims:
         return False
 
 
+class _Forming:
+    """The batch one ``select`` forms: it offers the requests to ``fill_budget`` and runs those it
+    can (admission, blocks, preemption). ``admitting``: FCFS, once a waiting request is not admitted
+    (or a request is preempted by this select) no waiting request after it is."""
+
+    def __init__(self, sched: PagedScheduler, now: float):
+        self.sched, self.now, self.admitting = sched, now, True
+        self.batch, self.q_lens, self.chosen, self.preempted = [], [], set(), set()
+        self.hits: dict[int, list[int]] = {}          # rid -> prefix caching's blocks it starts with
+        self.victims = sched.victims(list(sched.running), self.chosen)
+
+    def offer(self, reqs):
+        """``(request, tokens it still has to feed)`` for those of ``reqs`` that may run now: not in
+        flight, not preempted by this select; past a cached prefix, the tokens after it."""
+        kv = self.sched.kv
+        for req in reqs:
+            if req.state is RequestState.RUNNING:
+                continue
+            if req.rid in self.preempted:
+                self.admitting = False    # FCFS: nothing waiting overtakes a request preempted now
+                continue
+            starting = req.state is RequestState.INITIATION
+            hit = self.hits[req.rid] = kv.lookup(req) if starting and self.admitting else []
+            yield req, len(req.pending_tokens()) - len(hit) * kv.block_size
+
+    def run(self, req: Request, q: int) -> bool:
+        """Put ``req`` in the batch with ``q`` new tokens if it can run: False when it is not admitted,
+        or finds no room (it preempted itself, or waits for a later request's blocks)."""
+        sched, kv = self.sched, self.sched.kv
+        if req.state is RequestState.INITIATION:
+            if not (self.admitting and kv.can_admit(q, self.hits[req.rid])):
+                self.admitting = False    # FCFS admission: a later, smaller prompt does not overtake;
+                return False              # requests holding blocks still run (else they would deadlock)
+            first = req.t_scheduled is None
+            if first:
+                sched._admit_waiting(req)   # it joins the scheduled requests
+                req.t_scheduled = self.now
+            kv.share(req, self.hits[req.rid], first)
+        elif not sched._make_room(req, req.n_cached + q, self.victims, self.preempted):
+            self.admitting = self.admitting and req.rid in self.preempted   # waiting for room: none overtakes it
+            return False
+        kv.grow(req, req.n_cached + q)
+        self.chosen.add(req.rid)
+        self.batch.append(req)
+        self.q_lens.append(q)
+        return True
+
+
 def _then_waiting(scheduled: list[Request], waiting, admitting, order=None):
     """``scheduled``, then the head of ``waiting`` while ``admitting()``: the head is either admitted
     (it leaves ``waiting``, and the next one is the head) or stops admission, so the rest of the
-    queue, which could only be skipped, is never visited. ``order(waiting)``: the waiting requests in
-    another order than arrival (a snapshot, taken once the scheduled ones are done)."""
+    queue, which could only be skipped, is never visited. A head still there when the next is asked
+    for (a plugged ``fill_budget`` read on without running it) is passed, so the walk always ends.
+    ``order(waiting)``: the waiting requests in another order than arrival (a snapshot, taken once
+    the scheduled ones are done)."""
     yield from scheduled
     if order is None:
-        while waiting and admitting():
-            yield waiting[0]
+        i = 0
+        while i < len(waiting) and admitting():
+            req = waiting[i]
+            yield req
+            if i < len(waiting) and waiting[i] is req:
+                i += 1             # neither admitted nor refused: read on past it
         return
     for req in order(waiting) if waiting and admitting() else ():
         if not admitting():
