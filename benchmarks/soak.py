@@ -185,10 +185,14 @@ async def soak(args, url: str, engine_pid: int) -> tuple[Tally, list[dict]]:
     async def client(http):
         while not queue.empty():
             route, body = queue.get_nowait()
-            if body["stream"]:
-                await streamed(http, t, route, body, drop=rng.random() < 0.1)
-            else:
-                await whole(http, t, route, body)
+            try:
+                if body["stream"]:
+                    await streamed(http, t, route, body, drop=rng.random() < 0.1)
+                else:
+                    await whole(http, t, route, body)
+            except httpx.TransportError as e:         # counted, named, and the soak goes on
+                t.count(type(e).__name__, route)
+                t.check(False, body, f"{type(e).__name__}: {e}")
             if t.done >= next_at[0]:
                 next_at[0] += args.sample_every
                 samples.append({"requests": t.done, "seconds": time.perf_counter() - t0,
@@ -196,7 +200,9 @@ async def soak(args, url: str, engine_pid: int) -> tuple[Tally, list[dict]]:
                 print(f"{t.done:>7} requests  {samples[-1]['seconds']:7.0f} s  engine RSS "
                       f"{samples[-1]['engine_rss_mib']:.0f} MiB", flush=True)
 
-    limits = httpx.Limits(max_connections=args.concurrency)
+    # below uvicorn's keep-alive (5 s): httpx's default expiry equals it, so a pooled connection the
+    # server is closing could be reused, and that request fail with a ReadError the server never saw
+    limits = httpx.Limits(max_connections=args.concurrency, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
         await asyncio.gather(*(client(http) for _ in range(args.concurrency)))
     return t, samples
@@ -222,7 +228,7 @@ def main(argv=None) -> int:
     left = {g: gauges[f"orca_lab_{g}"] for g in ("requests_waiting", "requests_running", "kv_slots_reserved")}
     warm = next((s for s in samples if s["requests"] >= WARM), samples[0])
     growth = samples[-1]["engine_rss_mib"] - warm["engine_rss_mib"]
-    server_errors = sum(v for k, v in t.statuses.items() if k >= 500)
+    server_errors = sum(v for k, v in t.statuses.items() if not isinstance(k, int) or k >= 500)
     print(f"\n{'requests':>9} {'seconds':>8} {'engine RSS MiB':>15}")
     for s in samples:
         print(f"{s['requests']:>9} {s['seconds']:>8.0f} {s['engine_rss_mib']:>15.1f}")
