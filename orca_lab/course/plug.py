@@ -270,7 +270,8 @@ class _Recorded:
 
 def run_loop(engine, loop, trace):
     """Serve ``trace`` offline (every request there at the start) with the learner's ``loop(scheduler,
-    executor, n_workers)`` (notebook 08) in place of ``Engine.run``'s: the engine's ``RunResult``."""
+    executor, n_workers)`` (notebook 03, extended to ``n_workers`` batches in flight in 08) in place
+    of ``Engine.run``'s: the engine's ``RunResult``."""
     start = engine.clock.now()
     for it in trace:
         engine.add_request(list(it.prompt), it.sampling_params(), arrival=start)
