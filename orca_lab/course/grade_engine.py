@@ -9,7 +9,7 @@ import random
 import threading
 from collections import OrderedDict
 
-from orca_lab import LLM, EngineConfig
+from orca_lab import LLM, EngineConfig, ModelConfig
 from orca_lab.course.bounded import PackageCode, TooSlow, refuse_package_code, run_bounded
 from orca_lab.course.plug import PluggedFormation, _Recorded
 from orca_lab.engine.engine import Engine
@@ -282,15 +282,16 @@ def _step_of(answers, i: int) -> int:
 
 
 # -- 03 and 08: Algorithm 1's loop ------------------------------------------------------------------
-LOOP_CASES = 12
+LOOP_CASES = 2      # cases per (n_workers, system), and 8 at least
 LOOP_S = 20.0        # wall time one case of the loop may take (under a second when right)
 IDLE_SELECTS = 3     # selects in a row that find no batch and change nothing, before the loop is stopped
 
 
 @functools.cache
 def _model():
-    """The tiny GPT every engine of the loop's grader runs (random weights, built once)."""
-    return LLM("tiny", seed=0).model
+    """The GPT every engine of the loop's grader runs: the tiny preset's layers (4: up to 4 pipeline
+    stages) and vocabulary, narrower, so that a case costs milliseconds (random weights, built once)."""
+    return LLM(ModelConfig("grader", n_layers=4, d_model=32, n_heads=2, vocab_size=257), seed=0).model
 
 
 class _Logged:
@@ -330,7 +331,9 @@ class _Calls:
         self.refused: str | None = None
 
     def refuse(self, expected: str, got: str, hint: str):
-        e = mismatch(f"your loop's call after {self.n_submitted} batches submitted", self.label, expected, got, hint)
+        n = self.n_submitted
+        when = f"after {n} submit{'s' * (n != 1)}" if n else "before any submit"
+        e = mismatch(f"your loop's call {when}", self.label, expected, got, hint)
         self.refused = self.refused or str(e)
         raise e
 
@@ -351,7 +354,7 @@ class _Executor(_Recorded):
                      "nothing to submit; wait for a batch in flight instead")
         if self.engine.n_scheduled == n:
             c.refuse(f"executor.wait(): {n} in flight, n_workers={n}", "executor.submit(batch): one more in flight",
-                     f"more than n_workers={n} batches in flight: once {n} are, wait for the oldest "
+                     f"more than n_workers={n} batches in flight: with {n} in flight, wait for the oldest "
                      "(executor.wait()) and hand it back before the next select")
         if c.n_submitted == c.limit:
             c.refuse(f"no batch more: the package's loop ran {c.limit}", f"batch {c.limit + 1}",
@@ -364,7 +367,8 @@ class _Executor(_Recorded):
         c = self.calls
         if not self.engine.n_scheduled:
             c.refuse("a submitted batch to wait for", "executor.wait() with no batch in flight",
-                     "wait only while a batch is in flight: count them (one more at each submit, one less at each wait)")
+                     "wait only while a batch is in flight: count them (one more at each submit, one less at "
+                     "each wait)")
         done = super().wait()
         c.returned.append(done)
         c.idle = 0
@@ -430,8 +434,9 @@ def _same_tokens(got, expected) -> bool:
 
 def _stuck_hint(c: _Calls) -> str:
     if c.returned:
-        return ("a returned batch never handed back: call scheduler.on_batch_return(done.batch, done.tokens, now) "
-                "after each wait; until then its requests stay RUNNING and Select cannot choose them")
+        return ("a returned batch not handed back: call scheduler.on_batch_return(done.batch, done.tokens, now) "
+                "after its wait, before the next select; until then its requests stay RUNNING and Select "
+                "cannot choose them")
     if c.selected:
         return ("a batch that select returned was never submitted: its requests stay RUNNING until it comes "
                 "back; submit every batch select returns")
@@ -477,14 +482,20 @@ def _loop_hint(expected, got, c: _Calls, n_workers: int) -> str:
 
 
 def _loop_case(rng, case: int, n_workers: tuple, systems: tuple):
-    """``(system, n_workers, EngineConfig, mbs, prompts, gens)`` of one case: ORCA's pool sometimes
-    too small for every request at once; the baseline's holds ``max_bs`` (it reserves max_seq_len)."""
+    """``(system, n_workers, EngineConfig, mbs, prompts, gens)`` of one case. ORCA's pool is sometimes
+    too small for every request at once; the baseline's holds ``max_bs`` (it reserves max_seq_len).
+    With ``n_workers`` > 1, more requests than a batch takes and room for several batches (ORCA's),
+    or several micro-batches (the baseline's): the pipeline can fill."""
     n, system = n_workers[case % len(n_workers)], systems[case // len(n_workers) % len(systems)]
-    max_bs = rng.randint(1, 4)
-    lens = [(rng.randint(1, 8), rng.randint(1, 6)) for _ in range(rng.randint(1, 7))]
+    n_requests = rng.randint(1, 6) if n == 1 else rng.randint(n + 1, 8)
+    lens = [(rng.randint(1, 6), rng.randint(1, 4)) for _ in range(n_requests)]
     need = [p + g for p, g in lens]
-    n_slots = 1024 * max_bs if system == "ft" else rng.randint(max(need), sum(need))
-    mbs = rng.randint(1, max_bs) if system == "ft" else None
+    if system == "ft":
+        max_bs = rng.randint(1, 4) if n == 1 else rng.randint(2, 4)
+        n_slots, mbs = 1024 * max_bs, rng.randint(1, max_bs if n == 1 else max_bs // 2)
+    else:
+        max_bs = rng.randint(1, 4) if n == 1 else rng.randint(1, 2)
+        n_slots, mbs = rng.randint(max(need) if n == 1 else max(max(need), sum(need) // 2), sum(need)), None
     prompts = [[rng.randrange(256) for _ in range(p)] for p, _ in lens]
     config = EngineConfig(max_bs=max_bs, n_slots=n_slots, pipeline_parallel=n, executor="local")
     return system, n, config, mbs, prompts, [g for _, g in lens]
@@ -518,11 +529,12 @@ def _run_learner(loop, engine, calls: _Calls, n_workers: int, label: str):
 
 def _check_loop(loop, n_workers: tuple, systems: tuple, seed: int):
     refuse_package_code(loop, Engine.run, Engine.step)
-    rng = random.Random(seed)
-    for case in range(LOOP_CASES):
+    rng, n_cases = random.Random(seed), max(8, LOOP_CASES * len(n_workers) * len(systems))
+    for case in range(n_cases):
         system, n, config, mbs, prompts, gens = _loop_case(rng, case, n_workers, systems)
+        lens = [(len(p), g) for p, g in zip(prompts, gens)]
         label = (f"case {case} ({system}, n_workers={n}, max_bs={config.max_bs}, n_slots={config.n_slots}"
-                 + (f", mbs={mbs}" if mbs else "") + f", (prompt, gen) lengths {[(len(p), g) for p, g in zip(prompts, gens)]})")
+                 + (f", mbs={mbs}" if mbs else "") + f", (prompt, gen) lengths {lens})")
         llm = LLM(gpt=_model(), engine=config)
         reference = _engine(llm, system, mbs, prompts, gens)
         reference.run()
@@ -547,7 +559,7 @@ def _check_loop(loop, n_workers: tuple, systems: tuple, seed: int):
         outputs = [[r.output for r in e.requests] for e in (reference, engine)]
         if outputs[0] != outputs[1]:
             differ("each request's output", label, *outputs, "hand back each batch's own tokens (done.tokens)")
-    correct(LOOP_CASES, "Engine.run")
+    correct(n_cases, "Engine.run")
 
 
 def check_loop(loop, seed: int = 0):
