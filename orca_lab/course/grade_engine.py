@@ -282,7 +282,7 @@ def _step_of(answers, i: int) -> int:
 
 
 # -- 03 and 08: Algorithm 1's loop ------------------------------------------------------------------
-LOOP_CASES = 2      # cases per (n_workers, system), and 8 at least
+LOOP_CASES = 2       # cases per (n_workers, system), and 8 at least
 LOOP_S = 20.0        # wall time one case of the loop may take (under a second when right)
 IDLE_SELECTS = 3     # selects in a row that find no batch and change nothing, before the loop is stopped
 
