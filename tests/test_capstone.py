@@ -18,7 +18,7 @@ from orca_lab.workload import few_shot_trace, paper_trace
 from tests.test_graders import solution
 
 # the chapters' solutions, and what the notebook cells before them gave them to read
-CHAPTERS = {"02_request_level_batching": ["form_batch"], "03_iteration_level_scheduling": ["select"],
+CHAPTERS = {"02_request_level_batching": ["form_batch"], "03_iteration_level_scheduling": ["select", "loop"],
             "04_selective_batching": ["flatten"], "05_kv_slot_manager": ["slot_manager"],
             "07_distributed_workers": ["split_linear"], "08_pipelined_schedules": ["loop"],
             "11_after_orca": ["block_allocator", "victim", "fill_budget"],

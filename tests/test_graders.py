@@ -206,7 +206,6 @@ OTHERS = {
     "the earliest victim": (grade.check_victim, earliest_victim, "never one that arrived before req"),
     "block slots from the table's order": (grade.check_block_slots, lambda t, n, bs: list(range(n)),
                                            "block table\\[t // block_size\\]"),
-    "a loop that never ends": (grade.check_in_flight, forever, "did not return within"),
 }
 
 
@@ -222,10 +221,6 @@ class Sub(KVSlotManager):
     pass
 
 
-def engine_loop(scheduler, executor, n_workers):
-    Engine(scheduler, executor, vocab_size=256, max_seq_len=1024).run()
-
-
 PACKAGE = {
     "KVSlotManager itself": (grade.check_slot_manager, KVSlotManager),
     "a subclass of KVSlotManager": (grade.check_slot_manager, Sub),
@@ -239,7 +234,6 @@ PACKAGE = {
     "a wrapper of chain_hashes": (grade.check_block_hashes, lambda t, bs: chain_hashes(t, bs, len(t) // bs)),
     "OrcaScheduler.select": (grade.check_select, OrcaScheduler.select),
     "a select on OrcaScheduler": (grade.check_select, on_the_package),
-    "the Engine's loop": (grade.check_in_flight, engine_loop),
     "the package's online softmax step": (grade.check_online_softmax, update),
 }
 
@@ -265,7 +259,6 @@ SOLVED = {
     "ft_iterations": (grade.check_ft_iterations, "02", "ft_iterations", {}),
     "ft_finish_iterations": (grade.check_ft_finish, "02", "ft_finish_iterations", {}),
     "stages": (grade.check_split_layers, "07", "stages", {}),
-    "loop": (grade.check_in_flight, "08", "loop", {}),
     "median": (grade.check_median_norm_latency, "09", "norm_latency_median_ms", {}),
     "block_slots": (grade.check_block_slots, "11", "block_slots", {}),
     "victim": (grade.check_victim, "11", "victim", {}),
@@ -670,3 +663,128 @@ def test_the_budget_solution_passes_and_runs_the_chunked_engine(capsys):
         iterations(budget_with(whole=True))
     with pytest.raises(ValueError, match="use_budget takes an engine of system 'chunked'"):
         plug.use_budget(engine("paged"), fill)
+
+
+# -- 03 and 08: Algorithm 1's loop ----------------------------------------------------------------
+def loop_with(hand_back=True, turns=None, wait_again=False, submit_twice=False, zero_tokens=False, no_exit=False):
+    """Algorithm 1's loop with one batch in flight (chapter 03's), with one of a learner's mistakes."""
+    def loop(scheduler, executor, n_workers):
+        turn = 0
+        while scheduler.has_work() or no_exit:
+            if turn == turns:
+                return
+            batch = scheduler.select(executor.clock.now())
+            if batch is None:
+                continue
+            executor.submit(batch)
+            if submit_twice:
+                executor.submit(batch)
+            done = executor.wait()
+            if hand_back:
+                tokens = [0] * len(done.tokens) if zero_tokens else done.tokens
+                scheduler.on_batch_return(done.batch, tokens, executor.clock.now())
+            if wait_again:
+                executor.wait()
+            turn += 1
+    return loop
+
+
+def hands_back_late(scheduler, executor, n_workers):
+    """Selects the next batch before handing the returned one back."""
+    batch = scheduler.select(0.0)
+    while batch is not None:
+        executor.submit(batch)
+        done = executor.wait()
+        batch = scheduler.select(executor.clock.now())
+        scheduler.on_batch_return(done.batch, done.tokens, executor.clock.now())
+
+
+def in_flight_with(limit=lambda n: n, stop_on_none=False):
+    """Chapter 08's loop, ``limit(n_workers)`` batches in flight, or returning when select finds none."""
+    def loop(scheduler, executor, n_workers):
+        n_scheduled = 0
+        while scheduler.has_work():
+            batch = scheduler.select(executor.clock.now()) if n_scheduled < limit(n_workers) else None
+            if batch is None and stop_on_none:
+                return
+            if batch is not None:
+                executor.submit(batch)
+                n_scheduled += 1
+            if n_scheduled and (n_scheduled == limit(n_workers) or batch is None):
+                done = executor.wait()
+                n_scheduled -= 1
+                scheduler.on_batch_return(done.batch, done.tokens, executor.clock.now())
+    return loop
+
+
+def catches_the_refusal(scheduler, executor, n_workers):
+    try:
+        executor.wait()
+    except AssertionError:
+        pass
+    solution("03", "loop")(scheduler, executor, n_workers)
+
+
+def engine_loop(scheduler, executor, n_workers):
+    Engine(scheduler, executor, vocab_size=257, max_seq_len=1024).run()
+
+
+def engine_steps(scheduler, executor, n_workers):
+    engine = Engine(scheduler, executor, vocab_size=257, max_seq_len=1024)
+    while engine.has_work():
+        engine.step()
+
+
+LOOPS = {
+    "never returns": (grade_engine.check_loop, forever, "(?s)did not return within.*hint: your loop never asked"),
+    "returns with work left": (grade_engine.check_loop, loop_with(turns=1), "returned with work left"),
+    "never hands tokens back": (grade_engine.check_loop, loop_with(hand_back=False),
+                                "on_batch_return\\(done.batch, done.tokens, now\\) after its wait"),
+    "hands back after the next select": (grade_engine.check_loop, hands_back_late, "before the next select"),
+    "waits with nothing in flight": (grade_engine.check_loop, loop_with(wait_again=True), "with no batch in flight"),
+    "submits twice without waiting": (grade_engine.check_loop, loop_with(submit_twice=True),
+                                      "more than n_workers=\\d batches in flight"),
+    "hands back other tokens": (grade_engine.check_loop, loop_with(zero_tokens=True), "the tokens the batch returned"),
+    "goes on after the work is done": (grade_engine.check_loop, loop_with(no_exit=True), "every request has finished"),
+    "catches the refusal": (grade_engine.check_loop, catches_the_refusal, "with no batch in flight"),
+    "one in flight with n_workers > 1": (grade_engine.check_in_flight, solution("03", "loop"),
+                                         "n_workers=2: the pipeline bubble"),
+    "more than n_workers": (grade_engine.check_in_flight, in_flight_with(limit=lambda n: n + 1),
+                            "more than n_workers=\\d batches in flight"),
+    "at most two in flight": (grade_engine.check_in_flight, in_flight_with(limit=lambda n: min(n, 2)),
+                              "fewer batches in flight than the package's"),
+    "returns when select finds none": (grade_engine.check_in_flight, in_flight_with(stop_on_none=True),
+                                       "returned with work left"),
+}
+
+
+@pytest.mark.parametrize("wrong", LOOPS)
+def test_the_loop_graders_name_the_symptom(wrong, monkeypatch):
+    check, loop, hint = LOOPS[wrong]
+    monkeypatch.setattr(grade_engine, "LOOP_S", 2.0)
+    t = time.monotonic()
+    with pytest.raises(AssertionError, match=hint) as e:
+        check(loop)
+    assert "expected (the package's)" in str(e.value) or "did not return" in str(e.value)
+    assert time.monotonic() - t < 90        # bounded whatever the loop does; never a verdict on speed
+
+
+def test_a_loop_exception_is_the_learners_with_its_case():
+    with pytest.raises(ValueError, match="mine") as e:
+        grade_engine.check_loop(raises)
+    assert any("raised by your raises on case 0" in note for note in e.value.__notes__)
+
+
+@pytest.mark.parametrize("check", [grade_engine.check_loop, grade_engine.check_in_flight])
+@pytest.mark.parametrize("loop", [Engine.run, engine_loop, engine_steps],
+                         ids=["Engine.run", "a wrapper", "Engine.step"])
+def test_the_packages_loop_is_refused(check, loop):
+    with pytest.raises(bounded.PackageCode, match="the package's own"):
+        check(loop)
+
+
+@pytest.mark.parametrize("check, chapter", [(grade_engine.check_loop, "03"), (grade_engine.check_loop, "08"),
+                                            (grade_engine.check_in_flight, "08")])
+def test_the_loop_solutions_pass(check, chapter, capsys):
+    check(solution(chapter, "loop"))
+    assert capsys.readouterr().out.startswith("correct:")

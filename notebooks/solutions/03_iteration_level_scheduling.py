@@ -18,6 +18,16 @@ def select(pool, n_rsrv, max_bs, n_slots):
     return batch, n_rsrv
 
 
+# %% exercise: loop
+def loop(scheduler, executor, n_workers):
+    """Algorithm 1's loop, one batch in flight: returns once the scheduler has no work left."""
+    while scheduler.has_work():
+        batch = scheduler.select(executor.clock.now())
+        executor.submit(batch)                 # one iteration of it; with one worker, wait for it at once
+        done = executor.wait()
+        scheduler.on_batch_return(done.batch, done.tokens, executor.clock.now())
+
+
 # %% exercise: first_select
 first_batch, first_n_rsrv = ["W"], 12              # X (30) does not fit: break, so Y and Z wait too
 second_batch, second_n_rsrv = ["X", "Y"], 35       # W left: 0 + 30 + 5 = 35; Z (8) would need 43

@@ -24,21 +24,19 @@ from orca_lab.course.bounded import TIMEOUT_S, Bounded, refuse_package_code, run
 from orca_lab.course.plug import PluggedSelect, PluggedSlots
 from orca_lab.engine.batch import Batch, BatchTensors
 from orca_lab.engine.blocks import BlockManager
-from orca_lab.engine.engine import Engine, RequestRecord, RunResult
+from orca_lab.engine.engine import RequestRecord, RunResult
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.policies import _Victims
 from orca_lab.engine.prefix_cache import PrefixCachingBlockManager, chain_hashes
 from orca_lab.engine.request import RequestState
-from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler
 from orca_lab.kernels.attention import ragged_attention_ref, ragged_attention_torch
 from orca_lab.metrics import per_request
-from orca_lab.sim.executor import IterationCost, SimExecutor
 
 __all__ = ["Mismatch", "check_block_hashes", "check_block_slots", "check_by_hand", "check_cached_attention",
            "check_first_select", "check_ft_iterations",
-           "check_flatten", "check_ft_finish", "check_in_flight", "check_median_norm_latency",
+           "check_flatten", "check_ft_finish", "check_median_norm_latency",
            "check_online_softmax", "check_prefix_lookup", "check_select", "check_slot_manager",
            "check_split_layers", "check_victim"]
 
@@ -495,89 +493,6 @@ def check_split_layers(fn, seed: int = 0):
             differ("the stages", label, expected, got, f"n_stages={n_stages} pairs" if len(got) != n_stages else
                    "contiguous, in order, sizes differing by at most one: stage i starts at round(i * n_layers / n_stages)")
     correct(N_CASES, "orca_lab.engine.executor.split_layers")
-
-
-# -- 08: batches in flight ---------------------------------------------------------------------
-class OneUnitPerStage:
-    """Figure 8's cost model: each stage of any iteration takes one time unit."""
-
-    def __init__(self, n_stages: int):
-        self.n_stages = n_stages
-
-    def iteration(self, batch):
-        return IterationCost(stages=(1.0,) * self.n_stages)
-
-
-class _Recording(SimExecutor):
-    """The simulator's executor, keeping each submission; past ``limit`` submissions (the package's
-    count), a mismatch: the learner's loop is bounded by the package's number of iterations."""
-
-    def __init__(self, cost, limit: int | None = None):
-        super().__init__(cost)
-        self.submitted, self.limit = [], limit
-
-    def submit(self, batch):
-        self.submitted.append((self.clock.now(), [r.rid for r in batch.requests]))
-        if self.limit is not None and len(self.submitted) > self.limit:
-            raise Mismatch(f"more batches submitted than the package's {self.limit}: the loop must stop when "
-                           "the scheduler has no work and no batch is in flight")
-        super().submit(batch)
-
-    def wait(self, timeout: float | None = None):
-        if not self.in_flight:
-            raise Mismatch("executor.wait() with no batch in flight: wait only while n_scheduled > 0")
-        return super().wait(timeout)
-
-
-def _pipeline_case(rng):
-    system = rng.choice(["orca", "ft"])
-    n_workers, max_bs = rng.randint(1, 4), rng.randint(1, 4)
-    lens = [(rng.randint(1, 6), rng.randint(1, 5)) for _ in range(rng.randint(1, 8))]
-    return system, n_workers, max_bs, lens
-
-
-def _parts(system, n_workers, max_bs, lens, limit=None):
-    n_slots = 1024 * max(max_bs, len(lens))
-    kv = KVSlotManager(n_slots)
-    sched = OrcaScheduler(kv, max_bs) if system == "orca" else \
-        RequestLevelScheduler(kv, max_bs, 1024, mbs=max(1, max_bs // 2))
-    return sched, _Recording(OneUnitPerStage(n_workers), limit)
-
-
-def check_in_flight(loop, seed: int = 0):
-    """The learner's ``loop(scheduler, executor, n_workers)`` (Algorithm 1's loop: up to
-    ``n_workers`` batches in flight) against ``Engine.run``, both on the simulator's executor with
-    one time unit per stage; ORCA's scheduler and the baseline's micro-batches alike."""
-    refuse_package_code(loop, Engine.run, Engine.step)
-    rng = random.Random(seed)
-    for case in range(N_CASES):
-        system, n_workers, max_bs, lens = spec = _pipeline_case(rng)
-        label = f"case {case} ({system}, n_workers={n_workers}, max_bs={max_bs}, (prompt, gen) {lens})"
-        sched, ex = _parts(*spec)
-        engine = Engine(sched, ex, vocab_size=256, max_seq_len=1024)
-        for p, g in lens:
-            engine.add_request([1] * p, SamplingParams(max_gen_tokens=g), arrival=0.0)
-        engine.run()
-        expected = (ex.submitted, [r.t_finish for r in engine.requests])
-        sched, ex = _parts(*spec, limit=len(expected[0]))
-        reqs = [request(i, p, g) for i, (p, g) in enumerate(lens)]
-        for r in reqs:
-            sched.add(r)
-        run_bounded(loop, sched, ex, n_workers, case=label, references=(Engine.run, Engine.step))
-        got = (ex.submitted, [r.t_finish for r in reqs])
-        if got != expected:
-            differ("(submit time, batch) in order, and each request's finish time", label, expected, got,
-                   _loop_hint(expected, got, n_workers))
-    correct(N_CASES, "Engine.run")
-
-
-def _loop_hint(expected, got, n_workers: int) -> str:
-    if None in got[1]:
-        return "the loop returned with requests unfinished: run while the scheduler has work or a batch is in flight"
-    if len(got[0]) != len(expected[0]) or [b for _, b in got[0]] != [b for _, b in expected[0]]:
-        return "other batches: give each returned batch's tokens to on_batch_return before the next select"
-    return f"other submit times: select while fewer than n_workers={n_workers} batches are in flight; " \
-           "wait for the oldest only when n_workers are in flight or nothing could be selected"
 
 
 # -- 09: the paper's metric ----------------------------------------------------------------------

@@ -4,16 +4,19 @@ cap, so code that loops forever or never returns stops the check with the case i
 notebook. The first case that differs is named, with both answers labelled."""
 from __future__ import annotations
 
+import functools
 import random
 import threading
 
 import torch
 import torch.nn.functional as F
 
+from orca_lab import LLM, EngineConfig, ModelConfig
 from orca_lab.course.bounded import Bounded, PackageCode, TooSlow, refuse_package_code, run_bounded
-from orca_lab.course.plug import PluggedFormation
+from orca_lab.course.plug import PluggedFormation, _Recorded
 from orca_lab.distributed.data_plane import DataPlane
 from orca_lab.engine import policies
+from orca_lab.engine.engine import Engine
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.prefix_cache import BlockRefs, FreeCached, PrefixCachingBlockManager
 from orca_lab.engine.request import Request
@@ -58,9 +61,13 @@ def bounded(fn, *args, label: str, seconds: float | None = None):
     return out["value"]
 
 
+def mismatch(what: str, case: str, expected, got, hint: str = "") -> Mismatch:
+    return Mismatch(f"{what} differs on {case}:\n  expected (the package's): {expected}\n  got (yours):"
+                    f"              {got}" + (f"\n  hint: {hint}" if hint else ""))
+
+
 def differ(what: str, case: str, expected, got, hint: str = ""):
-    raise Mismatch(f"{what} differs on {case}:\n  expected (the package's): {expected}\n  got (yours):"
-                   f"              {got}" + (f"\n  hint: {hint}" if hint else ""))
+    raise mismatch(what, case, expected, got, hint)
 
 
 def correct(n: int, against: str):
@@ -683,3 +690,298 @@ def check_fill_budget(fn, seed: int = 0):
         if got != expected:
             differ("the run calls (request, new tokens, ran)", label, expected, got, _budget_hint(c, expected, got))
     correct(N_CASES, "the chunked scheduler's token budget")
+
+
+# -- 03 and 08: Algorithm 1's loop ------------------------------------------------------------------
+LOOP_CASES = 2       # cases per (n_workers, system), and 8 at least
+LOOP_S = 20.0        # wall time one case of the loop may take (under a second when right)
+IDLE_SELECTS = 3     # selects in a row that find no batch and change nothing, before the loop is stopped
+
+
+@functools.cache
+def _model():
+    """The GPT every engine of the loop's grader runs: the tiny preset's layers (4: up to 4 pipeline
+    stages) and vocabulary, narrower, so that a case costs milliseconds (random weights, built once)."""
+    return LLM(ModelConfig("grader", n_layers=4, d_model=32, n_heads=2, vocab_size=257), seed=0).model
+
+
+class _Logged:
+    """An engine's executor keeping the tokens each batch returned, by iteration."""
+
+    def __init__(self, executor):
+        self.executor, self.tokens = executor, {}
+
+    def __getattr__(self, name):
+        return getattr(self.executor, name)
+
+    def wait(self, timeout=None):
+        done = self.executor.wait(timeout)
+        if done is not None:
+            self.tokens[done.batch.iteration] = _token_ids(done.tokens)
+        return done
+
+
+def _iterations(engine) -> list[tuple]:
+    """Per iteration that returned, in order: its request ids, the batches in flight once it was
+    submitted, the tokens it returned."""
+    first = sorted((r for r in engine.records if r.stage == 0), key=lambda r: r.iteration)
+    return [(r.rids, r.in_flight, engine.executor.tokens[r.iteration]) for r in first]
+
+
+class _Calls:
+    """The learner's loop as the grader sees it: the batches it selected and has not submitted, those
+    that returned and that it has not handed back, and each call checked against Algorithm 1. A call
+    Algorithm 1 never makes raises a ``Mismatch`` in the loop, and is kept: a loop that catches it
+    is refused all the same."""
+
+    def __init__(self, engine, label: str, limit: int):
+        self.engine, self.label, self.limit = engine, label, limit     # limit: the package's iterations
+        self.selected, self.returned, self.handed = [], [], []
+        self.n_submitted = self.n_selects = self.idle = 0
+        self.early = False          # a select while a returned batch was not handed back yet
+        self.refused: str | None = None
+
+    def refuse(self, expected: str, got: str, hint: str):
+        n = self.n_submitted
+        when = f"after {n} submit{'s' * (n != 1)}" if n else "before any submit"
+        e = mismatch(f"your loop's call {when}", self.label, expected, got, hint)
+        self.refused = self.refused or str(e)
+        raise e
+
+
+class _Executor(_Recorded):
+    """The engine's executor as the learner's loop gets it (``plug._Recorded``: the engine keeps its
+    records), refusing a submit past ``n_workers`` in flight or past the package's iterations, and a
+    wait with nothing in flight."""
+
+    def __init__(self, engine, calls: _Calls):
+        super().__init__(engine)
+        self.calls, self.n_workers = calls, engine.n_workers
+
+    def submit(self, batch):
+        c, n = self.calls, self.n_workers
+        if batch is None:
+            c.refuse("a batch", "executor.submit(None)", "select returns None when it finds no batch: then there is "
+                     "nothing to submit; wait for a batch in flight instead")
+        if self.engine.n_scheduled == n:
+            c.refuse(f"executor.wait(): {n} in flight, n_workers={n}", "executor.submit(batch): one more in flight",
+                     f"more than n_workers={n} batches in flight: with {n} in flight, wait for the oldest "
+                     "(executor.wait()) and hand it back before the next select")
+        if c.n_submitted == c.limit:
+            c.refuse(f"no batch more: the package's loop ran {c.limit}", f"batch {c.limit + 1}",
+                     "the loop ends when the scheduler has no work (scheduler.has_work()) and nothing is in flight")
+        c.selected = [b for b in c.selected if b is not batch]
+        c.n_submitted, c.idle = c.n_submitted + 1, 0
+        super().submit(batch)
+
+    def wait(self, timeout=None):
+        c = self.calls
+        if not self.engine.n_scheduled:
+            c.refuse("a submitted batch to wait for", "executor.wait() with no batch in flight",
+                     "wait only while a batch is in flight: count them (one more at each submit, one less at "
+                     "each wait)")
+        done = super().wait()
+        c.returned.append(done)
+        c.idle = 0
+        return done
+
+
+class _Scheduler:
+    """The engine's scheduler as the learner's loop gets it: ``select`` and ``on_batch_return``
+    checked, the rest read through."""
+
+    def __init__(self, scheduler, calls: _Calls):
+        self.scheduler, self.calls = scheduler, calls
+
+    def __getattr__(self, name):
+        return getattr(self.scheduler, name)
+
+    def select(self, now: float = 0.0):
+        c = self.calls
+        c.n_selects += 1
+        c.early |= bool(c.returned)
+        batch = self.scheduler.select(now)
+        if batch is not None:
+            c.selected.append(batch)
+            c.idle = 0
+            return batch
+        c.idle += 1
+        if not c.engine.n_scheduled and self.scheduler.has_work():
+            c.refuse("a batch (requests are left and nothing is in flight)", "None: no request could be selected",
+                     _stuck_hint(c))
+        if c.idle > IDLE_SELECTS:
+            c.refuse("executor.wait() for the oldest batch in flight" if c.engine.n_scheduled else "the loop ends",
+                     f"select again: {c.idle} in a row found no batch", _idle_hint(c))
+        return None
+
+    def on_batch_return(self, batch, tokens, now):
+        c = self.calls
+        done = next((d for d in c.returned if d.batch is batch), None)
+        if done is None:
+            twice = any(b is batch for b in c.handed)
+            c.refuse("the batch that executor.wait() returned (done.batch), once",
+                     "a batch handed back twice" if twice else "a batch that has not come back",
+                     "hand back each returned batch once" if twice else
+                     "hand back done.batch, the batch executor.wait() returned, with its done.tokens")
+        if not _same_tokens(tokens, done.tokens):
+            c.refuse(f"its tokens {list(done.tokens)} (done.tokens)", repr(tokens),
+                     "hand back the tokens the batch returned: scheduler.on_batch_return(done.batch, done.tokens, now)")
+        c.returned.remove(done)
+        c.handed.append(batch)
+        return self.scheduler.on_batch_return(batch, tokens, now)
+
+
+def _token_ids(tokens) -> list:
+    """A batch's tokens as plain ints (None: a request the baseline holds, which gets no token)."""
+    return [None if t is None else int(t) for t in tokens]
+
+
+def _same_tokens(got, expected) -> bool:
+    try:
+        return _token_ids(got) == _token_ids(expected)
+    except Exception:       # noqa: BLE001  (not a list of token ids: not the batch's tokens)
+        return False
+
+
+def _stuck_hint(c: _Calls) -> str:
+    if c.returned:
+        return ("a returned batch not handed back: call scheduler.on_batch_return(done.batch, done.tokens, now) "
+                "after its wait, before the next select; until then its requests stay RUNNING and Select "
+                "cannot choose them")
+    if c.selected:
+        return ("a batch that select returned was never submitted: its requests stay RUNNING until it comes "
+                "back; submit every batch select returns")
+    return "no request can run and none is in flight"
+
+
+def _idle_hint(c: _Calls) -> str:
+    if c.engine.n_scheduled:
+        return ("select finds no batch while every request is in flight: wait for the oldest batch "
+                "(executor.wait()) and hand it back")
+    return "every request has finished: stop once scheduler.has_work() is False and nothing is in flight"
+
+
+def _slow_hint(c: _Calls) -> str:
+    if not c.engine.has_work():
+        return "every request has finished, but your loop went on: stop once scheduler.has_work() is False"
+    if c.returned:
+        return _stuck_hint(c)
+    if not c.n_selects:
+        return ("your loop never asked for a batch: while scheduler.has_work(), select a batch, submit it, wait "
+                "for it, hand its tokens back")
+    return "each turn must submit a batch, or wait for one and hand it back"
+
+
+def _loop_hint(expected, got, c: _Calls, n_workers: int) -> str:
+    """The hint for the first differing iteration, ``expected[-1]`` and ``got[-1]`` (if there is one)."""
+    a = expected[-1]
+    if len(got) < len(expected):
+        return "your loop returned with work left: loop while scheduler.has_work() (a request in flight is work too)"
+    b = got[-1]
+    if a[1] > 1 and max(it[1] for it in got) == 1:
+        return (f"only one batch ever in flight with n_workers={n_workers}: the pipeline bubble. Select and submit "
+                "while fewer than n_workers are in flight; wait for the oldest only once n_workers are, or when "
+                "select finds no batch")
+    if b[1] != a[1]:
+        return (f"{'fewer' if b[1] < a[1] else 'more'} batches in flight than the package's: select and submit while "
+                f"fewer than n_workers={n_workers} are in flight; wait only once n_workers are, or when select "
+                "finds no batch")
+    if c.early:
+        return ("hand each returned batch back (scheduler.on_batch_return) before the next select: until then its "
+                "requests are RUNNING and Select passes them over")
+    return "other requests in the batch: one select per turn, its batch submitted as it is"
+
+
+def _loop_case(rng, case: int, n_workers: tuple, systems: tuple):
+    """``(system, n_workers, EngineConfig, mbs, prompts, gens)`` of one case. ORCA's pool is sometimes
+    too small for every request at once; the baseline's holds ``max_bs`` (it reserves max_seq_len).
+    With ``n_workers`` > 1, more requests than a batch takes and room for several batches (ORCA's),
+    or several micro-batches (the baseline's): the pipeline can fill."""
+    n, system = n_workers[case % len(n_workers)], systems[case // len(n_workers) % len(systems)]
+    n_requests = rng.randint(1, 6) if n == 1 else rng.randint(n + 1, 8)
+    lens = [(rng.randint(1, 6), rng.randint(1, 4)) for _ in range(n_requests)]
+    need = [p + g for p, g in lens]
+    if system == "ft":
+        max_bs = rng.randint(1, 4) if n == 1 else rng.randint(2, 4)
+        n_slots, mbs = 1024 * max_bs, rng.randint(1, max_bs if n == 1 else max_bs // 2)
+    else:
+        max_bs = rng.randint(1, 4) if n == 1 else rng.randint(1, 2)
+        n_slots, mbs = rng.randint(max(need) if n == 1 else max(max(need), sum(need) // 2), sum(need)), None
+    prompts = [[rng.randrange(256) for _ in range(p)] for p, _ in lens]
+    config = EngineConfig(max_bs=max_bs, n_slots=n_slots, pipeline_parallel=n, executor="local")
+    return system, n, config, mbs, prompts, [g for _, g in lens]
+
+
+def _engine(llm, system, mbs, prompts, gens):
+    engine = llm.new_engine(system, mbs)
+    engine.executor = _Logged(engine.executor)
+    for prompt, g in zip(prompts, gens):
+        engine.add_request(prompt, SamplingParams(max_gen_tokens=g))
+    return engine
+
+
+def _run_learner(loop, engine, calls: _Calls, n_workers: int, label: str):
+    """``loop`` on ``engine``'s scheduler and executor, watched by ``calls``: a refused call, a time out
+    or the package's code each stop it with what they saw."""
+    try:
+        run_bounded(loop, _Scheduler(engine.scheduler, calls), _Executor(engine, calls), n_workers,
+                    case=label, timeout_s=LOOP_S, references=(Engine.run, Engine.step))
+    except PackageCode:
+        raise
+    except TooSlow as e:
+        raise (Mismatch(calls.refused) if calls.refused else TooSlow(f"{e}\n  hint: {_slow_hint(calls)}")) from None
+    except BaseException:
+        if calls.refused:
+            raise Mismatch(calls.refused) from None
+        raise
+    if calls.refused:           # the loop caught the refusal and went on
+        raise Mismatch(calls.refused)
+
+
+def _check_loop(loop, n_workers: tuple, systems: tuple, seed: int):
+    refuse_package_code(loop, Engine.run, Engine.step)
+    rng, n_cases = random.Random(seed), max(8, LOOP_CASES * len(n_workers) * len(systems))
+    for case in range(n_cases):
+        system, n, config, mbs, prompts, gens = _loop_case(rng, case, n_workers, systems)
+        lens = [(len(p), g) for p, g in zip(prompts, gens)]
+        label = (f"case {case} ({system}, n_workers={n}, max_bs={config.max_bs}, n_slots={config.n_slots}"
+                 + (f", mbs={mbs}" if mbs else "") + f", (prompt, gen) lengths {lens})")
+        llm = LLM(gpt=_model(), engine=config)
+        reference = _engine(llm, system, mbs, prompts, gens)
+        reference.run()
+        reference.close()
+        expected = _iterations(reference)
+        engine = _engine(llm, system, mbs, prompts, gens)
+        calls = _Calls(engine, label, len(expected))
+        try:
+            _run_learner(loop, engine, calls, n, label)
+        finally:
+            engine.close()
+        got = _iterations(engine)
+        for i, a in enumerate(expected):
+            b = got[i] if i < len(got) else "none: your loop had returned"
+            if a != b:
+                differ(f"iteration {i} (its request ids, batches in flight once it was submitted, tokens returned)",
+                       label, a, b, _loop_hint(expected[:i + 1], got[:i + 1], calls, n))
+        if engine.has_work():
+            s = engine.stats()
+            differ("the work left when your loop returned", label, "none", f"{s.waiting} requests waiting, {s.running} "
+                   "running", "loop while scheduler.has_work(): a batch that came back is handed back before the end")
+        outputs = [[r.output for r in e.requests] for e in (reference, engine)]
+        if outputs[0] != outputs[1]:
+            differ("each request's output", label, *outputs, "hand back each batch's own tokens (done.tokens)")
+    correct(n_cases, "Engine.run")
+
+
+def check_loop(loop, seed: int = 0):
+    """Chapter 03: ``loop(scheduler, executor, n_workers)``, Algorithm 1's loop with one batch in
+    flight, against ``Engine.run`` on ORCA's engine (the tiny GPT, n_workers=1): per iteration the
+    batch's request ids and tokens, then each request's output."""
+    _check_loop(loop, (1,), ("orca",), seed)
+
+
+def check_in_flight(loop, seed: int = 0):
+    """Chapter 08: the same loop keeping up to ``n_workers`` batches in flight, n_workers in {1, 2,
+    4}, on ORCA's engine and the baseline's micro-batches (``executor="local"``: a pipeline's stages
+    run one after another in this process, in the pipeline's order); batches in flight compared too."""
+    _check_loop(loop, (1, 2, 4), ("orca", "ft"), seed)

@@ -272,7 +272,8 @@ class _Recorded:
 
 def run_loop(engine, loop, trace):
     """Serve ``trace`` offline (every request there at the start) with the learner's ``loop(scheduler,
-    executor, n_workers)`` (notebook 08) in place of ``Engine.run``'s: the engine's ``RunResult``."""
+    executor, n_workers)`` (notebook 03, extended to ``n_workers`` batches in flight in 08) in place
+    of ``Engine.run``'s: the engine's ``RunResult``."""
     start = engine.clock.now()
     for it in trace:
         engine.add_request(list(it.prompt), it.sampling_params(), arrival=start)
@@ -320,7 +321,7 @@ def use_budget(engine, fill_budget):
 # the learner's pieces, by the name their exercise gives them: the chapter that writes it, where it goes
 PIECES = {"form_batch": ("02", "the baseline (ft)"), "select": ("03", "orca"), "flatten": ("04", "orca"),
           "SlotManager": ("05", "orca"), "split_linear": ("07", "tensor_ranks > 1, in this process"),
-          "all_reduce": ("07", "tensor_ranks > 1, in this process"), "loop": ("08", "run_loop: every system, offline"),
+          "all_reduce": ("07", "tensor_ranks > 1, in this process"), "loop": ("03, 08", "run_loop: every system, offline"),
           "BlockAllocator": ("11", "paged, chunked"), "victim": ("11", "paged, chunked"),
           "fill_budget": ("11", "chunked"),
           "block_hashes": ("12", "prefix caching"), "cached_prefix": ("12", "prefix caching"),
