@@ -129,6 +129,11 @@ def test_papermill_stops_at_the_first_cell_on_a_bad_parameter(tmp_path):
     assert len(ran) == 3        # parameters, papermill's injected parameters, the check that stopped
 
 
+# the first test to ask for it pays for the whole run: pytest-timeout counts fixture setup (the run's
+# own bound is its subprocess's timeout below)
+NBVAL_S = 1700
+
+
 @pytest.fixture(scope="module")
 def nbval_run(tmp_path_factory):
     """One nbval run (one pytest start-up, a fresh kernel per notebook) over the solved notebooks and
@@ -152,7 +157,7 @@ def nbval_run(tmp_path_factory):
     cmd = [sys.executable, "-m", "pytest", "-q", "--nbval-lax", "--nbval-current-env", "--nbval-cell-timeout=300",
            "-p", "no:cacheprovider", "-p", "nbval_executed", f"--executed-dir={executed}", "-o", "addopts=",
            f"--junitxml={report}", *map(str, solved + heads)]
-    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=NBVAL_S - 100)
     if not report.exists():
         pytest.fail(f"nbval did not run: {proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     return ElementTree.parse(report).getroot(), executed
@@ -166,6 +171,7 @@ def cells_of(report, classname: str):
                                 if p.tag in ("failure", "error")]) for case in cases]
 
 
+@pytest.mark.timeout(NBVAL_S)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_notebook_runs_under_nbval(nbval_run, path):
     """The solved notebook, every cell."""
@@ -175,6 +181,7 @@ def test_notebook_runs_under_nbval(nbval_run, path):
     assert not failed, "\n\n".join(f"{name}: {msg}\n{text[-3000:]}" for name, msg, text in failed)
 
 
+@pytest.mark.timeout(NBVAL_S)
 @pytest.mark.parametrize("path", EXERCISED, ids=[p.stem for p in EXERCISED])
 def test_learner_notebook_stops_at_its_first_exercise(nbval_run, path):
     """Every cell before the first exercise runs; the exercise (or the check of the function it
@@ -187,6 +194,7 @@ def test_learner_notebook_stops_at_its_first_exercise(nbval_run, path):
     assert problems and "NotImplementedError" in problems[0][2], f"{last}: {problems}"
 
 
+@pytest.mark.timeout(NBVAL_S)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_every_figure_has_its_picture_in_html(nbval_run, path):
     """The solved notebook as it ran, rendered to HTML by nbconvert (what a static view shows): every
