@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 import schemathesis
+import schemathesis.specs.openapi.schemas  # noqa: F401  (see below)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import checks
@@ -22,6 +23,10 @@ from schemathesis import checks
 from orca_lab import LLM
 from orca_lab.serving.launch import ServerProcess
 
+# schemathesis imports its OpenAPI half lazily, and pytest rewrites a plugin's modules (ast.parse) as
+# they load: loaded here, at collection, before any test has started a thread. Loaded in the fixture,
+# one full run on Python 3.11.7 failed there with "SystemError: AST constructor recursion depth
+# mismatch", a CPython 3.11 bug seen in threaded programs (python/cpython#106905, pytest-dev/pytest#10763).
 CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
           checks.response_schema_conformance, checks.response_headers_conformance, checks.negative_data_rejection]
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "60"))
