@@ -11,7 +11,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from orca_lab import LLM, EngineConfig, ModelConfig
+from orca_lab.config import EngineConfig, ModelConfig
 from orca_lab.course.bounded import Bounded, PackageCode, TooSlow, refuse_package_code, run_bounded
 from orca_lab.course.plug import PluggedFormation, _Recorded
 from orca_lab.distributed.data_plane import DataPlane
@@ -22,6 +22,7 @@ from orca_lab.engine.prefix_cache import BlockRefs, FreeCached, PrefixCachingBlo
 from orca_lab.engine.request import Request
 from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.engine.scheduler import RequestLevelScheduler
+from orca_lab.llm import LLM
 from orca_lab.model.tensor_parallel import even_range, shard_ranges
 
 N_CASES = 40
