@@ -7,6 +7,8 @@ import time
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from orca_lab import LLM, EngineConfig, SamplingParams
 from orca_lab.config import model_config
@@ -788,3 +790,20 @@ def test_the_packages_loop_is_refused(check, loop):
 def test_the_loop_solutions_pass(check, chapter, capsys):
     check(solution(chapter, "loop"))
     assert capsys.readouterr().out.startswith("correct:")
+
+
+# -- 06: the online softmax step (grade.check_online_softmax, in the kernel under the interpreter) ------
+@triton.jit
+def step_without_rescaling(m, l, acc, s, v):
+    """A step that forgets what the old maximum summed: right until a later block raises m."""
+    m_new = tl.maximum(m, tl.max(s, 0))
+    p = tl.exp(s - m_new)
+    return m_new, l + tl.sum(p, 0), acc + tl.sum(p[:, None] * v, 0)
+
+
+def test_a_step_that_does_not_rescale_is_caught_with_its_hint():
+    t = time.monotonic()
+    with pytest.raises(grade.Mismatch, match="rescale l and acc by exp\\(m_old - m_new\\)") as e:
+        grade.check_online_softmax(step_without_rescaling)
+    assert "expected (the package's)" in str(e.value) and "got (yours)" in str(e.value)
+    assert time.monotonic() - t < 10 * bounded.TIMEOUT_S
