@@ -258,13 +258,15 @@ class WorkerPool:
         if dead:
             self._fail("; ".join(dead) + (f" {when}" if when else ""))
 
-    def _fail_naming_the_dead(self, reason: str, within: float = 2.0):
+    def _fail_naming_the_dead(self, reason: str, within: float = 5.0):
         """A channel that broke most often means its worker died: wait (at most ``within`` s, less as
-        soon as one exits) until the process is reaped, so the failure names its exit code or signal
-        rather than the broken pipe it caused (seen on an H100: the pipe broke before the SIGKILLed
-        worker was reaped)."""
-        if self._procs:
-            wait_any([p.sentinel for p in self._procs], within)
+        soon as one is reaped) for its exit status, so the failure names its exit code or signal
+        rather than the broken pipe it caused. Not on the sentinel alone: a worker's sentinel closes
+        before its CUDA context is torn down, and it is reaped only after (seen on an H100 and an H200:
+        the pipe broke, the sentinel was ready, the exit status was not)."""
+        end = time.monotonic() + within
+        while self._procs and all(p.exitcode is None for p in self._procs) and time.monotonic() < end:
+            time.sleep(POLL_S / 10)
         self._check_alive("")
         self._fail(reason)
 
