@@ -190,7 +190,7 @@ def test_the_batch_formation_grader_names_each_wrong_version(fn, hint):
 def test_a_formation_that_never_returns_stops_the_check_in_bounded_time(monkeypatch):
     monkeypatch.setattr(grade_engine, "CASE_S", 0.5)
     t0 = time.perf_counter()
-    with pytest.raises(grade_engine.Stuck, match="case 0 .* did not return within 0.5 s"):
+    with pytest.raises(grade_engine.Stuck, match="did not return within 0.5 s on case 0"):
         grade_engine.check_form_batch(never_returns)
     assert time.perf_counter() - t0 < 5
 

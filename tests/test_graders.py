@@ -29,6 +29,14 @@ from orca_lab.sim.executor import SimExecutor
 from tests.test_course import LowestFirst, skipping_select
 
 
+@pytest.fixture(autouse=True)
+def short_bounds(monkeypatch):
+    """The graders' time bounds at a few seconds here: a right answer's case takes milliseconds, and
+    the tests of code that never returns then wait 3 s, not the 10-20 s a learner is given."""
+    monkeypatch.setattr(bounded, "TIMEOUT_S", 3.0)
+    monkeypatch.setattr(grade_engine, "CASE_S", 3.0)
+
+
 def solution(chapter: str, name: str, **names):
     """The course's solution ``name`` of notebook ``chapter``, run with the names its cells read."""
     path = next(solve.SOLUTIONS.glob(f"{chapter}_*.py"))

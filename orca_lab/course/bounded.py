@@ -1,9 +1,11 @@
 """Running a learner's code under a bound, and refusing the package's own code as the learner's:
 what every grader of the course (``grade.py`` and any new one) builds on.
 
-- ``run_bounded(fn, *args, timeout_s=TIMEOUT_S, case="...", references=(), **kwargs)``: ``fn(*args,
-  **kwargs)``'s result. Past ``timeout_s`` seconds it raises ``TooSlow`` naming ``case`` (and stops
-  ``fn`` where it can: see below). An exception of ``fn``'s goes through as the learner's own (its
+- ``run_bounded(fn, *args, timeout_s=None, case="...", references=(), what=None, **kwargs)``:
+  ``fn(*args, **kwargs)``'s result. Past ``timeout_s`` seconds (``TIMEOUT_S`` when None, read at the
+  call, so a test can lower it) it raises ``TooSlow`` naming ``case`` and ``what`` (default: ``fn``'s
+  name; a grader that drives the learner's code through a helper of its own says "code") and stops
+  ``fn`` where it can: see below. An exception of ``fn``'s goes through as the learner's own (its
   type, its traceback), with a note naming the case that raised it. A call, during ``fn``, into the
   code of one of ``references`` (functions, classes, methods: the package's answer to the
   exercise) raises ``PackageCode``: a learner's function that wraps the package's is refused.
@@ -102,10 +104,12 @@ def _stop(thread: threading.Thread):
     thread.join(1.0)
 
 
-def run_bounded(fn, *args, timeout_s: float = TIMEOUT_S, case: str = "", references=(), **kwargs):
+def run_bounded(fn, *args, timeout_s: float | None = None, case: str = "", references=(), what: str | None = None,
+                **kwargs):
     """``fn(*args, **kwargs)`` in a thread bounded by ``timeout_s``, watched for calls into
     ``references``' code (module docstring)."""
     codes, box = code_objects(references), {}
+    timeout_s, what = TIMEOUT_S if timeout_s is None else timeout_s, what or describe(fn)
 
     def watch(frame, event, arg):
         if event == "call" and frame.f_code in codes and "hit" not in box:
@@ -132,7 +136,7 @@ def run_bounded(fn, *args, timeout_s: float = TIMEOUT_S, case: str = "", referen
         raise
     if thread.is_alive():
         _stop(thread)
-        raise TooSlow(f"your {describe(fn)} did not return within {timeout_s:g} s on {case}: a loop that never "
+        raise TooSlow(f"your {what} did not return within {timeout_s:g} s on {case}: a loop that never "
                       "ends? (each step must make progress: a request leaves, a batch returns, an index grows)")
     if "hit" in box:
         raise PackageCode(f"your {describe(fn)} called the package's own {_where(box['hit'])} on {case}: "
@@ -150,7 +154,7 @@ class Bounded:
     ``run_bounded``, with ``case`` (settable as the grading goes on) and ``references``; its other
     attributes read through."""
 
-    def __init__(self, obj, case: str = "", references=(), timeout_s: float = TIMEOUT_S):
+    def __init__(self, obj, case: str = "", references=(), timeout_s: float | None = None):
         vars(self).update(obj=obj, case=case, references=references, timeout_s=timeout_s)
 
     def __getattr__(self, name):

@@ -20,7 +20,8 @@ import torch
 
 from orca_lab import kernels
 from orca_lab.course import _references
-from orca_lab.course.bounded import TIMEOUT_S, Bounded, refuse_package_code, run_bounded
+from orca_lab.course import bounded
+from orca_lab.course.bounded import Bounded, refuse_package_code, run_bounded
 from orca_lab.course.plug import PluggedSelect, PluggedSlots
 from orca_lab.engine.batch import Batch, BatchTensors
 from orca_lab.engine.blocks import BlockManager
@@ -48,9 +49,13 @@ class Mismatch(AssertionError):
     """The learner's answer differs from the package's on one case."""
 
 
+def mismatch(what: str, case, expected, got, hint: str = "") -> Mismatch:
+    return Mismatch(f"{what} differs on {case}:\n  expected (the package's): {expected}\n  got (yours):"
+                    f"              {got}" + (f"\n  hint: {hint}" if hint else ""))
+
+
 def differ(what: str, case, expected, got, hint: str = ""):
-    raise Mismatch(f"{what} differs on {case}:\n  expected (the package's): {expected}\n  got (yours):"
-                   f"              {got}" + (f"\n  hint: {hint}" if hint else ""))
+    raise mismatch(what, case, expected, got, hint)
 
 
 def correct(n: int, against: str):
@@ -467,7 +472,7 @@ def check_online_softmax(step, seed: int = 0, device=None):
         k[n // 2] += 4 * q          # a score much larger than the rest, past the first block: m must grow
         q, k, v = q.to(device), k.to(device), v.to(device)
         label = f"case {case} (n={n} keys, d={d}, block={block})"
-        got = run_bounded(attend_one_query, q, k, v, block, step, case=label, timeout_s=10 * TIMEOUT_S,
+        got = run_bounded(attend_one_query, q, k, v, block, step, case=label, timeout_s=10 * bounded.TIMEOUT_S,
                           references=(update,))
         ref = kernels.ragged_attention(q[None, None], k[:, None], v[:, None], torch.arange(n, device=device),
                                        _one_request(1, device), _one_request(n, device), backend="torch")[0, 0]

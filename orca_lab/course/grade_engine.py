@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import functools
 import random
-import threading
 
 import torch
 import torch.nn.functional as F
 
 from orca_lab.config import EngineConfig, ModelConfig
 from orca_lab.course.bounded import Bounded, PackageCode, TooSlow, refuse_package_code, run_bounded
+from orca_lab.course.grade import Mismatch, correct, differ, mismatch
 from orca_lab.course.plug import PluggedFormation, _Recorded
 from orca_lab.distributed.data_plane import DataPlane
 from orca_lab.engine import policies
@@ -30,49 +30,17 @@ CASE_S = 10.0          # wall time a case may take (a few ms when right)
 MAX_ITERATIONS = 2000  # scheduler steps a case may take (tens when right)
 
 
-class Mismatch(AssertionError):
-    """The learner's answer differs from the package's on one case."""
-
-
-class Stuck(AssertionError):
+class Stuck(TooSlow):
     """The learner's code did not return within a case's time or iteration bound."""
 
 
 def bounded(fn, *args, label: str, seconds: float | None = None):
-    """``fn(*args)`` in a thread, its result or its exception; past ``seconds``, ``Stuck`` naming
-    ``label`` (the thread is left behind, a daemon: Python cannot stop it)."""
-    out, seconds = {}, CASE_S if seconds is None else seconds
-
-    def run():
-        try:
-            out["value"] = fn(*args)
-        except BaseException as e:     # re-raised below, in the notebook's thread
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(seconds)
-    if t.is_alive():
-        raise Stuck(f"{label}: your code did not return within {seconds:g} s (a loop that never ends?)")
-    if "error" in out:
-        e = out["error"]
-        if isinstance(e, (NotImplementedError, Mismatch, Stuck, PackageCode)):
-            raise e
-        raise AssertionError(f"{label}: your code raised {type(e).__name__}: {e}") from e
-    return out["value"]
-
-
-def mismatch(what: str, case: str, expected, got, hint: str = "") -> Mismatch:
-    return Mismatch(f"{what} differs on {case}:\n  expected (the package's): {expected}\n  got (yours):"
-                    f"              {got}" + (f"\n  hint: {hint}" if hint else ""))
-
-
-def differ(what: str, case: str, expected, got, hint: str = ""):
-    raise mismatch(what, case, expected, got, hint)
-
-
-def correct(n: int, against: str):
-    print(f"correct: {n} random cases agree with {against}")
+    """``fn(*args)`` (the grader's driver of the learner's code) under ``run_bounded``, bounded by
+    ``seconds`` (``CASE_S`` when None); past it, ``Stuck`` naming ``label``."""
+    try:
+        return run_bounded(fn, *args, timeout_s=CASE_S if seconds is None else seconds, case=label, what="code")
+    except TooSlow as e:
+        raise Stuck(str(e)) from None
 
 
 def request(rid: int, prompt_len: int, gen: int) -> Request:
