@@ -79,8 +79,9 @@ def serve(args):
         except OSError as e:
             raise ValueError(f"--chat-template {args.chat_template}: cannot read it ({e.strerror})") from None
     model = args.checkpoint or args.model or "tiny"
-    run(EngineArgs(model, args.seed, engine, args.system, args.threads, args.plugins), args.host, args.port,
-        args.max_queue, args.drain_s, model_name=model, debug=args.debug, chat_template=template)
+    recipe = EngineArgs(model, args.seed, engine, args.system, args.threads, args.plugins, args.tensor_ranks)
+    run(recipe, args.host, args.port, args.max_queue, args.drain_s, model_name=model, debug=args.debug,
+        chat_template=template)
 
 
 def bench(args) -> dict:
@@ -210,6 +211,9 @@ def _serve_args(s):
     s.add_argument("--plugins", metavar="FOLDER_OR_MODULE", default=None,
                    help="a course learner's package (my_orca/, written by the notebooks' %%%%exercise cells): "
                         "the engine runs its pieces (Select, slot manager, ...) in place of the package's")
+    s.add_argument("--tensor-ranks", type=int, default=1,
+                   help="with --plugins: the model on this many tensor-parallel ranks (threads of the engine "
+                        "process) cut by the learner's split_linear and added by their all_reduce (notebook 07)")
 
 
 if __name__ == "__main__":

@@ -28,8 +28,11 @@ CHAPTERS = {"02_request_level_batching": ["form_batch"], "03_iteration_level_sch
 @pytest.fixture
 def package(tmp_path):
     """A learner's package written as the solved notebooks write it: each exercise cell saved."""
-    folder = tmp_path / "my_orca"
-    for stem, exercises in CHAPTERS.items():
+    return write_package(tmp_path / "my_orca", CHAPTERS)
+
+
+def write_package(folder, chapters: dict):
+    for stem, exercises in chapters.items():
         answers = solve.solutions(solve.SOLUTIONS / f"{stem}.py")
         namespace = {"__name__": "__main__", "RequestState": RequestState, "torch": torch}     # a notebook's
         for ex in exercises:
@@ -115,13 +118,24 @@ def test_the_server_runs_the_learners_pieces(package):
     from orca_lab.serving.launch import ServerProcess
     llm = LLM("tiny", seed=0)
     expected = llm.complete(["a prompt"], 6, ignore_eos=True)[0].text
-    with ServerProcess("--plugins", package, "--max-bs", 2, "--n-slots", 2048) as server:
+    with ServerProcess("--plugins", package, "--tensor-ranks", 2, "--max-bs", 2, "--n-slots", 2048) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         got = client.completions.create(model="tiny", prompt="a prompt", max_tokens=6, temperature=0,
                                         extra_body={"ignore_eos": True}).choices[0].text
         plugged = [line for line in server.lines if "the engine runs your" in line]
-    assert plugged and "SlotManager, select, flatten" in plugged[0]
+    assert plugged and "SlotManager, select, flatten, split_linear, all_reduce" in plugged[0]
     assert got == expected
+
+
+def test_tensor_ranks_are_refused_without_the_pieces_that_cut_the_model(tmp_path):
+    from orca_lab.serving.engine_core import plug_learner
+    with pytest.raises(ValueError, match="tensor_ranks=2 .* give plugins too"):
+        EngineArgs("tiny", tensor_ranks=2)
+    with pytest.raises(ValueError, match="tensor_ranks=0 is out of range"):
+        EngineArgs("tiny", plugins=str(tmp_path), tensor_ranks=0)
+    folder = write_package(tmp_path / "only_select", {"03_iteration_level_scheduling": ["select"]})
+    with pytest.raises(ValueError, match="tensor_ranks=2: .* has no split_linear"):
+        plug_learner(LLM("tiny", seed=0).new_engine(), str(folder), 2)
 
 
 # -- the batch formation grader: wrong versions, each caught with its hint ----------------------------

@@ -51,13 +51,18 @@ class EngineArgs:
     system: str = "orca"
     threads: int = 1
     plugins: str | None = None     # a learner's package (a folder or a module name): course/plug.py's pieces
+    tensor_ranks: int = 1          # with plugins: the model on this many ranks cut by the learner's split_linear
 
     def __post_init__(self):
         """Refuse a bad model or parallel degrees here, before a process is started for it."""
-        from orca_lab.config import check_degrees, model_config
+        from orca_lab.config import check_degrees, check_range, model_config
         from orca_lab.model.families import checkpoint_config
         path = Path(self.model)
         check_degrees(checkpoint_config(path) if path.is_dir() else model_config(self.model), self.engine)
+        check_range("tensor_ranks", self.tensor_ranks, 1, 64)
+        if self.tensor_ranks > 1 and self.plugins is None:
+            raise ValueError(f"tensor_ranks={self.tensor_ranks} runs the model on a learner's split_linear and "
+                             "all_reduce: give plugins too (--plugins FOLDER)")
         if self.plugins is not None:      # the engine process imports it: a folder by its absolute path
             from orca_lab.course.mine import resolve
             object.__setattr__(self, "plugins", resolve(self.plugins))
@@ -90,7 +95,7 @@ def engine_main(recipe: EngineArgs, inbox, outbox, t0: float, history: int = 0):
         llm = recipe.build()
         engine = llm.new_engine(recipe.system)
         if recipe.plugins is not None:
-            plug_learner(engine, recipe.plugins)
+            plug_learner(engine, recipe.plugins, recipe.tensor_ranks)
     except (ValueError, TypeError) as e:        # bad settings (a model too big for the GPU): the same error
         outbox.send(("failed", e))
         return
@@ -103,15 +108,19 @@ def engine_main(recipe: EngineArgs, inbox, outbox, t0: float, history: int = 0):
     EngineLoop(engine, inbox, outbox, history).run()
 
 
-def plug_learner(engine, plugins: str):
-    """The learner's pieces in place of the package's (``orca-lab serve --plugins``, course/plug.py)."""
+def plug_learner(engine, plugins: str, tensor_ranks: int = 1):
+    """The learner's pieces in place of the package's (``orca-lab serve --plugins``, course/plug.py);
+    ``tensor_ranks`` above 1: the model on that many ranks cut by their ``split_linear``."""
     from orca_lab.course.mine import load
     from orca_lab.course.plug import assemble
     pieces = load(plugins)
-    plugged = assemble(engine, pieces)
+    plugged = assemble(engine, pieces, tensor_ranks)
     if not plugged:
         raise ValueError(f"plugins={plugins!r}: none of its pieces ({', '.join(sorted(pieces)) or 'none'}) "
                          f"plugs into system {engine.scheduler.name!r}")
+    if tensor_ranks > 1 and "split_linear" not in plugged:
+        raise ValueError(f"tensor_ranks={tensor_ranks}: plugins={plugins!r} has no split_linear and all_reduce "
+                         "(notebook 07's exercises) to cut the model with")
     print(f"orca-lab serve: the engine runs your {', '.join(plugged)} (from {plugins})", flush=True)
 
 
