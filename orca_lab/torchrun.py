@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from orca_lab.config import EngineConfig, model_config
+from orca_lab.config import EngineConfig, check_degrees, model_config
 from orca_lab.distributed.heartbeat import start_heartbeat, watch_master
 from orca_lab.distributed.pool import WorkerPool
 from orca_lab.distributed.worker import STORE_TIMEOUT, Worker, WorkerSpec
@@ -109,9 +109,13 @@ def main(argv=None):
         secret = operator_secret(os.environ)
     except ValueError as e:
         p.error(str(e))
-    ec = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots, device=args.device, executor="workers",
-                      tensor_parallel=args.tp, pipeline_parallel=args.pp)
-    cfg = checkpoint_config(args.checkpoint) if args.checkpoint else model_config(args.model)
+    try:        # refused here, before the rendezvous, as the secret is: every rank says the same
+        ec = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots, device=args.device, executor="workers",
+                          tensor_parallel=args.tp, pipeline_parallel=args.pp)
+        cfg = checkpoint_config(args.checkpoint) if args.checkpoint else model_config(args.model)
+        check_degrees(cfg, ec)
+    except (ValueError, OSError) as e:
+        p.error(str(e))
     store, _, _ = next(dist.rendezvous("env://", timeout=STORE_TIMEOUT))
     store = dist.PrefixStore("orca_lab", store)
     if rank == 0:       # from here on, a master that dies or hangs ends every rank within --master-timeout

@@ -260,10 +260,26 @@ def test_torchrun_takes_the_operators_secret_and_the_store_never_holds_it(how, t
 ], ids=["none", "short", "unreadable", "both"])
 def test_torchrun_refuses_to_start_without_a_good_secret(env, match):
     """Refused before the rendezvous: no store is ever reached (the port here has none)."""
-    done = subprocess.run([sys.executable, "-m", "orca_lab.torchrun", "--pp", "2", "--device", "cpu"],
-                          env=dict(_without_secret(), RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                   MASTER_PORT="9", PYTHONPATH=str(Path(__file__).resolve().parents[1]), **env),
-                          capture_output=True, text=True, timeout=120)
+    done = _rank0_without_a_store([], env)
     assert done.returncode == 2, done.stderr[-3000:]
     assert re.search(match, done.stderr), done.stderr[-3000:]
     assert OPERATOR_SECRET not in done.stderr
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--checkpoint", "/nonexistent/ckpt"], r"/nonexistent/ckpt is not a checkpoint directory"),
+    (["--max-bs", "0"], r"max_bs=0 is out of range"),
+    (["--model", "gpt3-999b"], r"gpt3-999b"),
+], ids=["checkpoint", "max_bs", "model"])
+def test_torchrun_refuses_bad_settings_before_the_rendezvous(args, match):
+    """Refused with the field named, before any store is reached (the port here has none)."""
+    done = _rank0_without_a_store(args, {"ORCA_LAB_SECRET": OPERATOR_SECRET})
+    assert done.returncode == 2 and re.search(match, done.stderr), done.stderr[-3000:]
+
+
+def _rank0_without_a_store(args, env):
+    """``python -m orca_lab.torchrun`` as rank 0 of a 1 x 2 world whose store port (9) has none."""
+    return subprocess.run([sys.executable, "-m", "orca_lab.torchrun", "--pp", "2", "--device", "cpu", *args],
+                          env=dict(_without_secret(), RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                   MASTER_PORT="9", PYTHONPATH=str(Path(__file__).resolve().parents[1]), **env),
+                          capture_output=True, text=True, timeout=120)
