@@ -1,6 +1,8 @@
-"""Claims that hold: notebook 09's measured statements (its asserts) hold at seeds other than the
+"""Claims that hold: notebook 09's measured statements (its asserts) hold at a seed other than the
 default, not only at the one nbval runs, at the notebook's own settings: the rate follows the
-capacity measured in the same run, not a constant.
+capacity measured in the same run, not a constant. The notebook runs at one more seed here (3, the
+one a loaded machine once failed; a run takes half a minute); the counts it asserts are checked at
+three seeds and four loads on the simulator (the second test).
 
 They hold on a loaded machine too: the notebook asserts counts (iterations, useful tokens per
 iteration, wasted rows), never wall-clock speeds. Its section 2 once asserted that ORCA served more
@@ -17,6 +19,7 @@ pm = pytest.importorskip("papermill")
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "09_end_to_end.ipynb"
 SEEDS = (1, 2, 3)
+NOTEBOOK_SEED = 3
 
 
 def _run(seed, out):
@@ -31,9 +34,9 @@ def _run(seed, out):
         return f"seed {seed}: {e.ename}: {e.evalue}"
 
 
-def test_notebook_09_claims_hold_at_three_other_seeds(tmp_path):
-    errors = [e for e in (_run(s, tmp_path) for s in SEEDS) if e]   # one at a time: 2 cores
-    assert not errors, "\n".join(errors)
+def test_notebook_09_claims_hold_at_another_seed(tmp_path):
+    error = _run(NOTEBOOK_SEED, tmp_path)
+    assert error is None, error
 
 
 def test_the_counts_notebook_09_asserts_hold_at_any_load():
