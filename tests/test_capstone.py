@@ -209,6 +209,14 @@ def test_a_formation_that_never_returns_stops_the_check_in_bounded_time(monkeypa
     assert time.perf_counter() - t0 < 5
 
 
+def test_a_formation_that_raises_goes_through_as_the_learners_own_naming_the_case():
+    def raises(waiting, kv, max_bs, max_seq_len):
+        raise KeyError("oops")
+    with pytest.raises(KeyError) as e:
+        grade_engine.check_form_batch(raises)
+    assert any(n.startswith("(raised by your code on case 0 ") for n in e.value.__notes__), e.value.__notes__
+
+
 # -- the block allocator and eviction-order graders --------------------------------------------------
 Allocator = solution("11", "BlockAllocator")       # the course's own, which the wrong ones below vary
 

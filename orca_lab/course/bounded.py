@@ -3,12 +3,13 @@ what every grader of the course (``grade.py`` and any new one) builds on.
 
 - ``run_bounded(fn, *args, timeout_s=None, case="...", references=(), what=None, **kwargs)``:
   ``fn(*args, **kwargs)``'s result. Past ``timeout_s`` seconds (``TIMEOUT_S`` when None, read at the
-  call, so a test can lower it) it raises ``TooSlow`` naming ``case`` and ``what`` (default: ``fn``'s
-  name; a grader that drives the learner's code through a helper of its own says "code") and stops
-  ``fn`` where it can: see below. An exception of ``fn``'s goes through as the learner's own (its
-  type, its traceback), with a note naming the case that raised it. A call, during ``fn``, into the
-  code of one of ``references`` (functions, classes, methods: the package's answer to the
-  exercise) raises ``PackageCode``: a learner's function that wraps the package's is refused.
+  call, so a test can lower it) it raises ``TooSlow`` naming ``case`` and ``what``, and stops ``fn``
+  where it can: see below. ``what`` is how every message names the learner's code (default: ``fn``'s
+  name; a grader that drives that code through a helper of its own says "code"). An exception of
+  ``fn``'s goes through as the learner's own (its type, its traceback), with a note naming the case
+  that raised it. A call, during ``fn``, into the code of one of ``references`` (functions, classes,
+  methods: the package's answer to the exercise) raises ``PackageCode``: a learner's function that
+  wraps the package's is refused.
 - ``refuse_package_code(learner_obj, *references)``: raises ``PackageCode`` when ``learner_obj``
   is one of ``references``, wraps one (``__wrapped__``, ``functools.partial``, a bound method, a
   ``@triton.jit`` function), subclasses one, or reuses one's code (a method copied into a class).
@@ -139,11 +140,11 @@ def run_bounded(fn, *args, timeout_s: float | None = None, case: str = "", refer
         raise TooSlow(f"your {what} did not return within {timeout_s:g} s on {case}: a loop that never "
                       "ends? (each step must make progress: a request leaves, a batch returns, an index grows)")
     if "hit" in box:
-        raise PackageCode(f"your {describe(fn)} called the package's own {_where(box['hit'])} on {case}: "
+        raise PackageCode(f"your {what} called the package's own {_where(box['hit'])} on {case}: "
                           "the grader compares your code with it; write your own")
     if "error" in box:
         e = box["error"]
-        e.add_note(f"(raised by your {describe(fn)} on {case})")
+        e.add_note(f"(raised by your {what} on {case})")
         tb = e.__traceback__
         raise e.with_traceback(tb.tb_next if tb is not None and tb.tb_next is not None else tb)
     return box["value"]

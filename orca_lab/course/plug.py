@@ -331,7 +331,8 @@ PIECES = {"form_batch": ("02", "the baseline (ft)"), "select": ("03", "orca"), "
 def assemble(engine, pieces: dict, tensor_ranks: int = 1) -> list[str]:
     """Plug every piece of ``pieces`` (``mine.load()``) that ``engine`` (fresh) has a place for; the
     names plugged, in order. The slot manager goes in first: the learner's ``select`` reserves from it.
-    ``tensor_ranks`` above 1 runs the model on that many tensor-parallel ranks cut by the learner's split."""
+    ``tensor_ranks`` above 1 runs the model on that many tensor-parallel ranks cut by the learner's split
+    (refused, a ``ValueError``, without their ``split_linear`` and ``all_reduce``)."""
     system, plugged = engine.scheduler.name, []
     model = getattr(engine.scheduler.kv, "k", None) is not None     # a model reads the batch's tensors
 
@@ -348,6 +349,9 @@ def assemble(engine, pieces: dict, tensor_ranks: int = 1) -> list[str]:
     if system == "ft":
         plug(["form_batch"], use_form_batch)
     if tensor_ranks > 1:
+        if not {"split_linear", "all_reduce"} <= pieces.keys():
+            raise ValueError(f"tensor_ranks={tensor_ranks}: the package has no split_linear and all_reduce "
+                             "(notebook 07's exercises) to cut the model with")
         plug(["split_linear", "all_reduce"], lambda e, split, reduce: use_split_linear(e, split, reduce, tensor_ranks))
     if system in PAGED:
         plug(["BlockAllocator"], use_blocks)
