@@ -8,6 +8,7 @@ from pathlib import Path
 
 from orca_lab.config import PRESETS, EngineConfig, check_range
 from orca_lab.environment import environment
+from orca_lab.serving.watchdog import STALL_S
 
 
 def compare(args) -> dict:
@@ -62,7 +63,7 @@ def serve(args):
     """``orca-lab serve``: the OpenAI-compatible endpoint (orca_lab.serving.server)."""
     from orca_lab.engine.policies import system
     from orca_lab.serving.engine_core import EngineArgs
-    from orca_lab.serving.server import serve as run
+    from orca_lab.serving.server import EngineDied, serve as run
     check_range("max_queue", args.max_queue, 1, 1 << 20)
     check_range("drain_s", args.drain_s, 0.0, 3600.0, kind=float)
     check_range("threads", args.threads, 1, 1024)
@@ -79,9 +80,13 @@ def serve(args):
         except OSError as e:
             raise ValueError(f"--chat-template {args.chat_template}: cannot read it ({e.strerror})") from None
     model = args.checkpoint or args.model or "tiny"
-    recipe = EngineArgs(model, args.seed, engine, args.system, args.threads, args.plugins, args.tensor_ranks)
-    run(recipe, args.host, args.port, args.max_queue, args.drain_s, model_name=model, debug=args.debug,
-        chat_template=template)
+    recipe = EngineArgs(model, args.seed, engine, args.system, args.threads, args.plugins, args.tensor_ranks,
+                        args.stall_s)
+    try:
+        run(recipe, args.host, args.port, args.max_queue, args.drain_s, model_name=model, debug=args.debug,
+            chat_template=template)
+    except EngineDied as e:       # exit 1, for a supervisor to restart the server
+        raise SystemExit(f"orca-lab serve: the engine died ({e}); exiting with code 1") from None
 
 
 def bench(args) -> dict:
@@ -206,6 +211,9 @@ def _serve_args(s):
     s.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     s.add_argument("--chat-template", metavar="FILE", default=None,
                    help="a Jinja chat template for /v1/chat/completions (default: the tokenizer's own, if any)")
+    s.add_argument("--stall-s", type=float, default=STALL_S,
+                   help="an iteration that has not returned after this many seconds is a stuck engine: "
+                        "/health and /v1/models answer 503 and the log names where it is stuck")
     s.add_argument("--debug", action="store_true",
                    help="serve GET /debug/run: the engine's records of every request and iteration")
     s.add_argument("--plugins", metavar="FOLDER_OR_MODULE", default=None,

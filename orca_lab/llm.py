@@ -43,11 +43,21 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int]          # EOS or a stop token that ended it included, as vLLM keeps them
     text: str | None              # the output as text, stop string excluded; None without a tokenizer
-    finish_reason: str            # "length" or "stop"
+    finish_reason: str            # "length", "stop", or "error": it failed alone (``error`` says why)
     # with SamplingParams(logprobs=k) / (prompt_logprobs=k): a TokenLogprob (model/logprobs.py) per
     # generated token / per prompt token (None for the first); None when not asked for
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    error: str | None = None
+
+
+class RequestsFailed(RuntimeError):
+    """Some prompts failed inside an iteration (``Request.fail``): each alone, the others ran to
+    their end. ``errors``: prompt index -> why; ``outputs``: every prompt's tokens, as far as they got."""
+
+    def __init__(self, errors: dict[int, str], outputs: list[list[int]] | None = None):
+        self.errors, self.outputs = errors, outputs
+        super().__init__("; ".join(f"prompt {i} failed: {why}" for i, why in sorted(errors.items())))
 
 
 class LLM:
@@ -221,17 +231,29 @@ class LLM:
     # SamplingParams or a list of them. A sampled request without a seed draws from OS entropy.
     def generate(self, prompts, max_gen_tokens: int | list[int] | None = None, system: str = "orca", *,
                  sampling_params=None, **sampling) -> list[list[int]]:
-        """Generated token ids of each prompt (token-id lists, or strings through the tokenizer)."""
+        """Generated token ids of each prompt (token-id lists, or strings through the tokenizer).
+        A prompt that fails (its sampling or stop check raised) fails alone: the others run to their
+        end, then ``RequestsFailed`` names each failure and carries every output."""
         outputs = [[] for _ in _as_list(prompts)]
-        for i, tok in self.stream(prompts, max_gen_tokens, system, sampling_params=sampling_params, **sampling):
-            outputs[i].append(tok)
+        try:
+            for i, tok in self.stream(prompts, max_gen_tokens, system, sampling_params=sampling_params, **sampling):
+                outputs[i].append(tok)
+        except RequestsFailed as e:
+            raise RequestsFailed(e.errors, outputs) from None
         return outputs
 
     def stream(self, prompts, max_gen_tokens: int | list[int] | None = None, system: str = "orca", *,
                sampling_params=None, **sampling) -> Iterator[tuple[int, int]]:
-        """Yield ``(prompt index, token)`` as each iteration completes."""
-        for i, _, tok in self._run(prompts, max_gen_tokens, system, sampling_params, sampling):
-            yield i, tok
+        """Yield ``(prompt index, token)`` as each iteration completes; ``RequestsFailed`` at the end
+        if a prompt failed."""
+        errors = {}
+        for i, req, tok in self._run(prompts, max_gen_tokens, system, sampling_params, sampling):
+            if tok is not None:
+                yield i, tok
+            if req.finish_reason == "error":
+                errors[i] = req.error
+        if errors:
+            raise RequestsFailed(errors)
 
     def complete(self, prompts, max_gen_tokens: int | list[int] | None = None, system: str = "orca", *,
                  sampling_params=None, **sampling) -> list[Completion]:
@@ -239,14 +261,15 @@ class LLM:
         reqs = {}
         for i, req, _ in self._run(prompts, max_gen_tokens, system, sampling_params, sampling):
             reqs[i] = req
-        return [Completion(list(r.prompt), list(r.output), None if r.detokenize is None else r.text,
+        return [Completion(list(r.prompt), list(r.output), None if r.detokenize is None or r.error else r.text,
                            r.finish_reason,
                            None if r.params.logprobs is None else r.logprobs[:len(r.output)],
-                           None if r.params.prompt_logprobs is None else list(r.prompt_logprobs))
+                           None if r.params.prompt_logprobs is None else list(r.prompt_logprobs), r.error)
                 for _, r in sorted(reqs.items())]
 
     def _run(self, prompts, max_gen_tokens, system, sampling_params, sampling):
-        """``(prompt index, request, token)`` for every token of every prompt, on a fresh engine."""
+        """``(prompt index, request, token)`` for every token of every prompt (None: it failed), on a
+        fresh engine."""
         prompts = _as_list(prompts)
         params = _per_prompt_params(len(prompts), max_gen_tokens, sampling_params, sampling)
         ids = [self._encode(p) for p in prompts]

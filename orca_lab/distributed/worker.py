@@ -240,7 +240,7 @@ class Worker:
         if self.tp_rank == 0:
             tokens = sample(logits, batch)
             for r, token in zip(batch.requests, tokens):
-                if token is not None:
+                if isinstance(token, int):      # (a str: the request failed, ``sampler.sample``)
                     r.output.append(token)
         if logprobs.wants_prompt(batch):
             logprobs.record_prompt(self._logits_at, x, batch)

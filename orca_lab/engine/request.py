@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from orca_lab.engine.detokenizer import Detokenizer
 from orca_lab.engine.sampling_params import SamplingParams
 
-FINISH_REASONS = ("length", "stop", "abort")   # OpenAI's and vLLM's names
+# OpenAI's and vLLM's names; "error": this request failed inside an iteration (``Request.fail``)
+FINISH_REASONS = ("length", "stop", "abort", "error")
 
 
 class RequestState(enum.Enum):
@@ -41,6 +42,7 @@ class Request:
     block_hashes: list = field(default_factory=list, repr=False)   # its context's full blocks (prefix_cache.py)
     detokenize: object = None         # the tokenizer's decode: stop strings and ``text`` need it
     stop_at: int | None = None        # where a stop string begins in the detokenized output
+    error: str | None = None          # why it failed, with finish_reason "error"
     logprobs: list = field(default_factory=list)         # TokenLogprob of each sampled token (if asked)
     prompt_logprobs: list = field(default_factory=list)  # of each prompt token, None for the first (if asked)
     _detokenizer: Detokenizer | None = field(default=None, repr=False)
@@ -72,6 +74,12 @@ class Request:
             self.t_first_token = now
         self.output.append(token)
         self.finish_reason = self._stop_reason(token)
+
+    def fail(self, why: str):
+        """This request's own failure inside an iteration (its sampling, its stop checks, its text):
+        it ends with finish_reason "error" and ``why``; its scheduler frees its K/V, and the batch
+        goes on without it (vLLM's per-request errors)."""
+        self.finish_reason, self.error = "error", why
 
     def _stop_reason(self, token: int) -> str | None:
         """vLLM's order: EOS, stop token ids, stop strings, then the length limit. Before

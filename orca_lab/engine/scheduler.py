@@ -33,6 +33,22 @@ def enqueue(queue, req: Request):
         queue.append(req)
 
 
+def take_token(req: Request, tok, now: float | None) -> int | None:
+    """Hand ``req`` its token, which runs its stop checks; the token, or None if the request failed
+    instead: its row's sampling failed (``tok`` is then the error's text, ``sampler.sample``) or its
+    stop check raised (a tokenizer that cannot decode it). Either way it fails alone, finish_reason
+    "error"; its scheduler frees its K/V and the batch goes on."""
+    if isinstance(tok, str):
+        req.fail(tok)
+        return None
+    try:
+        req.append(tok, now)
+    except Exception as e:               # its own stop strings or tokenizer: not the engine's fault
+        req.fail(f"its stop check failed ({type(e).__name__}: {e})")
+        return None
+    return tok
+
+
 class Scheduler:
     name = "scheduler"
 
@@ -126,20 +142,21 @@ class OrcaScheduler(Scheduler):
     def on_batch_return(self, batch: Batch, tokens: list[int], now: float) -> list[tuple[Request, int]]:
         """A batch came back: every request got one token (all but a prefill chunk short of its
         context's end, ``policies.py``: ``batch.yields``); finished ones leave and free their slots.
-        A request aborted while the batch was in flight leaves now, and its token is dropped."""
+        A request aborted while the batch was in flight leaves now, and its token is dropped; one
+        that failed (``take_token``) leaves with ``(req, None)``."""
         events, left = [], False
         for req, tok, kv_len, yields in zip(batch.requests, tokens, batch.kv_lens, batch.yields):
             if req.finish_reason == "abort":
                 self._finish(req, now)
                 left = True
                 continue
-            self.kv.cache(req, kv_len)
+            if not isinstance(tok, str):      # a failed row's K/V is not offered to the prefix cache
+                self.kv.cache(req, kv_len)
             req.n_iterations += 1
             req.state = RequestState.INCREMENT
             if not yields:
                 continue
-            req.append(tok, now)
-            events.append((req, tok))
+            events.append((req, take_token(req, tok, now)))
             if req.finished:
                 self._finish(req, now)
                 left = True
@@ -238,19 +255,22 @@ class RequestLevelScheduler(Scheduler):
             self.kv.cache(req, last_pos + 1)
             req.state = RequestState.INCREMENT
             if yields:                         # past its prompt: a real token, kept until the batch ends
-                req.append(tok, None)
+                take_token(req, tok, None)
         mb.start, mb.q_len, mb.in_flight = last_pos + 1, 1, False
         return self._end_batch(now)
 
     def _end_batch(self, now: float) -> list[tuple[Request, int]]:
         """Once every request of the batch is done and none of its micro-batches is in flight, the
         whole batch returns at once, every token with it (FT delivers a request's tokens, the first
-        included, when its batch ends), and frees its slots. Aborted requests deliver nothing."""
+        included, when its batch ends), and frees its slots. Aborted requests deliver nothing, failed
+        ones their end only, ``(req, None)``: it was held like a request that finished early."""
         if not (self.active and self._batch_done() and not any(m.in_flight for m in self.micro)):
             return []
         events = []
         for req in self.active:
-            if req.finish_reason != "abort":
+            if req.finish_reason == "error":
+                events.append((req, None))
+            elif req.finish_reason != "abort":
                 req.t_first_token = now
                 events += [(req, tok) for tok in req.output]
             self._finish(req, now)

@@ -8,15 +8,20 @@ from __future__ import annotations
 import torch
 
 
-def shape(logits: torch.Tensor, batch) -> torch.Tensor:
+def shape(logits: torch.Tensor, batch, faults: dict[int, str]) -> torch.Tensor:
     """``logits [B, vocab]`` with each asking request's row changed (a fp32 copy); the same tensor
-    when no request of the batch asks, so the others pay nothing."""
+    when no request of the batch asks, so the others pay nothing. A row whose shaping raises is left
+    as it was and its error's text goes to ``faults[row]``: that request fails alone (``sampler``)."""
     rows = [i for i, (req, y) in enumerate(zip(batch.requests, batch.yields)) if y and req.params.shapes_logits]
     if not rows:
         return logits
     logits = logits.float().clone()
     for i in rows:
-        shape_row(logits[i], batch.requests[i].params, batch.requests[i].prompt, batch.requests[i].output)
+        req = batch.requests[i]
+        try:
+            shape_row(logits[i], req.params, req.prompt, req.output)
+        except Exception as e:          # this request's own fields: it fails, the batch goes on
+            faults[i] = f"its logits could not be shaped ({type(e).__name__}: {e})"
     return logits
 
 

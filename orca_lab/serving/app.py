@@ -74,14 +74,21 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
         message, param = validation_error(e.errors())
         return JSONResponse(error_body(400, message, param), 400)
 
+    def check_healthy():
+        """503 while the engine is dead or stuck (``EngineClient.unhealthy``): a load balancer or a
+        supervisor reading /health or /v1/models sees it."""
+        why = state.pool.unhealthy()
+        if why is not None:
+            raise HTTPError(503, why)
+
     @app.get("/health", responses=_errors(503))
     async def health():
-        if state.pool.error or not state.pool.alive:
-            raise HTTPError(503, state.pool.error or "the engine is not running")
+        check_healthy()
         return {"status": "ok"}
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, responses=_errors(503))
     async def models():
+        check_healthy()
         return ModelList(data=[_model_card(state)])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(404))

@@ -163,7 +163,8 @@ def chat_response(completion: dict) -> dict:
             "model": completion["model"], "usage": completion["usage"],
             "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
                          "logprobs": c["logprobs"], "finish_reason": c["finish_reason"],
-                         "matched_stop": c["matched_stop"]} for c in completion["choices"]]}
+                         "matched_stop": c["matched_stop"], **({"error": c["error"]} if "error" in c else {})}
+                        for c in completion["choices"]]}
 
 
 def chat_chunk(data: str, started: set) -> str:
@@ -172,6 +173,8 @@ def chat_chunk(data: str, started: set) -> str:
     if data.strip() == "data: [DONE]":
         return data
     chunk = json.loads(data[len("data: "):])
+    if "error" in chunk:                          # a choice failed: the error event is the same
+        return data
     choices = []
     for c in chunk["choices"]:
         delta = {} if c["text"] == "" and c["finish_reason"] is not None and c["index"] in started else \

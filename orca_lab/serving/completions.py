@@ -1,12 +1,16 @@
 """A completion's answer, from its streams' events: one JSON body, or server-sent events (a chunk
-per token of each choice, the usage chunk if asked, ``[DONE]``)."""
+per token of each choice, the usage chunk if asked, ``[DONE]``).
+
+A choice that failed alone inside the engine (its sampling or stop check raised: ``Request.fail``)
+ends with finish_reason "error": in a whole answer its choice says why (``error``), the others are
+whole; a stream sends that choice's last chunk, then an error event and ``[DONE]``, as vLLM does."""
 from __future__ import annotations
 
 import json
 
 from orca_lab.serving.engine_client import Event, HTTPError, Stream
 from orca_lab.serving.logprob_text import LogprobText, TokenNames, prompt_entries
-from orca_lab.serving.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from orca_lab.serving.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage, error_body
 from orca_lab.serving.state import HTTPRecord, ServerState
 
 
@@ -70,9 +74,11 @@ async def whole_answer(state: ServerState, body: CompletionRequest, cid: str, st
     outputs, texts, reasons = [[] for _ in streams], [[] for _ in streams], [None] * len(streams)
     writers = [ChoiceWriter(s, body, state.pool.tokenizer, form) for s in streams]
     logprobs, prompt_logprobs, matched = [[] for _ in streams], [None] * len(streams), [None] * len(streams)
+    errors = [None] * len(streams)
     async for i, ev in events_of(streams):
-        if ev.error is not None:            # the engine died: no answer, not a partial one
+        if ev.error is not None and ev.finish_reason == "abort":   # the engine died: no partial answer
             raise HTTPError(503, ev.error)
+        errors[i] = ev.error
         if ev.token is not None:
             outputs[i].append(ev.token)
         texts[i].append(writers[i].text(ev))
@@ -86,7 +92,7 @@ async def whole_answer(state: ServerState, body: CompletionRequest, cid: str, st
                                 logprobs=None if body.logprobs is None else form.whole(logprobs[i]),
                                 token_ids=outputs[i] if ids else None,
                                 prompt_token_ids=streams[i].prompt if ids else None,
-                                prompt_logprobs=prompt_logprobs[i], matched_stop=matched[i])
+                                prompt_logprobs=prompt_logprobs[i], matched_stop=matched[i], error=errors[i])
                for i in range(len(streams))]
     return CompletionResponse(id=cid, model=state.model_name, choices=choices,
                               usage=usage_of(streams, outputs, body.n))
@@ -119,9 +125,13 @@ async def sse_answer(state: ServerState, body: CompletionRequest, cid: str, stre
             if rec.first_token is None and ev.token is not None:
                 rec.first_token = state.pool.clock.now()
             yield data
-        if body.include_usage:
-            yield sse_chunk(CompletionResponse(id=cid, model=state.model_name, choices=[],
-                                            usage=usage_of(streams, outputs, body.n)))
+            if ev.finish_reason == "error":          # this choice failed: the stream ends here
+                yield f"data: {json.dumps(error_body(500, f'choice {i} failed: {ev.error}'))}\n\n"
+                break
+        else:
+            if body.include_usage:
+                yield sse_chunk(CompletionResponse(id=cid, model=state.model_name, choices=[],
+                                                   usage=usage_of(streams, outputs, body.n)))
         yield "data: [DONE]\n\n"
     finally:
         rec.finish = state.pool.clock.now()            # [DONE] has been handed over, or the client left

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 from orca_lab.engine.detokenizer import Detokenizer
@@ -28,7 +29,8 @@ class HTTPError(Exception):
 @dataclass(frozen=True)
 class Event:
     """What a choice receives: a token (None when it ends without one), the text that became
-    visible with it, its finish reason once it is done, and why the engine failed if it did."""
+    visible with it, its finish reason once it is done, and ``error``: why it failed alone
+    (finish_reason "error"), or why the engine failed (finish_reason "abort")."""
     token: int | None
     text: str
     finish_reason: str | None = None
@@ -90,6 +92,9 @@ class EngineClient:
         self._reading = False
         self._in_inbox = 0                            # sent to the engine, not answered yet
         self._waiting = 0                             # never scheduled (engine), as last reported
+        self.stalled: str | None = None               # where the engine is stuck, as its watchdog said
+        self.heard = time.monotonic()                 # when the engine last sent anything
+        self.on_dead = None                           # called with why, once the engine failed (server.py)
 
     @property
     def clock(self):
@@ -98,6 +103,20 @@ class EngineClient:
     @property
     def alive(self) -> bool:
         return self.error is None and self._reading and self.exiting is None and self.core.proc.is_alive()
+
+    def unhealthy(self) -> str | None:
+        """Why the engine cannot serve now, or None: it is dead, its watchdog says an iteration is
+        stuck, or it has sent nothing for its ``stall_s`` while it holds requests (a process that cannot
+        run at all, whose watchdog cannot speak either)."""
+        if not self.alive:
+            return self.error or "the engine is not running"
+        if self.stalled is not None:
+            return self.stalled
+        silent = time.monotonic() - self.heard
+        if (self.streams or self.pending) and silent > self.core.stall_s:
+            return (f"the engine is stuck: it has sent nothing for {silent:.0f} s while it holds "
+                    f"{len(self.streams)} requests")
+        return None
 
     def start(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
@@ -168,6 +187,7 @@ class EngineClient:
         try:
             while self.error is None and self.core.receive.poll():
                 msg = self.core.receive.recv()
+                self.heard = time.monotonic()
                 getattr(self, "_on_" + msg[0])(*msg[1:])
         except (EOFError, OSError):                   # it is exiting: join it (no zombie), then say how
             self._stop_reading()
@@ -202,7 +222,7 @@ class EngineClient:
         self._on_stats(stats)                          # first: a client that reads /metrics as soon
         for n in iteration_tokens:                     # as it got a token sees the state it came from
             m.iteration_tokens.observe(n)
-        for stream_id, token, reason, stop_at, lp, plp in items:
+        for stream_id, token, reason, stop_at, lp, plp, error in items:
             s = self.streams.get(stream_id)
             if s is None:
                 continue
@@ -214,7 +234,7 @@ class EngineClient:
                 s.output.append(token)
             text = "" if s.echo_only else s.text([] if token is None else [token], reason, stop_at)
             matched = s.matched_stop(token, reason, stop_at)
-            out.append((s, Event(token, text, reason, logprob=lp, prompt_logprobs=plp, matched_stop=matched)))
+            out.append((s, Event(token, text, reason, error, lp, plp, matched)))
             if reason is not None:
                 del self.streams[stream_id]
                 m.requests.labels(reason).inc()
@@ -229,6 +249,14 @@ class EngineClient:
         fut, _ = self.pending.pop(call_id)
         _settle(fut, error=value) if isinstance(value, Exception) else _settle(fut, value)
 
+    def _on_stalled(self, why: str):
+        log.error(why)
+        self.stalled = why
+
+    def _on_progress(self):
+        log.warning("the engine makes progress again (it was stuck: %s)", self.stalled)
+        self.stalled = None
+
     def _on_failed(self, why: str):
         """The engine raised (its traceback is in the server's log): it exits next, and its pipe's
         end tells (``_on_readable``)."""
@@ -242,6 +270,8 @@ class EngineClient:
         if not self.stopping:
             log.error(why)
         self.error = why
+        if not self.stopping and self.on_dead is not None:
+            self.on_dead(why)
         self._stop_reading()
         for fut, _ in self.pending.values():
             _settle(fut, error=HTTPError(503, why))

@@ -13,9 +13,10 @@ peer), as pickled tuples:
     endpoint -> engine   ("add", call_id, [(stream_id, prompt, params, arrival)])   ("abort", [stream_id])
                          ("call", call_id, name, args)                        ("stop",)
     engine -> endpoint   ("ready", EngineInfo)   ("added", call_id, [rid] | exception | None)
-                         ("out", now, [(stream_id, token, finish_reason, stop_at, logprob, prompt_logprobs)],
-                          stats, [n_tokens])
+                         ("out", now, [(stream_id, token, finish_reason, stop_at, logprob, prompt_logprobs,
+                                        error)], stats, [n_tokens])
                          ("stats", stats)        ("result", call_id, value | exception)   ("failed", why)
+                         ("stalled", why)        ("progress",)
 
 ``stream_id`` is the endpoint's name for a stream: the endpoint can cancel a stream before the engine's
 answer with its rid has come back. A finish reason comes with a stream's last token only. Text is
@@ -23,6 +24,9 @@ made on the endpoint's side from the token ids (each stream's ``Detokenizer``): 
 the engine's work, except for requests with stop strings, whose end it decides (``stop_at`` None
 with "stop": the last token, a stop token or EOS, is no text). ``logprob`` (the token's
 ``TokenLogprob``) and ``prompt_logprobs`` (with a request's first token) are None unless it asked.
+A request that failed alone (finish_reason "error", ``Request.fail``) ends with no token and its
+``error``; the engine goes on. "stalled" says an iteration has outlasted the watchdog's bound and
+where the engine is stuck (``watchdog.py``); "progress", that it returned after all.
 """
 from __future__ import annotations
 
@@ -31,11 +35,13 @@ import multiprocessing as mp
 import queue
 import signal
 import threading
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from orca_lab.config import EngineConfig
 from orca_lab.engine.clock import RealClock
+from orca_lab.serving.watchdog import STALL_S, Watchdog
 
 HISTORY = 10_000          # requests and iterations the engine keeps for /debug/run (twice at most)
 SHUTTING_DOWN = None      # an "added" answer: the engine is stopping and took nothing
@@ -52,6 +58,7 @@ class EngineArgs:
     threads: int = 1
     plugins: str | None = None     # a learner's package (a folder or a module name): course/plug.py's pieces
     tensor_ranks: int = 1          # with plugins: the model on this many ranks cut by the learner's split_linear
+    stall_s: float = STALL_S       # an iteration longer than this is a stuck engine (watchdog.py)
 
     def __post_init__(self):
         """Refuse a bad model or parallel degrees here, before a process is started for it."""
@@ -60,6 +67,7 @@ class EngineArgs:
         path = Path(self.model)
         check_degrees(checkpoint_config(path) if path.is_dir() else model_config(self.model), self.engine)
         check_range("tensor_ranks", self.tensor_ranks, 1, 64)
+        check_range("stall_s", self.stall_s, 0.1, 86400.0, kind=float)
         if self.tensor_ranks > 1 and self.plugins is None:
             raise ValueError(f"tensor_ranks={self.tensor_ranks} runs the model on a learner's split_linear and "
                              "all_reduce: give plugins too (--plugins FOLDER)")
@@ -105,7 +113,7 @@ def engine_main(recipe: EngineArgs, inbox, outbox, t0: float, history: int = 0):
     engine.clock.t0 = t0                       # one clock for both processes (perf_counter is system-wide)
     outbox.send(("ready", EngineInfo(llm.cfg, llm.engine_config, llm.tokenizer)))
     outbox.send(("stats", engine.stats()))      # the gauges from the start (kv_slots_total)
-    EngineLoop(engine, inbox, outbox, history).run()
+    EngineLoop(engine, inbox, outbox, history, recipe.stall_s, recipe.plugins).run()
 
 
 def plug_learner(engine, plugins: str, tensor_ranks: int = 1):
@@ -124,10 +132,15 @@ def plug_learner(engine, plugins: str, tensor_ranks: int = 1):
 class EngineLoop:
     """Algorithm 1's loop over the request pool, fed by the endpoint's messages. ``history``: the
     requests and iterations it keeps for /debug/run (``HISTORY`` with ``--debug``, up to twice as
-    many); 0 keeps none once delivered, so a server's memory does not grow with what it served."""
+    many); 0 keeps none once delivered, so a server's memory does not grow with what it served.
+    ``stall_s``: the watchdog's bound on one turn (None: no watchdog); ``plugins``: the learner's
+    pieces it names first when the engine is stuck in them."""
 
-    def __init__(self, engine, inbox, outbox, history: int = HISTORY):
+    def __init__(self, engine, inbox, outbox, history: int = HISTORY, stall_s: float | None = STALL_S,
+                 plugins: str | None = None):
         self.engine, self.outbox, self.history = engine, outbox, history
+        self._sending = threading.Lock()          # the watchdog's thread sends too
+        self.watchdog = None if stall_s is None else Watchdog(self._send, stall_s, plugins_folder(plugins))
         self.messages: queue.SimpleQueue = queue.SimpleQueue()
         self.rids: dict[int, int] = {}           # stream_id -> rid, while the request runs
         self.stream_ids: dict[int, int] = {}     # rid -> stream_id
@@ -152,12 +165,13 @@ class EngineLoop:
                 if any(m[0] == "stop" for m in msgs):
                     self._stop(msgs)
                     return
-                for m in msgs:
-                    self.handle(m)
-                if engine.has_work():
-                    self.turn()
-                elif msgs:
-                    self._send(("stats", engine.stats()))
+                with self.watchdog.turn() if self.watchdog else nullcontext():
+                    for m in msgs:
+                        self.handle(m)
+                    if engine.has_work():
+                        self.turn()
+                    elif msgs:
+                        self._send(("stats", engine.stats()))
         except BaseException as e:
             # the client learns the kind of failure only; the traceback, with the server's files,
             # goes to the server's log, as multiprocessing prints it when the process exits (code 1)
@@ -206,7 +220,7 @@ class EngineLoop:
             del self.stream_ids[rid]
             self.engine.abort(rid)
             self.n_sent.pop(rid, None)
-            out.append((stream_id, None, "abort", None, None, None))
+            out.append((stream_id, None, "abort", None, None, None, None))
         if out:
             self._send(("out", self.engine.clock.now(), out, self.engine.stats(), []))
 
@@ -226,11 +240,11 @@ class EngineLoop:
             stream_id = self.stream_ids.get(req.rid)
             if stream_id is None:                        # aborted meanwhile: its token is dropped
                 continue
-            lp, plp = self._logprobs(req) if req.params.needs_host_state else (None, None)
+            lp, plp = self._logprobs(req) if req.params.needs_host_state and token is not None else (None, None)
             if not (req.finished and last[req.rid] == i):
-                out.append((stream_id, token, None, None, lp, plp))
+                out.append((stream_id, token, None, None, lp, plp, None))
                 continue
-            out.append((stream_id, token, req.finish_reason, req.stop_at, lp, plp))
+            out.append((stream_id, token, req.finish_reason, req.stop_at, lp, plp, req.error))
             del self.stream_ids[req.rid], self.rids[stream_id]
             self.n_sent.pop(req.rid, None)
         records = self.engine.records
@@ -258,9 +272,20 @@ class EngineLoop:
 
     def _send(self, msg):
         try:
-            self.outbox.send(msg)
+            with self._sending:
+                self.outbox.send(msg)
         except (BrokenPipeError, OSError):        # the endpoint is gone; the loop stops on its EOF
             pass
+
+
+def plugins_folder(plugins: str | None) -> Path | None:
+    """The folder a learner's pieces are read from: ``plugins`` itself, or its module's folder."""
+    if plugins is None or Path(plugins).is_dir():
+        return None if plugins is None else Path(plugins)
+    import importlib.util
+    spec = importlib.util.find_spec(plugins)
+    origin = None if spec is None else spec.origin
+    return None if origin is None else Path(origin).parent
 
 
 def records_json(engine, since: float) -> bytes:
@@ -280,6 +305,7 @@ class EngineProcess:
         engine_in, self.send = ctx.Pipe(duplex=False)       # (reader, writer)
         self.receive, engine_out = ctx.Pipe(duplex=False)
         self.clock = RealClock()
+        self.stall_s = recipe.stall_s              # the endpoint's bound too (EngineClient.unhealthy)
         self.proc = ctx.Process(target=engine_main, args=(recipe, engine_in, engine_out, self.clock.t0, history),
                                 name="orca-engine")
         self.proc.start()

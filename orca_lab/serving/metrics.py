@@ -9,10 +9,11 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the endpoint)
 
+from orca_lab.engine.request import FINISH_REASONS
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-FINAL_STATUSES = ("stop", "length", "abort")
 
 
 class ServerMetrics:
@@ -35,7 +36,7 @@ class ServerMetrics:
         self.prefix_queries = c("prefix_cache_query_tokens", "prompt tokens looked up in the prefix cache")
         self._prefix = (0, 0)          # the engine's totals when last read: counters grow by the difference
         self.requests = Counter("orca_lab_requests", "requests finished, by final status", ["status"], registry=r)
-        for s in FINAL_STATUSES:            # every status shows from the start, at 0
+        for s in FINISH_REASONS:            # every status shows from the start, at 0
             self.requests.labels(s)
 
     def set_state(self, stats, queued: int):

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from orca_lab.config import check_range
+from orca_lab.engine.request import FINISH_REASONS
 from orca_lab.engine.sampling_params import MAX_LOGPROBS, MIN_REPETITION_PENALTY
 
 MAX_TOKENS = 1 << 20
@@ -284,7 +285,7 @@ def _short(v) -> str:
 
 
 # -- responses --------------------------------------------------------------------------------
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal[FINISH_REASONS]
 
 
 class Usage(BaseModel):
@@ -333,6 +334,8 @@ class CompletionChoice(BaseModel):
     # vLLM's: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
     matched_stop: int | str | None = None     # SGLang's: the stop token id or string that ended it
+    # why this choice failed alone (finish_reason "error"); left out of the JSON otherwise
+    error: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(BaseModel):

@@ -31,6 +31,12 @@ log = logging.getLogger("orca_lab.serve")
 ABORT_GRACE_S = 3.0     # after the drain, for the aborted requests' last chunks and error bodies
 
 
+class EngineDied(RuntimeError):
+    """The engine process died while serving. The server stops and its process exits non-zero, so
+    that a supervisor (systemd's Restart=, Kubernetes) starts a new one, as vLLM's does: a server
+    that answers 503 forever is restarted by nobody."""
+
+
 class _Server:
     """uvicorn's server, told about SIGINT/SIGTERM: the endpoint stops accepting at once (503),
     uvicorn closes the port and waits up to ``drain_s`` for requests in flight; then every request
@@ -59,6 +65,12 @@ class _Server:
         config = uvicorn.Config(app, timeout_graceful_shutdown=drain_s + ABORT_GRACE_S, log_level="warning",
                                 lifespan="on", access_log=False)
         self.server, self.sock = Server(config), sock
+        self.died: str | None = None
+        state.pool.on_dead = self._engine_died
+
+    def _engine_died(self, why: str):
+        self.died = why
+        self.server.should_exit = True
 
     def run(self):
         # uvicorn raises the signal it drained for again once it is done (the engine stopped and
@@ -66,6 +78,8 @@ class _Server:
         # default action did (no interpreter teardown), instead of "killed by SIGTERM"
         signal.signal(signal.SIGTERM, _exit_0)
         self.server.run(sockets=[self.sock])
+        if self.died is not None:
+            raise EngineDied(self.died)
 
 
 def _exit_0(sig, frame):
@@ -86,8 +100,9 @@ def listen(host: str, port: int):
 
 def serve(recipe: EngineArgs, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 1024,
           drain_s: float = 5.0, model_name: str | None = None, debug: bool = False, chat_template: str | None = None):
-    """Serve the model of ``recipe`` until SIGINT/SIGTERM; prints its URL once it accepts requests.
-    The port is taken first (a busy one fails at once), then the engine process builds the model."""
+    """Serve the model of ``recipe`` until SIGINT/SIGTERM, or until its engine dies (``EngineDied``);
+    prints its URL once it accepts requests. The port is taken first (a busy one fails at once),
+    then the engine process builds the model."""
     sock = listen(host, port)
     url = f"http://{host}:{sock.getsockname()[1]}"
     ready = lambda app: print(f"orca-lab serve: {app.state.orca.model_name} ({recipe.system}) on {url}", flush=True)

@@ -1,0 +1,190 @@
+"""Faults stay where they start. One request's failure inside an iteration (its row of logits turned
+nan, its stop check raising) ends that request with finish_reason "error" and frees its K/V; the
+batch goes on and every other request gets the tokens it gets alone: in process for every system,
+with prefix caching on and off, on worker processes, and over HTTP whole and streamed. A stuck
+engine turns /health and /v1/models to 503 and its log names where it is stuck.
+
+The fault is real, not mocked: a checkpoint whose position embedding at ``POISON`` is nan. A request
+whose context reaches that position gets nan logits from there on (its own rows only: selective
+batching keeps requests apart), exactly as a model whose numerics blow up for one input does."""
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+from server_helpers import metrics, wait_for
+
+from orca_lab import LLM, EngineConfig, RequestsFailed, SamplingParams
+from orca_lab.distributed.pool import WorkerPool
+from orca_lab.llm import Completion
+from orca_lab.serving.launch import ServerProcess
+from orca_lab.serving.watchdog import Watchdog
+
+POISON = 20                     # the nan position
+SETTINGS = dict(max_bs=4, n_slots=1024, block_size=4, max_num_batched_tokens=8)
+GOOD = [[5, 6, 7], [9, 8], [1, 2, 3, 4, 5], [30, 31, 32]]      # contexts stay below POISON
+BAD = list(range(40, 58))       # 18 tokens at positions 0-17: its tokens from positions 17-19, then nan
+N_BEFORE = POISON - len(BAD) + 1      # tokens it gets before it fails
+N_GEN = 6
+PROMPTS = [GOOD[0], BAD, GOOD[1], GOOD[2], GOOD[3]]
+
+
+@pytest.fixture(scope="module")
+def poisoned(tmp_path_factory):
+    """A tiny GPT-2 checkpoint with a nan position embedding, and what each good prompt gets alone."""
+    path = tmp_path_factory.mktemp("poisoned")
+    llm = LLM("tiny", seed=0)
+    with torch.no_grad():
+        llm.model.wpe.weight[POISON] = float("nan")
+    llm.model.save_pretrained(path)
+    return path, {tuple(p): llm.generate([p], N_GEN, ignore_eos=True)[0] for p in GOOD}
+
+
+def check(completions, alone):
+    """The bad prompt failed alone, naming why; every other one got its tokens alone."""
+    for prompt, c in zip(PROMPTS, completions):
+        if prompt is BAD:
+            assert c.finish_reason == "error" and "nan" in c.error and len(c.token_ids) == N_BEFORE
+        else:
+            assert (c.finish_reason, c.token_ids) == ("length", alone[tuple(prompt)]), prompt
+
+
+@pytest.mark.parametrize("system,prefix_caching", [("orca", False), ("ft", False), ("paged", False),
+                                                   ("paged", True), ("chunked", True)])
+def test_a_request_that_fails_in_process_fails_alone(poisoned, system, prefix_caching):
+    path, alone = poisoned
+    llm = LLM.from_pretrained(path, engine=EngineConfig(**SETTINGS, prefix_caching=prefix_caching))
+    engine = llm.new_engine(system)
+    reqs = [engine.add_request(p, SamplingParams(max_gen_tokens=N_GEN, ignore_eos=True)) for p in PROMPTS]
+    engine.run()
+    assert engine.stats().kv_reserved == 0 and not engine.live          # nothing held, nothing leaked
+    check([_completion(r) for r in reqs], alone)
+    check(llm.complete(PROMPTS, N_GEN, system, ignore_eos=True), alone)     # the LLM's API, and again
+
+
+def test_generate_names_the_prompt_that_failed_and_gives_the_others(poisoned):
+    path, alone = poisoned
+    llm = LLM.from_pretrained(path, engine=EngineConfig(**SETTINGS))
+    with pytest.raises(RequestsFailed, match="prompt 1 failed: no token can be drawn") as e:
+        llm.generate(PROMPTS, N_GEN, ignore_eos=True)
+    assert list(e.value.errors) == [1]
+    assert [e.value.outputs[i] for i in (0, 2, 3, 4)] == [alone[tuple(p)] for p in GOOD]
+
+
+def test_a_request_that_fails_on_workers_fails_alone(poisoned):
+    """A 2-stage pipeline of worker processes: the last stage's sampler reports the row's failure."""
+    path, alone = poisoned
+    llm = LLM.from_pretrained(path, engine=EngineConfig(**SETTINGS, pipeline_parallel=2))
+    with WorkerPool(llm):
+        for system in ("orca", "ft"):
+            check(llm.complete(PROMPTS, N_GEN, system, ignore_eos=True), alone)
+
+
+def test_a_stop_check_that_raises_fails_its_request_alone():
+    """A tokenizer that cannot decode a token the model drew: the request with stop strings (whose
+    end the engine reads as text) fails; the one without goes on."""
+    llm = LLM("tiny", seed=0)
+    first = llm.generate([[5, 6, 7]], 3, ignore_eos=True)[0]
+
+    class Fragile:
+        def encode(self, text):
+            return list(text.encode())
+
+        def decode(self, ids):
+            if first[1] in ids:
+                raise ValueError(f"cannot decode {first[1]}")
+            return bytes(i % 256 for i in ids).decode("latin-1")
+
+    llm.tokenizer = Fragile()
+    engine = llm.new_engine()
+    a, b = [engine.add_request([5, 6, 7], SamplingParams(max_gen_tokens=3, stop=stop)) for stop in (("\x00\x01",), ())]
+    engine.run()
+    assert a.finish_reason == "error" and f"its stop check failed (ValueError: cannot decode {first[1]})" in a.error
+    assert (b.finish_reason, b.output) == ("length", first) and engine.stats().kv_reserved == 0
+
+
+# -- over HTTP ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def servers(poisoned):
+    """orca without and chunked with prefix caching, started side by side."""
+    path = poisoned[0]
+    flags = ["--checkpoint", path, "--max-bs", 4, "--n-slots", 1024, "--block-size", 4, "--drain-s", 1]
+    made = [ServerProcess(*flags), ServerProcess(*flags, "--system", "chunked", "--prefix-caching",
+                                                 "--max-num-batched-tokens", 8)]
+    with ThreadPoolExecutor(2) as pool:
+        started = list(pool.map(ServerProcess.start, made))
+    yield started
+    for s in started:
+        assert s.stop() < 10
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["orca", "chunked-prefix-caching"])
+def test_a_request_that_fails_over_http_fails_alone_and_the_server_goes_on(servers, poisoned, which):
+    s, alone = servers[which], poisoned[1]
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+    body = dict(model=str(poisoned[0]), max_tokens=N_GEN, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(prompt=PROMPTS, **body)
+    for prompt, choice in zip(PROMPTS, whole.choices):
+        if prompt is BAD:
+            assert choice.finish_reason == "error" and "nan" in choice.model_extra["error"]
+        else:
+            assert choice.finish_reason == "length"
+    with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
+                      json={"prompt": BAD, "max_tokens": N_GEN, "stream": True, "ignore_eos": True}) as r:
+        events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+        assert r.status_code == 200
+    tokens = [e for e in events if "choices" in e]
+    assert [t["choices"][0]["finish_reason"] for t in tokens] == [None] * N_BEFORE + ["error"]
+    assert "choice 0 failed: no token can be drawn" in events[-1]["error"]["message"]
+    with pytest.raises(openai.APIError, match="no token can be drawn"):       # the official client says so
+        list(client.completions.create(prompt=BAD, stream=True, **body))
+    good = client.completions.create(prompt=GOOD, logprobs=0, **{
+        **body, "extra_body": {"ignore_eos": True, "return_tokens_as_token_ids": True}})
+    for prompt, choice in zip(GOOD, good.choices):           # the server's engine went on unharmed
+        assert [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens] == alone[tuple(prompt)]
+    assert httpx.get(s.url + "/health").status_code == 200
+    m = metrics(s.url)
+    assert m['orca_lab_requests_total{status="error"}'] == 3 and wait_for(
+        lambda: metrics(s.url)["orca_lab_kv_slots_reserved"] == 0)
+
+
+# -- a stuck engine -------------------------------------------------------------------------------
+def test_the_watchdog_names_where_a_turn_is_stuck_and_when_it_returns(tmp_path):
+    said, stalled = [], threading.Event()
+
+    def send(msg):
+        said.append(msg)
+        stalled.set()
+
+    dog = Watchdog(send, stall_s=0.2, plugins=__file__.rsplit("/", 1)[0])
+    with dog.turn():
+        assert stalled.wait(10)
+    kind, why = said[0]
+    assert kind == "stalled" and "no iteration has returned for 0.2 s" in why
+    assert "your test_the_watchdog_names_where_a_turn_is_stuck_and_when_it_returns (" in why and \
+        "a piece plugged with --plugins" in why
+    assert said[1:] == [("progress",)]
+
+
+def test_a_learners_select_that_never_returns_is_named_and_health_says_503(tmp_path):
+    (tmp_path / "hang.py").write_text(
+        '__all__ = ["select"]\n\n\ndef select(*args, **kwargs):\n    while True:\n        pass\n')
+    s = ServerProcess("--plugins", tmp_path, "--stall-s", "1", "--drain-s", "0").start()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(httpx.post, s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=3)
+            assert wait_for(lambda: httpx.get(s.url + "/health").status_code == 503, timeout=30)
+        why = httpx.get(s.url + "/health").json()["error"]["message"]
+        assert f"your select ({tmp_path / 'hang.py'}:" in why and "a piece plugged with --plugins" in why, why
+        assert httpx.get(s.url + "/v1/models").status_code == 503
+        assert wait_for(lambda: "the engine is stuck" in s.output)          # the operator's log says it too
+        assert s.stop(timeout=20) < 20
+    finally:
+        s.kill()
+
+
+def _completion(req):
+    return Completion(req.prompt, req.output, None, req.finish_reason, error=req.error)
