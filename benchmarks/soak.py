@@ -14,6 +14,13 @@ gauges must be back at zero (nothing waiting, running or reserved). The engine p
 read every ``--sample-every`` requests; the bar: flat after the first 2,000 (its growth from then
 to the end is reported). The server runs without ``--debug``, as in production. Exits 1 on any
 failed check.
+
+One request in fifty (``--hostile-every``) is hostile: a mask that leaves no token to sample
+(every token id a stop token, with ``min_tokens``), a lone surrogate in a prompt, a stop string or a
+chat message, a token id out of the vocabulary (prompt, ``logit_bias``, ``stop_token_ids``), or a
+stream its client drops after the first chunk. Each must be answered with its error (a 400 naming
+its field; a dropped stream's slots freed), every other request right, and the engine process the
+same one from start to end (never restarted).
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ from orca_lab.serving.metrics import parse_metrics
 
 CHATML = Path(__file__).resolve().parent.parent / "tests" / "chat" / "chatml.jinja"
 WARM = 2000                     # requests after which the engine's RSS must be flat
+VOCAB = 257                     # the tiny preset's
 
 
 @dataclass
@@ -44,6 +52,7 @@ class Tally:
     n_wrong: int = 0
     dropped: int = 0
     done: int = 0
+    hostile: dict = field(default_factory=dict)        # hostile requests answered, by the field refused
 
     def count(self, status: int, kind: str):
         self.statuses[status] = self.statuses.get(status, 0) + 1
@@ -88,6 +97,45 @@ def make_request(rng: random.Random) -> tuple[str, dict]:
     if rng.random() < 0.1:
         body["prompt_logprobs"] = rng.randint(0, 3)
     return "/v1/completions", body
+
+
+def make_hostile(rng: random.Random) -> tuple[str, dict, str | None]:
+    """One hostile request: its route, its body, and the field its 400 must name (None: a stream
+    its client drops, which must be answered like any other until it leaves)."""
+    base = {"model": "tiny", "max_tokens": 3, "prompt": [rng.randrange(256) for _ in range(5)]}
+    kind = rng.randrange(8)
+    if kind == 0:
+        return "/v1/completions", {**base, "stop_token_ids": list(range(VOCAB)), "min_tokens": 2,
+                                   "temperature": 1.0}, "stop_token_ids"
+    if kind == 1:
+        return "/v1/completions", {**base, "prompt": "x\ud800y"}, "prompt"
+    if kind == 2:
+        return "/v1/completions", {**base, "stop": ["a\udfffb"]}, "stop"
+    if kind == 3:
+        return "/v1/chat/completions", {"model": "tiny", "max_tokens": 3,
+                                        "messages": [{"role": "user", "content": "hi \ud83d"}]}, "messages"
+    if kind == 4:
+        return "/v1/completions", {**base, "prompt": [1, VOCAB + rng.randrange(10 ** 6)]}, "prompt"
+    if kind == 5:
+        return "/v1/completions", {**base, "logit_bias": {str(VOCAB + rng.randrange(10 ** 6)): 1.0}}, "logit_bias"
+    if kind == 6:
+        return "/v1/completions", {**base, "stop_token_ids": [VOCAB + rng.randrange(10 ** 6)]}, "stop_token_ids"
+    return "/v1/completions", {**base, "max_tokens": 50, "ignore_eos": True, "stream": True, "n": 1}, None
+
+
+async def hostile(http: httpx.AsyncClient, t: Tally, route: str, body: dict, param: str | None):
+    """Sent as JSON text written here: a lone surrogate is valid JSON (an escape) that httpx's own
+    encoder would refuse to send."""
+    if param is None:
+        await streamed(http, t, route, body, drop=True)
+        t.hostile["dropped stream"] = t.hostile.get("dropped stream", 0) + 1
+        return
+    r = await http.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
+    t.count(r.status_code, route + " (hostile)")
+    got = r.json().get("error", {}).get("param") if r.headers.get("content-type") == "application/json" else None
+    t.check(r.status_code == 400 and got == param, body, f"hostile: {r.status_code} param={got!r}, want 400 "
+                                                         f"param={param!r}: {r.text[:200]}")
+    t.hostile[param] = t.hostile.get(param, 0) + 1
 
 
 def n_of(body: dict, choice: dict) -> tuple[int, int | None]:
@@ -176,17 +224,19 @@ def rss_mib(pid: int) -> float:
 async def soak(args, url: str, engine_pid: int) -> tuple[Tally, list[dict]]:
     rng, t, samples = random.Random(args.seed), Tally(), []
     queue = asyncio.Queue()
-    for _ in range(args.n_requests):
-        queue.put_nowait(make_request(rng))
+    for i in range(args.n_requests):
+        queue.put_nowait(make_hostile(rng) if (i + 1) % args.hostile_every == 0 else make_request(rng))
     t0 = time.perf_counter()
     samples.append({"requests": 0, "seconds": 0.0, "engine_rss_mib": rss_mib(engine_pid)})
     next_at = [args.sample_every]
 
     async def client(http):
         while not queue.empty():
-            route, body = queue.get_nowait()
+            route, body, *hostile_field = queue.get_nowait()
             try:
-                if body["stream"]:
+                if hostile_field:
+                    await hostile(http, t, route, body, hostile_field[0])
+                elif body["stream"]:
                     await streamed(http, t, route, body, drop=rng.random() < 0.1)
                 else:
                     await whole(http, t, route, body)
@@ -217,6 +267,7 @@ def main(argv=None) -> int:
     p.add_argument("--system", default="orca")
     p.add_argument("--sample-every", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hostile-every", type=int, default=50, help="one request in this many is hostile")
     p.add_argument("--out", default="docs/results/soak_cpu.json")
     args = p.parse_args(argv)
     with ServerProcess("--model", "tiny", "--seed", "0", "--max-bs", args.max_bs, "--n-slots", args.n_slots,
@@ -225,6 +276,7 @@ def main(argv=None) -> int:
         t, samples = asyncio.run(soak(args, server.url, pid))
         time.sleep(0.5)                               # the dropped streams' aborts reach the engine
         gauges = parse_metrics(httpx.get(server.url + "/metrics").text)
+        same_engine = server.engine_pid() == pid and httpx.get(server.url + "/health").status_code == 200
     left = {g: gauges[f"orca_lab_{g}"] for g in ("requests_waiting", "requests_running", "kv_slots_reserved")}
     warm = next((s for s in samples if s["requests"] >= WARM), samples[0])
     growth = samples[-1]["engine_rss_mib"] - warm["engine_rss_mib"]
@@ -232,16 +284,19 @@ def main(argv=None) -> int:
     print(f"\n{'requests':>9} {'seconds':>8} {'engine RSS MiB':>15}")
     for s in samples:
         print(f"{s['requests']:>9} {s['seconds']:>8.0f} {s['engine_rss_mib']:>15.1f}")
-    print(f"\nstatuses {t.statuses}; kinds {t.kinds}; streams dropped {t.dropped}; wrong answers {t.n_wrong}; "
+    print(f"\nhostile requests answered with their error, by field: {t.hostile}; the engine process the same "
+          f"from start to end and healthy: {same_engine}")
+    print(f"statuses {t.statuses}; kinds {t.kinds}; streams dropped {t.dropped}; wrong answers {t.n_wrong}; "
           f"gauges at the end {left}; engine RSS after {warm['requests']} requests "
           f"{warm['engine_rss_mib']:.0f} MiB, at the end {samples[-1]['engine_rss_mib']:.0f} MiB ({growth:+.1f})")
     for body, what in t.wrong[:5]:
         print("wrong:", what, json.dumps(body)[:300])
     write_report(args.out, args, {"statuses": {str(k): v for k, v in t.statuses.items()}, "kinds": t.kinds,
                                   "dropped_streams": t.dropped, "wrong_answers": t.n_wrong,
+                                  "hostile_answered": t.hostile, "same_engine_process": same_engine,
                                   "first_wrong": t.wrong, "gauges_at_end": left, "rss_samples": samples,
                                   "rss_growth_after_warmup_mib": growth})
-    return int(server_errors > 0 or t.n_wrong > 0 or any(left.values()))
+    return int(server_errors > 0 or t.n_wrong > 0 or any(left.values()) or not same_engine)
 
 
 if __name__ == "__main__":

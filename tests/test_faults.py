@@ -180,6 +180,8 @@ def test_a_learners_select_that_never_returns_is_named_and_health_says_503(tmp_p
         why = httpx.get(s.url + "/health").json()["error"]["message"]
         assert f"your select ({tmp_path / 'hang.py'}:" in why and "a piece plugged with --plugins" in why, why
         assert httpx.get(s.url + "/v1/models").status_code == 503
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "b", "max_tokens": 1}, timeout=10)
+        assert r.status_code == 503 and "your select" in r.json()["error"]["message"]   # never served: refused
         assert wait_for(lambda: "the engine is stuck" in s.output)          # the operator's log says it too
         assert s.stop(timeout=20) < 20
     finally:

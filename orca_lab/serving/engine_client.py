@@ -126,8 +126,8 @@ class EngineClient:
     def submit(self, streams: list[Stream]) -> asyncio.Future:
         """Send ``streams`` to the engine; the future settles once the engine took them all (or
         refused them: ValueError/TypeError). Past ``max_queue`` waiting requests: 503."""
-        if not self.alive:
-            raise HTTPError(503, self.error or "the engine is not running")
+        if not self.alive or self.stalled is not None:     # dead, or stuck: it would never be served
+            raise HTTPError(503, self.error or self.stalled or "the engine is not running")
         if len(streams) > self.max_queue:           # not a matter of time: retrying never helps
             raise HTTPError(400, f"the request is {len(streams)} sequences (prompts x n), more than max_queue="
                             f"{self.max_queue} waiting requests (--max-queue) can ever hold: send at most "
