@@ -108,7 +108,6 @@ class LLM:
         self._kv_pool: KVPool | None = None   # allocated on the first engine, then lent to each
         self._graphs = None                   # CUDA graphs over that pool, captured once
         self._engine = None                   # weak reference to the engine holding the pool
-        self._prefix_kv = None                # (K/V memory, the prefix cache over it), engine to engine
 
     @classmethod
     def from_pretrained(cls, path, engine: EngineConfig | None = None, tokenizer=None) -> "LLM":
@@ -153,11 +152,9 @@ class LLM:
         self._take_pool_back()
         workers = uses_workers(ec)      # workers hold the K/V pools; the master keeps only the accounting
         memory = attached(self) if workers else self._pool()
-        kv = self._prefix_cache(memory) if ec.prefix_caching else None
-        if kv is None:
-            kv = entry.new_kv(ec.n_slots, ec.block_size, pool=None if workers else memory,
-                              prefix_caching=ec.prefix_caching)
-        self._prefix_kv = (memory, kv) if ec.prefix_caching and memory is not None else None
+        # the memory lends its prefix cache with it (``KVMemory``); None: workers of the engine's own
+        kv = entry.new_kv(ec.n_slots, ec.block_size, pool=None if workers else memory, memory=memory,
+                          prefix_caching=ec.prefix_caching)
         scheduler = entry.new_scheduler(kv, ec.max_bs, cfg.max_seq_len, mbs, ec.max_num_batched_tokens,
                                         ec.schedule_policy)
         executor = WorkerExecutor.for_llm(self, memory) if workers else \
@@ -181,24 +178,17 @@ class LLM:
                 "building a new engine (one engine per LLM, as in vLLM)")
         holder.close("a newer engine of its LLM took over the K/V pool (one engine per LLM)")
 
-    def _prefix_cache(self, memory):
-        """The previous engine's prefix cache, for the next engine over the same K/V memory (as vLLM's
-        LLM keeps its cache from one ``generate`` to the next): its cached blocks still hold their
-        K/V. ``memory`` is what holds the K/V now: the LLM's ``KVPool`` in this process, the
-        ``WorkerPool`` attached to it, or None for workers an engine starts and stops itself (their K/V
-        ends with that engine). None when there is no cache, it names the slots of other memory (a
-        pool closed or replaced since), or a request of it still holds blocks."""
-        if self._prefix_kv is None:
-            return None
-        was, kv = self._prefix_kv
-        if was is not memory or kv.n_holders:
-            return None
-        kv.hit_tokens = kv.query_tokens = kv.n_evictions = 0       # the counters are per engine
-        return kv
+    def _memory(self):
+        """What holds this LLM's K/V now: the ``WorkerPool`` attached to it (with workers), else its
+        ``KVPool`` (None before the first engine, or for workers an engine starts and stops itself)."""
+        return attached(self) if uses_workers(self.engine_config) else self._kv_pool
 
     def reset_prefix_cache(self):
-        """Forget every cached block (vLLM's ``reset_prefix_cache``): the next engine starts empty."""
-        self._prefix_kv = None
+        """Forget every cached block of the K/V memory this LLM uses (vLLM's ``reset_prefix_cache``):
+        the next engine over it, this LLM's or another's on the same worker pool, starts empty."""
+        memory = self._memory()
+        if memory is not None:
+            memory.reset_prefix_cache()
 
     def _pool(self) -> KVPool:
         if self._kv_pool is None:

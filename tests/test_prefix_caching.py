@@ -1,5 +1,6 @@
 """Prefix caching (engine/prefix_cache.py): the same tokens with it as without, for every request,
-greedy and seeded sampled, in process (paged, chunked), on a 1x2 gloo pipeline and over HTTP; under a
+greedy and seeded sampled, in process (paged, chunked), on a 1x2 gloo pipeline and over HTTP; the cache
+is its K/V memory's (two LLMs on one worker pool, pools closed and replaced: each request's own tokens); under a
 pool smaller than the shared prefixes, cached blocks are evicted, held ones never, and nothing leaks;
 the block hashes, reference counts and LRU against a plain reference on random operations; the
 refusals; the cache-aware order's starvation; the simulator's batches against the engine's."""
@@ -21,8 +22,12 @@ from orca_lab import LLM, EngineConfig, SamplingParams
 from orca_lab.cli import main
 from orca_lab.distributed.pool import WorkerPool
 from orca_lab.engine import prefix_cache
+from orca_lab.engine.engine import Engine
+from orca_lab.engine.kv_manager import KVPool
+from orca_lab.engine.policies import new_kv, new_scheduler
 from orca_lab.engine.prefix_cache import PrefixCachingBlockManager, chain_hashes
 from orca_lab.engine.request import Request
+from orca_lab.model.executor import LocalExecutor
 from orca_lab.serving.launch import ServerProcess
 from orca_lab.sim.cost import AnalyticalCost
 from orca_lab.sim.sweep import Curve
@@ -145,17 +150,20 @@ EXECUTORS = {"in process": {}, "workers tp=2": dict(tensor_parallel=2), "workers
 PROMPTS = [[p for p, _ in WAVES[0]][1], [5, 6, 7]]       # 40 tokens (4 blocks findable) and 3
 
 
-def ask(llm, system: str, want) -> int:
+def ask(llm, system: str, want, prompts=PROMPTS) -> int:
     """What one ``generate`` does (``LLM._run``: a new engine, its requests, closed): the greedy
     tokens must be each prompt's alone; returns the tokens found cached."""
-    engine = llm.new_engine(system)
+    return ask_engine(llm.new_engine(system), want, prompts)
+
+
+def ask_engine(engine, want, prompts=PROMPTS) -> int:
     try:
-        reqs = [engine.add_request(p, SamplingParams(max_gen_tokens=4, ignore_eos=True)) for p in PROMPTS]
+        reqs = [engine.add_request(p, SamplingParams(max_gen_tokens=4, ignore_eos=True)) for p in prompts]
         while engine.has_work():
             engine.step()
     finally:
         engine.close()
-    assert [list(r.output) for r in reqs] == want, system
+    assert [list(r.output) for r in reqs] == want, engine.scheduler.name
     return sum(r.n_prefix_hit for r in reqs)
 
 
@@ -185,6 +193,100 @@ def test_a_kept_cache_never_outlives_the_kv_memory_it_indexes(tiny_llm, executor
     assert broken.broken
     with WorkerPool(llm):                 # its replacement: empty K/V, so an empty cache
         assert twice() == [0, 32]
+
+
+# -- the cache is the K/V memory's: whoever writes into it, whichever LLM or engine, goes through it --
+SHARED = dict(max_bs=4, n_slots=256, block_size=BS, max_num_batched_tokens=24)   # 32 blocks: B writes A's
+OTHERS = [PROMPTS[0][:24] + [7] * 16, list(range(100, 140))]     # B's: one shares A's first 3 blocks
+WRITERS = {"orca": ("orca", False), "paged uncached": ("paged", False), "paged": ("paged", True),
+           "chunked": ("chunked", True)}
+
+
+@pytest.fixture(scope="module")
+def shared_pool():
+    """One worker process lent to every LLM of the tests below: the tiny preset at seed 1 (tiny_llm's
+    weights, which the worker builds itself), prefix caching on."""
+    llm = LLM("tiny", seed=1, engine=EngineConfig(prefix_caching=True, executor="workers", **SHARED))
+    with WorkerPool(llm) as pool:
+        yield llm, pool
+
+
+def alone(tiny_llm, prompts):
+    """Each prompt's greedy tokens run alone, without a cache."""
+    return [tiny_llm.generate([p], 4, ignore_eos=True)[0] for p in prompts]
+
+
+def engine_over(memory, model, system: str, caching: bool):
+    """An engine built from the registry's parts over one ``KVPool`` in this process (as
+    ``LLM.new_engine`` builds its own): a writer of that memory that is no LLM's."""
+    kv = new_kv(system, memory.n_slots, BS, prefix_caching=caching, pool=memory)
+    sched = new_scheduler(system, kv, SHARED["max_bs"], model.cfg.max_seq_len, None, SHARED["max_num_batched_tokens"])
+    return Engine(sched, LocalExecutor(model, kv), model.cfg.vocab_size, model.cfg.max_seq_len)
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+@pytest.mark.parametrize("executor", ["in process", "workers"])
+def test_two_writers_of_one_kv_memory_go_through_its_one_cache(tiny_llm, shared_pool, executor, writer):
+    """A's prompts, then B's (another LLM on A's worker pool; in this process, another engine over
+    A's K/V pool), then A's again: every request's tokens are its own alone. B overwrites blocks A's
+    cache named unless it writes through that cache: a writer that does not cache drops it (A finds
+    nothing again), one that caches shares it (B finds A's blocks: one pool, one set of weights)."""
+    system, caching = WRITERS[writer]
+    want, want_b = alone(tiny_llm, PROMPTS), alone(tiny_llm, OTHERS)
+    if executor == "workers":
+        a, pool = shared_pool
+        a.reset_prefix_cache()
+        b = LLM(gpt=a.model, seed=1, engine=a.engine_config.replace(prefix_caching=caching))
+        pool.attach(b)
+        first, then, again = ask(a, "paged", want), ask(b, system, want_b, OTHERS), ask(a, "chunked", want)
+    else:
+        memory = KVPool(SHARED["n_slots"], tiny_llm.cfg.n_layers, tiny_llm.cfg.n_kv_heads, tiny_llm.cfg.head_dim)
+        a = lambda s: engine_over(memory, tiny_llm.model, s, True)
+        first = ask_engine(a("paged"), want)
+        then = ask_engine(engine_over(memory, tiny_llm.model, system, caching), want_b, OTHERS)
+        again = ask_engine(a("chunked"), want)
+    assert (first, then, again) == ((0, 24, 32) if caching else (0, 0, 0))
+
+
+def test_a_pool_closed_or_replaced_takes_its_cache_and_reset_empties_the_one_in_use(tiny_llm, shared_pool):
+    """A's cache stays with the pool it indexes when A moves to another pool (B, on the first, finds
+    A's blocks there), the other pool starts empty and takes its cache when closed; back on the
+    first, A finds its blocks; ``reset_prefix_cache`` empties the cache of the pool A uses."""
+    a, pool = shared_pool
+    want = alone(tiny_llm, PROMPTS)
+    b = LLM(gpt=a.model, seed=1, engine=a.engine_config)
+    pool.attach(b)
+    with pytest.raises(ValueError, match=r"built their weights from \(checkpoint, seed\) = \(None, 1\), not \(None, 2\)"):
+        pool.attach(LLM(gpt=a.model, seed=2, engine=a.engine_config))     # one model's shapes, other weights
+    a.reset_prefix_cache()
+    assert ask(a, "paged", want) == 0
+    with WorkerPool(a) as other:                  # A's pool replaced: a new memory, an empty cache
+        assert [ask(a, s, want) for s in ("chunked", "paged")] == [0, 32]
+        assert ask(b, "chunked", want) == 32      # the first pool's cache, kept while A was away
+    assert other.prefix_cache is None
+    pool.attach(a)
+    assert ask(a, "chunked", want) == 32
+    a.reset_prefix_cache()
+    assert ask(b, "paged", want) == 0
+
+
+def test_an_engine_whose_memory_was_lent_on_admits_nothing_more(tiny_llm):
+    """An engine done but not closed, its cache lent to the next engine over the same K/V pool: it
+    refuses a new request's admission (it would take blocks the other engine holds), and the other
+    engine's tokens stay its own."""
+    memory = KVPool(SHARED["n_slots"], tiny_llm.cfg.n_layers, tiny_llm.cfg.n_kv_heads, tiny_llm.cfg.head_dim)
+    want = alone(tiny_llm, PROMPTS)
+    first = engine_over(memory, tiny_llm.model, "paged", True)
+    first.add_request(PROMPTS[0], SamplingParams(max_gen_tokens=2))
+    first.run()
+    second = engine_over(memory, tiny_llm.model, "chunked", True)
+    reqs = [second.add_request(p, SamplingParams(max_gen_tokens=4, ignore_eos=True)) for p in PROMPTS]
+    second.step()
+    first.add_request(PROMPTS[1], SamplingParams(max_gen_tokens=2))
+    with pytest.raises(RuntimeError, match="lent to a newer engine"):
+        first.step()
+    second.run()
+    assert [list(r.output) for r in reqs] == want and reqs[0].n_prefix_hit == 32
 
 
 async def ask_wave(url, wave):

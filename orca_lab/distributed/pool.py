@@ -43,6 +43,7 @@ from orca_lab.distributed.messages import Reset, StageReport, Stop, WorkerError
 from orca_lab.distributed.processes import exit_text, main_hidden, process_context
 from orca_lab.distributed.wire import ControlError, encode
 from orca_lab.distributed.worker import MASTER, STORE_TIMEOUT, Worker, WorkerSpec, worker_process
+from orca_lab.engine.kv_manager import KVMemory
 
 POLL_S = 0.25               # liveness is checked at least this often while waiting
 
@@ -58,12 +59,14 @@ def attached(llm) -> "WorkerPool | None":
     return pool if pool is not None and not pool.broken and pool._finalizer.alive else None
 
 
-class WorkerPool:
+class WorkerPool(KVMemory):
     """T x P workers serving one model, their control channels and their liveness.
 
     ``WorkerPool(llm)`` starts the workers on this machine and attaches the pool to ``llm``: its
     engines use it until it is closed. ``threads`` is the torch thread count of each worker
     (``OMP_NUM_THREADS``): 1 keeps processes that share few cores from stalling one another.
+    The workers hold the K/V; the pool keeps the prefix cache over it (``KVMemory``), lent with the
+    workers to whichever engine drives them, and dropped when the pool closes or breaks.
     """
 
     def __init__(self, llm, *, threads: int = 1, attach: bool = True, start_timeout: float = 180.0,
@@ -71,6 +74,9 @@ class WorkerPool:
         ec = llm.engine_config
         check_degrees(llm.cfg, ec)
         self.cfg, self.engine, self.model_ref = llm.cfg, ec, weakref.ref(llm.model)
+        # what the workers build their weights from, when the master holds shapes only (a meta model
+        # shared by several LLMs can name other seeds or checkpoints): each LLM attached must name it
+        self.weights = llm.weights if llm.model.wte.weight.is_meta else None
         self.tp, self.pp = ec.tensor_parallel, ec.pipeline_parallel
         self.stall_timeout = stall_timeout
         self.owner = None                                 # the executor now driving the workers
@@ -191,14 +197,21 @@ class WorkerPool:
 
     # -- attachment: engines of these LLMs borrow this pool ----------------------------------------
     def attach(self, llm):
+        """Lend this pool, and the prefix cache over its K/V, to ``llm`` too: only an LLM of the model
+        whose weights the workers loaded, so that every K/V they hold comes from one set of weights."""
         if llm.model is not self.model_ref() or llm.cfg != self.cfg or _worker_fields(llm.engine_config) != \
                 _worker_fields(self.engine):
             raise ValueError("this worker pool serves another model or another parallel/K/V configuration")
+        if self.weights is not None and llm.weights != self.weights:
+            raise ValueError(f"this worker pool's workers built their weights from (checkpoint, seed) = "
+                             f"{self.weights}, not {llm.weights}")
         _ATTACHED[llm] = self
 
     def _detach_all(self):
+        """Closed or broken: no LLM uses the pool any more, and its cache goes with its K/V."""
         for llm in [k for k, v in _ATTACHED.items() if v is self]:
             del _ATTACHED[llm]
+        self.reset_prefix_cache()
 
     # -- the control plane, master side ----------------------------------------------------------
     def claim(self, executor):

@@ -6,7 +6,7 @@ The pool holds one K and one V row per slot and layer; slots of a request need n
 
 The memory (``KVPool``) and its accounting (``KVSlotManager``) are apart: an ``LLM`` allocates its
 pool once, and each engine it builds gets a fresh manager over it (free runs, holders), so a
-``generate`` call pays for no allocation. Slot ids are host data (``req.slots``, a CPU tensor): each
+``generate`` call pays for no allocation. The memory keeps the prefix cache over it (``KVMemory``). Slot ids are host data (``req.slots``, a CPU tensor): each
 iteration's metadata is built on the host and copied to the device once (``batch.py``).
 """
 from __future__ import annotations
@@ -28,7 +28,37 @@ class KVStats:
         return self.used + self.reserved_unused + self.free
 
 
-class KVPool:
+class KVMemory:
+    """What holds K/V (a ``KVPool`` in this process; a ``WorkerPool``, whose workers hold theirs) and
+    the prefix cache over it (``prefix_cache.py``). The cache is the memory's, not an LLM's or an
+    engine's: every K/V manager made over a memory comes from ``lend_kv`` (``policies.System.new_kv``),
+    so whoever writes into it, whichever LLM or engine, goes through its one cache, and the cache goes
+    with the memory (closed, replaced, collected).
+
+    The blocks' names need nothing of the weights, because one memory is written by one set of
+    weights: an LLM's ``KVPool`` by its own model, a ``WorkerPool``'s by the weights its workers loaded
+    once, at start, whichever LLM drives them (``attach`` takes only the LLMs of that model). Weights
+    changed in place call for ``reset_prefix_cache``, as in vLLM."""
+    prefix_cache = None            # the PrefixCachingBlockManager over these slots, while one is kept
+
+    def lend_kv(self, make, caching: bool, n_slots: int, block_size: int):
+        """The K/V manager of a new engine writing into this memory: with ``caching``, the kept cache
+        (its blocks still hold their K/V) when it has the engine's shape and no request holds a block
+        of it (else an engine still running it owns it); otherwise ``make()``, which becomes the cache
+        when ``caching``. A writer that does not cache drops the cache: it writes slots the cache names."""
+        kept, self.prefix_cache = self.prefix_cache, None
+        fits = kept is not None and (kept.n_slots, kept.block_size) == (n_slots, block_size)
+        kv = kept.handed_on() if caching and fits and not kept.n_holders else make()
+        if caching:
+            self.prefix_cache = kv
+        return kv
+
+    def reset_prefix_cache(self):
+        """Forget every cached block (vLLM's ``reset_prefix_cache``): the next engine starts empty."""
+        self.prefix_cache = None
+
+
+class KVPool(KVMemory):
     """K and V memory ``[n_layers, n_slots, n_heads, head_dim]``, allocated once, here.
 
     Zeros, not empty: the OS maps every page now, not on the first K/V write of a request while the

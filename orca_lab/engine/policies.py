@@ -35,7 +35,7 @@ from typing import Callable
 from orca_lab.config import SCHEDULE_POLICIES, check_choice
 from orca_lab.engine.batch import Batch
 from orca_lab.engine.blocks import BlockManager
-from orca_lab.engine.kv_manager import KVSlotManager
+from orca_lab.engine.kv_manager import KVMemory, KVSlotManager
 from orca_lab.engine.prefix_cache import PrefixCachingBlockManager
 from orca_lab.engine.request import Request, RequestState
 from orca_lab.engine.scheduler import OrcaScheduler, RequestLevelScheduler, arrival_order, enqueue
@@ -289,16 +289,22 @@ class System:
             raise ValueError(f"mbs={mbs} is out of range: allowed [1, max_bs={max_bs}]")
 
     def new_kv(self, n_slots: int, block_size: int = 16, *shape, prefix_caching: bool = False,
-               **pool) -> KVSlotManager:
+               memory: KVMemory | None = None, **pool) -> KVSlotManager:
         """Its K/V manager: ORCA's (and FT's) reservation, or blocks (their full blocks cached and
         shared with ``prefix_caching``, ``prefix_cache.py``). ``pool=`` a ``KVPool`` to hand out (an
         LLM's: blocks are slots, so every system shares it); ``shape`` = (n_layers, n_heads, head_dim)
-        allocates one; neither keeps only the accounting."""
+        allocates one; neither keeps only the accounting. ``memory``: what holds the K/V when it is not
+        ``pool`` (a ``WorkerPool``: this manager keeps the accounting of its workers' slots). A manager
+        over a memory goes through the memory's prefix cache (``KVMemory.lend_kv``)."""
         self.check(prefix_caching)
-        if self.paged:
-            cls = PrefixCachingBlockManager if prefix_caching else BlockManager
-            return cls(n_slots, block_size, *shape, **pool)
-        return KVSlotManager(n_slots, *shape, **pool)
+        memory = pool.get("pool") if memory is None else memory
+
+        def make():
+            if self.paged:
+                cls = PrefixCachingBlockManager if prefix_caching else BlockManager
+                return cls(n_slots, block_size, *shape, **pool)
+            return KVSlotManager(n_slots, *shape, **pool)
+        return make() if memory is None else memory.lend_kv(make, prefix_caching, n_slots, block_size)
 
     def new_scheduler(self, kv: KVSlotManager, max_bs: int, max_seq_len: int, mbs: int | None = None,
                       max_num_batched_tokens: int = 512, schedule_policy: str = "fcfs"):

@@ -26,6 +26,7 @@ neither, and ``n_free_blocks`` counts it as free.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import struct
 from collections import OrderedDict
@@ -134,6 +135,16 @@ class PrefixCachingBlockManager(BlockManager):
         self.hit_tokens = 0                           # over first admissions: tokens found cached
         self.query_tokens = 0                         # over first admissions: prompt tokens looked up
         self.n_evictions = 0
+        self.lent_on = False                          # its memory lent the cache to a newer engine
+
+    def handed_on(self) -> "PrefixCachingBlockManager":
+        """This cache for the next engine over its K/V memory (``KVMemory.lend_kv``): a manager with
+        the same blocks and names, its counters at 0 (they are per engine). This one admits nothing
+        more: the engine still holding it would take blocks the newer one holds."""
+        kv = copy.copy(self)
+        kv.hit_tokens = kv.query_tokens = kv.n_evictions = 0
+        self.lent_on = True
+        return kv
 
     # -- lookup and sharing ----------------------------------------------------------------------
     def lookup(self, req) -> list[int]:
@@ -168,6 +179,9 @@ class PrefixCachingBlockManager(BlockManager):
     def share(self, req, hit: list[int], first: bool = True):
         """``req`` starts with the cached blocks ``hit``: their K/V are its first tokens' K/V.
         ``first``: its first admission (a preempted request's return is not counted as a query)."""
+        if self.lent_on:
+            raise RuntimeError("this engine's K/V memory, and the prefix cache over it, were lent to a newer "
+                               "engine: create a new engine")
         if first:
             self.query_tokens += len(req.prompt)
             self.hit_tokens += len(hit) * self.block_size
