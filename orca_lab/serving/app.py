@@ -31,6 +31,7 @@ from orca_lab.serving.protocol import (
     validation_error,
 )
 from orca_lab.serving.state import HTTPRecord, ServerState
+from orca_lab.tokenizer import token_name
 
 
 def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, model_name: str | None = None,
@@ -155,7 +156,7 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
         text = body.prompt if body.prompt is not None else prompt_of(body.messages, body.add_generation_prompt)
         ids = tokenizer.encode(text)
         return {"count": len(ids), "max_model_len": core.info.cfg.max_seq_len, "tokens": ids,
-                "token_strs": [tokenizer.decode([t]) for t in ids] if body.return_token_strs else None}
+                "token_strs": [token_name(tokenizer, t) for t in ids] if body.return_token_strs else None}
 
     @app.post("/detokenize", responses=_errors(400, 404))
     async def detokenize(body: DetokenizeRequest):
