@@ -270,7 +270,8 @@ def test_torchrun_refuses_to_start_without_a_good_secret(env, match):
     (["--checkpoint", "/nonexistent/ckpt"], r"/nonexistent/ckpt is not a checkpoint directory"),
     (["--max-bs", "0"], r"max_bs=0 is out of range"),
     (["--model", "gpt3-999b"], r"gpt3-999b"),
-], ids=["checkpoint", "max_bs", "model"])
+    (["--systems", "orca,vllm"], r"system='vllm' is not allowed: choose one of 'orca', 'ft'"),
+], ids=["checkpoint", "max_bs", "model", "systems"])
 def test_torchrun_refuses_bad_settings_before_the_rendezvous(args, match):
     """Refused with the field named, before any store is reached (the port here has none)."""
     done = _rank0_without_a_store(args, {"ORCA_LAB_SECRET": OPERATOR_SECRET})
