@@ -16,7 +16,8 @@ One machine, no GPU (gloo)::
 Every rank needs the control plane's secret from the operator, the same on every node: in
 ``ORCA_LAB_SECRET`` (at least 32 characters), or in a file named by ``ORCA_LAB_SECRET_FILE`` (readable
 by the operator only, e.g. ``python -c "import secrets; print(secrets.token_hex(32))" > ~/.orca_lab_secret;
-chmod 600 ~/.orca_lab_secret``). It signs every control message, and never travels through the
+chmod 600 ~/.orca_lab_secret``; a file its group or others may open is refused, as ssh refuses such a
+private key). It signs every control message, and never travels through the
 rendezvous store, which anyone who reaches ``--master-port`` can read. A rank without one refuses to
 start.
 
@@ -31,6 +32,7 @@ import argparse
 import json
 import os
 import socket
+import stat
 from pathlib import Path
 
 import torch
@@ -60,12 +62,17 @@ MIN_SECRET_CHARS = 32
 
 def operator_secret(environ) -> bytes:
     """The control plane's secret, as the operator gave it to every rank; ValueError naming the
-    variables when it is missing, ambiguous or too short to resist guessing."""
+    variables when it is missing, ambiguous or too short to resist guessing, or its file when others
+    than its owner may open it."""
     text, path = environ.get(SECRET_ENV), environ.get(SECRET_FILE_ENV)
     if text and path:
         raise ValueError(f"both {SECRET_ENV} and {SECRET_FILE_ENV} are set: set one")
     if path:
         try:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+            if mode & 0o077:       # as ssh refuses a private key others can open
+                raise ValueError(f"{SECRET_FILE_ENV}={path} has mode {mode:04o}: its group or others can open it, "
+                                 f"and the control secret must be the operator's alone: run chmod 600 {path}")
             text = Path(path).read_text().strip()
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"{SECRET_FILE_ENV}={path} cannot be read ({e})") from None

@@ -17,7 +17,7 @@ from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.serving.chat import ChatRequest, DetokenizeRequest, TokenizeRequest, chat_chunk, chat_response, render
 from orca_lab.serving.completions import sse_answer, whole_answer
 from orca_lab.serving.engine_client import RETRY_AFTER_S, EngineClient, HTTPError, Stream
-from orca_lab.serving.engine_core import EngineProcess
+from orca_lab.serving.engine_core import HISTORY, EngineProcess
 from orca_lab.serving.logprob_text import ChatLogprobs, LogprobText
 from orca_lab.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from orca_lab.serving.protocol import (
@@ -38,10 +38,12 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
               ready=None, stop_timeout: float = 5.0, debug: bool = False, chat_template: str | None = None) -> FastAPI:
     """The FastAPI app over a started engine process; its lifespan's end stops that engine (which
     cancels what is left and stops its workers). ``ready(app)`` is called once it serves.
-    ``debug``: serve ``GET /debug/run``, the engine's own records. ``chat_template``: the Jinja
+    ``debug``: serve ``GET /debug/run``, the engine's own records and the HTTP side's (the last
+    ``HISTORY`` of each; without it neither side keeps any). ``chat_template``: the Jinja
     template of /v1/chat/completions (default: the tokenizer's ``chat_template``, if it has one)."""
     metrics = ServerMetrics()
-    state = ServerState(model_name or core.info.cfg.name, system, EngineClient(core, metrics, max_queue), metrics)
+    state = ServerState(model_name or core.info.cfg.name, system, EngineClient(core, metrics, max_queue), metrics,
+                        history=HISTORY if debug else 0)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
