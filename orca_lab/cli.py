@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from orca_lab.config import PRESETS, EngineConfig, check_range
+from orca_lab.engine.policies import REGISTRY, system
 from orca_lab.environment import environment
 from orca_lab.serving.watchdog import STALL_S
 
@@ -61,7 +62,6 @@ def compare(args) -> dict:
 
 def serve(args):
     """``orca-lab serve``: the OpenAI-compatible endpoint (orca_lab.serving.server)."""
-    from orca_lab.engine.policies import system
     from orca_lab.serving.engine_core import EngineArgs
     from orca_lab.serving.server import EngineDied, serve as run
     check_range("max_queue", args.max_queue, 1, 1 << 20)
@@ -144,7 +144,8 @@ def main(argv=None):
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--threads", type=int, default=1, help="torch intra-op threads (recorded)")
     c.add_argument("--out", default="results")
-    _serve_args(sub.add_parser("serve", help="an OpenAI-compatible completions server over the engine"))
+    _serve_args(sub.add_parser("serve", help="an OpenAI-compatible server over the engine (completions, chat, "
+                                             "tokenize)"))
     from orca_lab.serving.bench import add_arguments
     add_arguments(sub.add_parser("bench", help="load generator for any OpenAI-compatible completions endpoint"))
     _course_args(sub.add_parser("course", help="the course site: orca-lab course build"))
@@ -186,6 +187,7 @@ def _check_compare(args):
 
 
 def _serve_args(s):
+    from orca_lab.serving.engine_core import HISTORY
     s.add_argument("--model", default=None, help=f"a preset ({', '.join(PRESETS)}; default tiny), random weights "
                                                   "of --seed; or a checkpoint directory, as --checkpoint")
     s.add_argument("--checkpoint", metavar="DIR", default=None,
@@ -194,14 +196,16 @@ def _serve_args(s):
     s.add_argument("--seed", type=int, default=0, help="random weights of a preset: those of LLM(model, seed)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0: the OS chooses (printed at start)")
-    s.add_argument("--system", default="orca", choices=["orca", "ft", "paged", "chunked"])
+    paged = ", ".join(n for n, entry in REGISTRY.items() if entry.paged)
+    s.add_argument("--system", default="orca", choices=list(REGISTRY),
+                   help="the scheduling policy (orca_lab/engine/policies.py's registry)")
     s.add_argument("--max-bs", type=int, default=32)
     s.add_argument("--n-slots", type=int, default=16384)
-    s.add_argument("--block-size", type=int, default=16, help="paged, chunked: K/V slots per block")
+    s.add_argument("--block-size", type=int, default=16, help=f"{paged}: K/V slots per block")
     s.add_argument("--max-num-batched-tokens", type=int, default=512, help="chunked: new tokens per iteration")
-    s.add_argument("--prefix-caching", action="store_true", help="paged, chunked: cache and share full K/V blocks")
+    s.add_argument("--prefix-caching", action="store_true", help=f"{paged}: cache and share full K/V blocks")
     s.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"],
-                   help="paged, chunked with --prefix-caching: lpm = longest cached prefix first")
+                   help=f"{paged} with --prefix-caching: lpm = longest cached prefix first")
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel workers")
     s.add_argument("--pp", type=int, default=1, help="pipeline-parallel workers (the paper's n_workers)")
     s.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 503")
@@ -215,7 +219,8 @@ def _serve_args(s):
                    help="an iteration that has not returned after this many seconds is a stuck engine: "
                         "/health and /v1/models answer 503 and the log names where it is stuck")
     s.add_argument("--debug", action="store_true",
-                   help="serve GET /debug/run: the engine's records of every request and iteration")
+                   help=f"serve GET /debug/run: the records of the last {HISTORY:,} requests and iterations "
+                        "(engine) and completions (HTTP); without it the server keeps none")
     s.add_argument("--plugins", metavar="FOLDER_OR_MODULE", default=None,
                    help="a course learner's package (my_orca/, written by the notebooks' %%%%exercise cells): "
                         "the engine runs its pieces (Select, slot manager, ...) in place of the package's")

@@ -16,7 +16,7 @@ from orca_lab.distributed.pool import attached
 from orca_lab.engine.engine import Engine, RunResult, eos_ids
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.kv_manager import KVPool
-from orca_lab.engine.policies import SYSTEMS, system as resolve  # noqa: F401 (SYSTEMS: torchrun.py)
+from orca_lab.engine.policies import system as resolve
 from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.model.cuda_graphs import decode_graphs_for
 from orca_lab.model.executor import LocalExecutor

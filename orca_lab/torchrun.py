@@ -16,7 +16,8 @@ One machine, no GPU (gloo)::
 Every rank needs the control plane's secret from the operator, the same on every node: in
 ``ORCA_LAB_SECRET`` (at least 32 characters), or in a file named by ``ORCA_LAB_SECRET_FILE`` (readable
 by the operator only, e.g. ``python -c "import secrets; print(secrets.token_hex(32))" > ~/.orca_lab_secret;
-chmod 600 ~/.orca_lab_secret``). It signs every control message, and never travels through the
+chmod 600 ~/.orca_lab_secret``; a file its group or others may open is refused, as ssh refuses such a
+private key). It signs every control message, and never travels through the
 rendezvous store, which anyone who reaches ``--master-port`` can read. A rank without one refuses to
 start.
 
@@ -31,6 +32,7 @@ import argparse
 import json
 import os
 import socket
+import stat
 from pathlib import Path
 
 import torch
@@ -40,7 +42,8 @@ from orca_lab.config import EngineConfig, check_degrees, model_config
 from orca_lab.distributed.heartbeat import start_heartbeat, watch_master
 from orca_lab.distributed.pool import WorkerPool
 from orca_lab.distributed.worker import STORE_TIMEOUT, Worker, WorkerSpec
-from orca_lab.llm import LLM, SYSTEMS
+from orca_lab.engine.policies import REGISTRY, system
+from orca_lab.llm import LLM
 from orca_lab.model.families import checkpoint_config
 
 
@@ -59,12 +62,17 @@ MIN_SECRET_CHARS = 32
 
 def operator_secret(environ) -> bytes:
     """The control plane's secret, as the operator gave it to every rank; ValueError naming the
-    variables when it is missing, ambiguous or too short to resist guessing."""
+    variables when it is missing, ambiguous or too short to resist guessing, or its file when others
+    than its owner may open it."""
     text, path = environ.get(SECRET_ENV), environ.get(SECRET_FILE_ENV)
     if text and path:
         raise ValueError(f"both {SECRET_ENV} and {SECRET_FILE_ENV} are set: set one")
     if path:
         try:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+            if mode & 0o077:       # as ssh refuses a private key others can open
+                raise ValueError(f"{SECRET_FILE_ENV}={path} has mode {mode:04o}: its group or others can open it, "
+                                 f"and the control secret must be the operator's alone: run chmod 600 {path}")
             text = Path(path).read_text().strip()
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"{SECRET_FILE_ENV}={path} cannot be read ({e})") from None
@@ -81,16 +89,17 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="torchrun ... -m orca_lab.torchrun", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
-    p.add_argument("--checkpoint", default=None, help="GPT-2 checkpoint directory (else random weights)")
+    p.add_argument("--checkpoint", default=None, help="a local GPT-2, Llama or Qwen2 directory (Hugging Face layout: "
+                                                      "config.json, safetensors; else --model's random weights)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (the paper's n_workers)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-bs", type=int, default=8)
-    p.add_argument("--mbs", type=int, default=None, help="the baseline's micro-batch size")
+    p.add_argument("--mbs", type=int, default=None, help="micro-batch size of the request-level systems (ft)")
     p.add_argument("--n-slots", type=int, default=None,
                    help="K/V slots (default: 16384 on CPU, what fits in GPU memory on CUDA)")
-    p.add_argument("--systems", default="orca,ft", help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    p.add_argument("--systems", default="orca,ft", help=f"comma-separated, of {', '.join(REGISTRY)}")
     p.add_argument("--n-requests", type=int, default=16)
     p.add_argument("--rate", type=float, default=None, help="Poisson arrivals (req/s); default: all at 0")
     p.add_argument("--scale", type=float, default=0.1, help="multiplies the paper's lengths")
@@ -114,6 +123,8 @@ def main(argv=None):
                           tensor_parallel=args.tp, pipeline_parallel=args.pp)
         cfg = checkpoint_config(args.checkpoint) if args.checkpoint else model_config(args.model)
         check_degrees(cfg, ec)
+        for name in args.systems.split(","):
+            system(name)
     except (ValueError, OSError) as e:
         p.error(str(e))
     store, _, _ = next(dist.rendezvous("env://", timeout=STORE_TIMEOUT))
@@ -140,7 +151,8 @@ def serve_and_report(llm, args):
 
     trace = paper_trace(args.n_requests, rate=args.rate, seed=args.seed, scale=args.scale,
                         vocab_size=llm.cfg.vocab_size)
-    results = [llm.serve(trace, system=s, mbs=args.mbs if s == "ft" else None) for s in args.systems.split(",")]
+    results = [llm.serve(trace, system=s, mbs=args.mbs if system(s).request_level else None)
+               for s in args.systems.split(",")]
     print(compare_table(results).to_string(float_format=lambda v: f"{v:,.3f}"))
     if args.out:
         out = Path(args.out)

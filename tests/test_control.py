@@ -266,11 +266,25 @@ def test_torchrun_refuses_to_start_without_a_good_secret(env, match):
     assert OPERATOR_SECRET not in done.stderr
 
 
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620])
+def test_a_secret_file_its_group_or_others_may_open_is_refused(tmp_path, mode):
+    """Operator-only, as ssh wants a private key: the file, its mode and the command that fixes it."""
+    from orca_lab.torchrun import operator_secret
+    path = tmp_path / "secret"
+    path.write_text(OPERATOR_SECRET + "\n")
+    path.chmod(mode)
+    with pytest.raises(ValueError, match=rf"ORCA_LAB_SECRET_FILE={path} has mode {mode:04o}: .* run chmod 600 {path}$"):
+        operator_secret({"ORCA_LAB_SECRET_FILE": str(path)})
+    path.chmod(0o600)
+    assert operator_secret({"ORCA_LAB_SECRET_FILE": str(path)}) == OPERATOR_SECRET.encode()
+
+
 @pytest.mark.parametrize("args, match", [
     (["--checkpoint", "/nonexistent/ckpt"], r"/nonexistent/ckpt is not a checkpoint directory"),
     (["--max-bs", "0"], r"max_bs=0 is out of range"),
     (["--model", "gpt3-999b"], r"gpt3-999b"),
-], ids=["checkpoint", "max_bs", "model"])
+    (["--systems", "orca,vllm"], r"system='vllm' is not allowed: choose one of 'orca', 'ft'"),
+], ids=["checkpoint", "max_bs", "model", "systems"])
 def test_torchrun_refuses_bad_settings_before_the_rendezvous(args, match):
     """Refused with the field named, before any store is reached (the port here has none)."""
     done = _rank0_without_a_store(args, {"ORCA_LAB_SECRET": OPERATOR_SECRET})

@@ -257,3 +257,42 @@ def test_a_new_system_is_one_registry_entry(tiny_llm, monkeypatch):
         LLM(gpt=tiny_llm.model, engine=EngineConfig(n_slots=1024, prefix_caching=True)).new_engine("chunked-lpm")
     with pytest.raises(ValueError, match="prefix_caching=True is not allowed with system='orca'.*'chunked-lpm'"):
         policies.system("orca").check(prefix_caching=True)
+
+
+# -- the registry is the only list of systems ---------------------------------------------------
+def test_one_more_registry_entry_is_a_system_of_the_cli_the_simulator_and_torchrun(monkeypatch, capsys):
+    """A new policy is one entry: ``orca-lab serve`` lists and takes it, a Curve takes it (with a
+    micro-batch size when it schedules whole requests), torchrun lists it."""
+    import dataclasses
+    from orca_lab import cli, torchrun
+    from orca_lab.engine.policies import REGISTRY
+    monkeypatch.setitem(REGISTRY, "orca2", dataclasses.replace(REGISTRY["orca"], name="orca2"))
+    monkeypatch.setitem(REGISTRY, "ft2", dataclasses.replace(REGISTRY["ft"], name="ft2"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--help"])
+    assert e.value.code == 0 and "orca2" in capsys.readouterr().out
+    served = []
+    monkeypatch.setattr(cli, "serve", lambda args: served.append(args.system))
+    cli.main(["serve", "--system", "orca2"])
+    assert served == ["orca2"]
+    assert Curve("orca2", 8).label == Curve.parse("orca2(8)").label == "orca2(8)"
+    assert Curve.parse("ft2(8,4)") == Curve("ft2", 8, 4) and Curve.of("ft2", 8) == Curve("ft2", 8, 8)
+    with pytest.raises(ValueError, match=r"mbs=None must be an integer in \[1, 8\]"):
+        Curve("ft2", 8)
+    assert "ft2" in torchrun.parse_args([])[0].format_help()
+
+
+def test_no_module_outside_the_registry_tells_a_system_by_its_name():
+    """What sets a system apart is a field of its entry (``paged``, ``request_level``), never
+    ``system == "ft"``. (The course's plug points check the scheduler whose piece they replace.)"""
+    import re
+    from pathlib import Path
+    import orca_lab
+    from orca_lab.engine.policies import REGISTRY
+    names = "|".join(REGISTRY)
+    test = re.compile(rf"""(==|!=)\s*["']({names})["']|["']({names})["']\s*(==|!=)""")
+    root = Path(orca_lab.__file__).parent
+    found = [f"{path.relative_to(root)}:{i}: {line.strip()}" for path in sorted(root.rglob("*.py"))
+             if path.name != "policies.py" and "course" not in path.parts
+             for i, line in enumerate(path.read_text().splitlines(), 1) if test.search(line)]
+    assert found == []

@@ -420,3 +420,18 @@ def test_the_engine_loop_keeps_per_request_history_only_for_debug(history):
         engine.close()
         for c in (inbox, to_engine, from_engine, outbox):
             c.close()
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_the_endpoint_keeps_http_records_only_for_debug(debug):
+    """The HTTP half of the same: without --debug the endpoint keeps no completion's record (it kept
+    100,000, ~108 MB); with it, the engine's HISTORY, the last ones."""
+    from types import SimpleNamespace
+    from orca_lab.serving.app import build_app
+    from orca_lab.serving.state import HTTPRecord
+    core = SimpleNamespace(info=SimpleNamespace(cfg=SimpleNamespace(name="m"), tokenizer=None), clock=None)
+    state = build_app(core, debug=debug).state.orca
+    for i in range(HISTORY + 5):
+        state.record(f"cmpl-{i}", HTTPRecord([i], 0.0))
+    assert list(state.completions)[:1] == ([] if not debug else ["cmpl-5"])
+    assert len(state.completions) == (HISTORY if debug else 0)

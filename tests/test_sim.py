@@ -194,7 +194,7 @@ def test_grouped_queries_read_only_their_k_v_heads_and_swiglu_has_three_matrices
     (lambda: SimBackend("gpt3-999b"), "gpt3-999b"),
     (lambda: Curve.parse("orca(0)"), "max_bs=0"),
     (lambda: Curve.parse("ft(8,9)"), "mbs=9"),
-    (lambda: Curve.parse("vllm(8)"), "orca\\(max_bs\\) or ft\\(max_bs,mbs\\)"),
+    (lambda: Curve.parse("vllm(8)"), "orca\\(max_bs\\), ft\\(max_bs,mbs\\)"),
     (lambda: P.check_models(["gpt3-999b"]), "unknown model 'gpt3-999b'"),
     (lambda: P.check_models([]), "empty sweep"),
     (lambda: P.check_rates([0.5, -1.0], [1.0]), "rates: -1.0 is not allowed"),

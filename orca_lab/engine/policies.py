@@ -266,7 +266,9 @@ class System:
     scheduler: Callable
     paged: bool                                # K/V in blocks given out as a context grows (blocks.py)
     policies: tuple[str, ...] = ("fcfs",)      # the schedule_policy values it takes
-    micro_batches: bool = False                # takes ``mbs`` (the request-level baseline)
+    # schedules whole requests (the FasterTransformer-style baseline, baseline.py): padded batches run
+    # in micro-batches of ``mbs`` (which it takes), each request's K/V reserved for max_seq_len
+    request_level: bool = False
 
     @property
     def prefix_caching(self) -> bool:
@@ -285,7 +287,7 @@ class System:
         if schedule_policy is not None and schedule_policy not in self.policies:
             raise ValueError(f"schedule_policy={schedule_policy!r} is not allowed with system={self.name!r}: "
                              f"allowed {self.policies}")
-        if mbs is not None and self.micro_batches and max_bs is not None and not 1 <= mbs <= max_bs:
+        if mbs is not None and self.request_level and max_bs is not None and not 1 <= mbs <= max_bs:
             raise ValueError(f"mbs={mbs} is out of range: allowed [1, max_bs={max_bs}]")
 
     def new_kv(self, n_slots: int, block_size: int = 16, *shape, prefix_caching: bool = False,
@@ -315,7 +317,7 @@ class System:
 REGISTRY: dict[str, System] = {s.name: s for s in (
     System("orca", lambda kv, max_bs, *_: OrcaScheduler(kv, max_bs), paged=False),
     System("ft", lambda kv, max_bs, max_seq_len, mbs, *_: RequestLevelScheduler(kv, max_bs, max_seq_len, mbs),
-           paged=False, micro_batches=True),
+           paged=False, request_level=True),
     System("paged", lambda kv, max_bs, _len, _mbs, _budget, policy: PagedScheduler(kv, max_bs, policy),
            paged=True, policies=SCHEDULE_POLICIES),
     System("chunked", lambda kv, max_bs, _len, _mbs, budget, policy: ChunkedScheduler(kv, max_bs, budget, policy),

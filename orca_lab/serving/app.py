@@ -17,7 +17,7 @@ from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.serving.chat import ChatRequest, DetokenizeRequest, TokenizeRequest, chat_chunk, chat_response, render
 from orca_lab.serving.completions import sse_answer, whole_answer
 from orca_lab.serving.engine_client import RETRY_AFTER_S, EngineClient, HTTPError, Stream
-from orca_lab.serving.engine_core import EngineProcess
+from orca_lab.serving.engine_core import HISTORY, EngineProcess
 from orca_lab.serving.logprob_text import ChatLogprobs, LogprobText
 from orca_lab.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from orca_lab.serving.protocol import (
@@ -31,16 +31,19 @@ from orca_lab.serving.protocol import (
     validation_error,
 )
 from orca_lab.serving.state import HTTPRecord, ServerState
+from orca_lab.tokenizer import token_name
 
 
 def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, model_name: str | None = None,
               ready=None, stop_timeout: float = 5.0, debug: bool = False, chat_template: str | None = None) -> FastAPI:
     """The FastAPI app over a started engine process; its lifespan's end stops that engine (which
     cancels what is left and stops its workers). ``ready(app)`` is called once it serves.
-    ``debug``: serve ``GET /debug/run``, the engine's own records. ``chat_template``: the Jinja
+    ``debug``: serve ``GET /debug/run``, the engine's own records and the HTTP side's (the last
+    ``HISTORY`` of each; without it neither side keeps any). ``chat_template``: the Jinja
     template of /v1/chat/completions (default: the tokenizer's ``chat_template``, if it has one)."""
     metrics = ServerMetrics()
-    state = ServerState(model_name or core.info.cfg.name, system, EngineClient(core, metrics, max_queue), metrics)
+    state = ServerState(model_name or core.info.cfg.name, system, EngineClient(core, metrics, max_queue), metrics,
+                        history=HISTORY if debug else 0)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -162,7 +165,7 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
         text = body.prompt if body.prompt is not None else prompt_of(body.messages, body.add_generation_prompt)
         ids = tokenizer.encode(text)
         return {"count": len(ids), "max_model_len": core.info.cfg.max_seq_len, "tokens": ids,
-                "token_strs": [tokenizer.decode([t]) for t in ids] if body.return_token_strs else None}
+                "token_strs": [token_name(tokenizer, t) for t in ids] if body.return_token_strs else None}
 
     @app.post("/detokenize", responses=_errors(400, 404))
     async def detokenize(body: DetokenizeRequest):

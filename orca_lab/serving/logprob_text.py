@@ -4,24 +4,24 @@ each with its bytes and its most likely tokens: ``ChatLogprobs``), and vLLM's ``
 (``prompt_entries``), written as its tokens come: one writer per choice serves the whole answer and
 each streamed chunk alike, so the chunks of a stream add up to the whole answer.
 
-A token is named by ``token_name``, so ``k`` ids always give ``k`` distinct names (``top_logprobs``
-holds the ``k`` most likely tokens and the chosen one: ``k + 1`` entries when it is not among them,
-as vLLM gives them). ``text_offset`` counts each token's decoded text from the start of the choice's
-text (the prompt's, with echo).
+A token is named by ``orca_lab.tokenizer.token_name`` (as /tokenize's ``token_strs`` are), so ``k``
+ids give ``k`` distinct names (``top_logprobs`` holds the ``k`` most likely tokens and the chosen
+one: ``k + 1`` entries when it is not among them, as vLLM gives them). ``text_offset`` counts each
+token's decoded text from the start of the choice's text (the prompt's, with echo).
 """
 from __future__ import annotations
 
 from orca_lab.serving.protocol import ChatChoiceLogprobs, CompletionLogprobs
+from orca_lab.tokenizer import token_name
 
 
 class TokenNames:
-    """What names a token in an answer's logprobs: its text when its bytes are whole UTF-8 on their
-    own; OpenAI's ``bytes:\\xNN...`` when they are a piece of a character (whose text, U+FFFD, many
-    tokens share); vLLM's ``token_id:<id>`` with ``return_tokens_as_token_ids``, for a model without
-    a tokenizer, and for a token without bytes (the byte tokenizer's EOS). A tokenizer that cannot
-    tell a token's bytes (a Hugging Face one) names a U+FFFD text ``token_id:<id>`` too."""
+    """What names a token in an answer's logprobs: ``orca_lab.tokenizer.token_name`` (the
+    tokenizer's own token strings, so distinct ids have distinct names); vLLM's ``token_id:<id>``
+    with ``return_tokens_as_token_ids`` and for a model without a tokenizer."""
 
     def __init__(self, tokenizer, as_ids: bool = False):
+        self.tokenizer = tokenizer
         self.decode = getattr(tokenizer, "decode", None)
         self.token_bytes = getattr(tokenizer, "token_bytes", None)
         self.as_ids = as_ids or self.decode is None
@@ -35,18 +35,7 @@ class TokenNames:
         return None if self.token_bytes is None else self.token_bytes(token)
 
     def name(self, token: int) -> str:
-        if self.as_ids:
-            return f"token_id:{token}"
-        raw = self.raw(token)
-        if raw is None:
-            text = self.text(token)
-            return f"token_id:{token}" if "\ufffd" in text or not text else text
-        if not raw:
-            return f"token_id:{token}"
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return f"token_id:{token}" if self.as_ids else token_name(self.tokenizer, token)
 
 
 class LogprobText:
@@ -67,7 +56,7 @@ class LogprobText:
                 continue
             top = {}
             for t, lp in (*entry.top[:self.k], (token, entry.logprob)):
-                top.setdefault(self.names.name(t), lp)      # (a shared name keeps the likelier)
+                top.setdefault(self.names.name(t), lp)      # (the chosen one may be among the k)
             out["token_logprobs"].append(entry.logprob)
             out["top_logprobs"].append(top)
         return out

@@ -1,15 +1,14 @@
 """What the endpoint holds between requests: the engine client, the metrics, the HTTP records of
-the last completions (for ``/debug/run``), whether it is draining."""
+the last completions (for ``/debug/run``, with ``--debug`` only), whether it is draining."""
 from __future__ import annotations
 
 import asyncio
 import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from orca_lab.serving.engine_client import EngineClient
 from orca_lab.serving.metrics import ServerMetrics
-
-MAX_RECORDS = 100_000          # completions whose HTTP records /debug/run keeps
 
 
 # -- the endpoint --------------------------------------------------------------------------------
@@ -20,16 +19,20 @@ class ServerState:
     pool: EngineClient
     metrics: ServerMetrics
     draining: bool = False
-    completions: dict = field(default_factory=dict)   # completion id -> HTTPRecord (the last MAX_RECORDS)
+    # how many completions' HTTP records /debug/run keeps: the engine's HISTORY with --debug, else
+    # none, so a server's memory does not grow with what it served (as the engine's own records)
+    history: int = 0
+    completions: OrderedDict = field(default_factory=OrderedDict)   # completion id -> HTTPRecord
 
     def record(self, cid: str, rec: "HTTPRecord"):
-        self.completions[cid] = rec
-        if len(self.completions) > MAX_RECORDS:
-            del self.completions[next(iter(self.completions))]
+        if self.history:
+            self.completions[cid] = rec
+            if len(self.completions) > self.history:
+                self.completions.popitem(last=False)
 
     async def completions_json(self, since: float) -> bytes:
         """The completions not finished by ``since`` (engine clock), as JSON, encoded in a thread:
-        there may be 100k, and the event loop has streams to serve."""
+        there may be ``history`` of them, and the event loop has streams to serve."""
         records = list(self.completions.items())           # a snapshot: the loop adds more meanwhile
         encode = lambda: json.dumps({c: vars(r) for c, r in records if r.finish is None or r.finish > since})
         return (await asyncio.to_thread(encode)).encode()

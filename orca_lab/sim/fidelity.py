@@ -62,7 +62,7 @@ def calibration_curves(curves) -> list[Curve]:
     for c in curves:
         b = 1
         while b < c.max_bs:
-            out.add(Curve(c.system, b, b if c.system == "ft" else None))
+            out.add(Curve.of(c.system, b))
             b *= 2
     return sorted(out - set(curves), key=lambda c: (c.system, c.max_bs, c.mbs or 0))
 

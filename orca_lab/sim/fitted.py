@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from orca_lab.engine.executor import split_layers
+from orca_lab.engine.policies import system
 from orca_lab.sim.executor import IDLE_GAP, IterationCost
 
 FEATURES = ("const", "tokens", "attn_pairs", "attn_context", "requests")
@@ -66,7 +67,7 @@ class FittedCost:
         """(run, features, predicted seconds, measured seconds) of every iteration period of ``runs``."""
         for run in runs:
             for x, y, _ in iteration_periods(run, busy_only):
-                yield run, x, self._predict(x, run.system == "ft"), y
+                yield run, x, self._predict(x, _padded(run)), y
 
     def speed_profile(self, run, window: float = 1.0) -> "SpeedProfile":
         """How many times slower than this fit the machine ran ``run``, window by window of
@@ -80,7 +81,7 @@ class FittedCost:
         for x, y, t in iteration_periods(run, busy_only=True):
             if t not in woken:
                 s = sums[int(t // window)]
-                s[0], s[1], s[2] = s[0] + y, s[1] + self._predict(x, run.system == "ft"), s[2] + 1
+                s[0], s[1], s[2] = s[0] + y, s[1] + self._predict(x, _padded(run)), s[2] + 1
         whole = sum(s[0] for s in sums.values()) / sum(s[1] for s in sums.values()) if sums else \
             self.speed_of([run], busy_only=True)
         n = max(sums, default=-1) + 1
@@ -100,7 +101,7 @@ class FittedCost:
         first = first_stage_iterations(run)
         for (prev, _), (it, x) in zip(first, first[1:]):
             idle = it.start - prev.end > IDLE_GAP
-            ratios[idle].append((it.end - it.start) / self._predict(x, run.system == "ft"))
+            ratios[idle].append((it.end - it.start) / self._predict(x, _padded(run)))
             if idle:
                 woken.add(it.start)
                 waits.append(it.start - max(arrival[r] for r in it.rids if arrival[r] <= it.start))
@@ -125,7 +126,7 @@ class FittedCost:
         later pay for that too, so the fit must predict the average iteration, not the best."""
         rows = defaultdict(lambda: ([], []))
         for run in runs:
-            kind = _kind(run.system == "ft")
+            kind = _kind(_padded(run))
             for x, y, _ in iteration_periods(run):
                 rows[kind][0].append(x)
                 rows[kind][1].append(y)
@@ -172,6 +173,11 @@ class SpeedProfile:
     def __call__(self, t: float, idle: bool = False) -> float:
         i = int(t // self.window)
         return (self.speeds[i] if 0 <= i < len(self.speeds) else self.rest) * (self.after_idle if idle else 1.0)
+
+
+def _padded(run) -> bool:
+    """Whether ``run``'s batches were padded: its system schedules whole requests."""
+    return system(run.system).request_level
 
 
 def _kind(padded: bool) -> str:

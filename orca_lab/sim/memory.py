@@ -133,13 +133,13 @@ def reservation_table(models=("gpt3-175b", "llama3-70b"), device: str = "a100-80
                "kv_bytes_per_token": cfg.kv_bytes_per_token(DTYPE_BYTES),
                "weights_gib_per_gpu": sim.cost.weight_bytes_per_gpu() / GiB, "n_slots": sim.n_slots,
                "requests_fit_max_tokens": sim.n_slots // (512 + declared_gen)}
-        for system in ("orca", "paged"):
-            result = sim.serve(Curve(system, max_bs), trace, eos_after=eos_after(trace))
+        results = {system: sim.serve(Curve(system, max_bs), trace, eos_after=eos_after(trace))
+                   for system in ("orca", "paged")}
+        for system, result in results.items():
             row[f"{system}_batch"] = max(len(it.rids) for it in result.iterations)
             row[f"{system}_rps"] = summarize(result)["throughput_rps"]
-            if system == "orca":
-                util = kv_utilization(kv_occupancy(result, trace, cfg.max_seq_len, block_size))
-                waste = 1 - util.set_index("scheme")["utilization"]
-                row["waste_max_tokens"], row["waste_paged"] = waste["max_tokens"], waste["paged"]
+        util = kv_utilization(kv_occupancy(results["orca"], trace, cfg.max_seq_len, block_size))
+        waste = 1 - util.set_index("scheme")["utilization"]          # of ORCA's schedule, under each scheme
+        row["waste_max_tokens"], row["waste_paged"] = waste["max_tokens"], waste["paged"]
         rows.append(row)
     return pd.DataFrame(rows)

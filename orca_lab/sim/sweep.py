@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, replace
 
 import pandas as pd
 
-from orca_lab.config import check_choice, check_range
-from orca_lab.engine.policies import PAGED
+from orca_lab.config import check_range
+from orca_lab.engine.policies import REGISTRY, system as resolve
 from orca_lab.metrics import summarize
 from orca_lab.workload import homogeneous_trace, paper_trace, real_trace
 
@@ -28,33 +28,39 @@ CSV_COLUMNS = ["model", "system", "max_bs", "mbs", "rate", "throughput_rps", "no
 
 @dataclass(frozen=True)
 class Curve:
-    """One line of the paper's figures: ``orca(max_bs)`` or ``ft(max_bs, mbs)``; or a policy after
-    ORCA, ``paged(max_bs)`` or ``chunked(max_bs)`` (``engine/policies.py``)."""
+    """One line of the paper's figures, for any system of the registry (``engine/policies.py``):
+    ``orca(max_bs)``; a request-level one with its micro-batch size, ``ft(max_bs, mbs)``; or a policy
+    after ORCA, ``paged(max_bs)``, ``chunked(max_bs)``."""
     system: str
     max_bs: int
     mbs: int | None = None
 
     def __post_init__(self):
-        check_choice("system", self.system, ("orca", "ft", *PAGED))
+        request_level = resolve(self.system).request_level
         check_range("max_bs", self.max_bs, 1, 65536)
-        if self.system == "ft":
+        if request_level:
             check_range("mbs", self.mbs, 1, self.max_bs)
         elif self.mbs is not None:
-            raise ValueError(f"mbs={self.mbs} is only for ft curves: write {self.system}({self.max_bs})")
+            raise ValueError(f"mbs={self.mbs} is only for request-level systems (micro-batches): write "
+                             f"{self.system}({self.max_bs})")
 
     @classmethod
     def parse(cls, text: str) -> "Curve":
-        m = re.fullmatch(r"\s*(orca|paged|chunked)\((\d+)\)\s*|\s*(ft)\((\d+),\s*(\d+)\)\s*", str(text))
-        if not m:
-            raise ValueError(f"curve {text!r} is not allowed: write orca(max_bs) or ft(max_bs,mbs), "
-                             "or paged(max_bs), chunked(max_bs): e.g. 'orca(8)', 'ft(8,8)', 'paged(8)'")
-        if m.group(1):
-            return cls(m.group(1), int(m.group(2)))
-        return cls("ft", int(m.group(4)), int(m.group(5)))
+        m = re.fullmatch(r"\s*([\w-]+)\((\d+)(?:,\s*(\d+))?\)\s*", str(text))
+        if not m or m[1] not in REGISTRY or (m[3] is None) == REGISTRY[m[1]].request_level:
+            forms = [f"{n}(max_bs,mbs)" if s.request_level else f"{n}(max_bs)" for n, s in REGISTRY.items()]
+            raise ValueError(f"curve {text!r} is not allowed: write {', '.join(forms)}: e.g. "
+                             f"{', '.join(repr(Curve.of(n, 8).label) for n in REGISTRY)}")
+        return cls(m[1], int(m[2]), None if m[3] is None else int(m[3]))
+
+    @classmethod
+    def of(cls, system: str, max_bs: int) -> "Curve":
+        """``system`` at ``max_bs``, a request-level one in micro-batches of max_bs (one batch in flight)."""
+        return cls(system, max_bs, max_bs if resolve(system).request_level else None)
 
     @property
     def label(self) -> str:
-        return f"ft({self.max_bs},{self.mbs})" if self.system == "ft" else f"{self.system}({self.max_bs})"
+        return f"{self.system}({self.max_bs})" if self.mbs is None else f"{self.system}({self.max_bs},{self.mbs})"
 
 
 # -- traces ---------------------------------------------------------------------------------------
@@ -202,8 +208,8 @@ class _pool:
 def batch_time(backend, system: str, batch_size: int, input_len: int, gen_len: int = 32) -> dict:
     """Time to run one batch of equal requests from start to end (the paper's Figure 9), or an
     out-of-memory mark when the batch's K/V reservation does not fit ``backend.n_slots``."""
-    curve = Curve(system, batch_size, batch_size if system == "ft" else None)
-    per_request_slots = backend.cfg.max_seq_len if system == "ft" else input_len + gen_len
+    curve = Curve.of(system, batch_size)
+    per_request_slots = backend.cfg.max_seq_len if resolve(system).request_level else input_len + gen_len
     row = {"model": backend.name, "system": system, "batch_size": batch_size, "input_len": input_len,
            "gen_len": gen_len, "kv_slots_needed": batch_size * per_request_slots, "n_slots": backend.n_slots}
     row["oom"] = row["kv_slots_needed"] > backend.n_slots

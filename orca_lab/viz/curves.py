@@ -17,9 +17,16 @@ SCHEME_COLORS = {"max_seq_len": "#a50f15", "max_tokens": "#3182bd", "true_length
 
 
 def curve_label(system, max_bs, mbs) -> str:
-    if system not in _SHADES:         # another server, measured over HTTP: its own name
+    """``Curve.label``'s, from a table's row: ``system(max_bs)``, ``system(max_bs,mbs)`` in micro-batches."""
+    if not _given(max_bs):            # another server, measured over HTTP: its own name
         return str(system)
-    return f"ft({max_bs},{int(mbs)})" if system == "ft" else f"{system}({max_bs})"
+    return f"{system}({max_bs},{int(mbs)})" if _given(mbs) else f"{system}({max_bs})"
+
+
+def _given(value) -> bool:
+    """A table's number, not NaN nor 0 (``mbs`` of a curve without micro-batches, ``max_bs`` of a server
+    that does not report it)."""
+    return bool(pd.notna(value) and value)
 
 
 def _colors(df: pd.DataFrame) -> dict:
@@ -49,7 +56,7 @@ def latency_throughput_figure(df: pd.DataFrame, latency_col: str = "norm_latency
             fig.add_trace(go.Scatter(x=pts["throughput_rps"], y=pts[latency_col], name=label, legendgroup=label,
                                      showlegend=label not in shown, mode="lines+markers",
                                      line=dict(color=colors.get(label, "#636363"),
-                                               dash="dot" if system == "ft" else "solid"),
+                                               dash="dot" if _given(mbs) else "solid"),
                                      hovertemplate=f"{label}<br>rate %{{customdata:.3g}} req/s<br>"
                                                    "%{x:.3g} req/s, %{y:.4g} ms<extra></extra>",
                                      customdata=pts["rate"]), 1, col)
