@@ -16,10 +16,8 @@ import time
 import traceback
 from pathlib import Path
 
-import orca_lab
-
 STALL_S = 60.0        # default bound on one turn of the loop (a CPU iteration takes milliseconds)
-PACKAGE = Path(orca_lab.__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parent.parent       # orca_lab/
 
 
 class Watchdog:
