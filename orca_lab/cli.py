@@ -17,7 +17,7 @@ def compare(args) -> dict:
     from light to past the baseline's capacity (or at ``--rate`` only)."""
     from orca_lab.compare import COLUMNS, compare as run_comparison
     from orca_lab.llm import LLM
-    from orca_lab.viz import compare_figure, export
+    from orca_lab.viz import export
 
     import time
     import torch
@@ -44,7 +44,6 @@ def compare(args) -> dict:
     print("\n" + cmp.verdict())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    at = cmp.past_capacity_rate()
     report = {"args": vars(args), "environment": environment(), "capacity_rps": cmp.capacity_rps,
               "capacity_probe": "offline: the first --probe-requests requests all there at t=0",
               "kept_up_rps": kept,
@@ -53,9 +52,7 @@ def compare(args) -> dict:
     report.update(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - cpu0)   # model, probe, runs
     print(f"{report['wall_s']:.0f} s wall, {report['cpu_s']:.1f} s of CPU in this process")
     (out / "compare.json").write_text(json.dumps(report, indent=1, default=str))
-    fig = compare_figure([cmp.runs[(s, at)] for s in ("orca", "ft")], curve=cmp.table,
-                         title=f"ORCA vs request-level batching (three right panels: {at:.2f} req/s offered)")
-    export(fig, out / "compare.html")
+    export(cmp.figure(), out / "compare.html")
     print(f"wrote {out / 'compare.json'} and {out / 'compare.html'}")
     return report
 

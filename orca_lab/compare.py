@@ -62,6 +62,13 @@ class Comparison:
                          f"{f.norm_latency_median_ms:.1f} ms/token")
         return "\n".join(lines)
 
+    def figure(self):
+        """``results/compare.html``'s figure: the measured curve, then the runs past the baseline's capacity."""
+        from orca_lab.viz import compare_figure
+        at = self.past_capacity_rate()
+        return compare_figure([self.runs[(s, at)] for s in SYSTEMS], curve=self.table,
+                              title=f"ORCA vs request-level batching (three right panels: {at:.2f} req/s offered)")
+
 
 def trace_at(rate, n: int, seed: int, scale: float, vocab_size: int):
     """The same requests at every rate (the same lengths offline): only the arrival times scale with it."""

@@ -1,4 +1,5 @@
-"""A real browser: JupyterLab in headless Chromium runs 08_pipelined_schedules and plays its animation.
+"""A real browser: JupyterLab in headless Chromium runs 08_pipelined_schedules and plays its animation;
+the HTML figures (``orca-lab compare``'s page, a reproduction's export) fit a 1,366 x 768 window.
 
 JupyterLab serves a temporary folder holding a solved copy of the notebook (``orca_lab.course.solve``;
 autosave never writes outputs into the repository), on 127.0.0.1, a free port, a random token and no
@@ -56,12 +57,20 @@ def _get(url: str, timeout: float = 2.0):
         return json.loads(r.read() or b"null")
 
 
-@pytest.fixture
-def jupyterlab(tmp_path):
-    """(base url, token) of a JupyterLab serving a copy of the notebook; stopped, with its kernels, after."""
+def _need_chromium():
     pytest.importorskip("playwright.sync_api", reason="pip install playwright (never `playwright install`)")
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} not found: install it with `apt-get install chromium` (scripts/test.sh does)")
+
+
+def _screenshot_folders(tmp_path) -> list[Path]:
+    return [tmp_path] + ([Path(os.environ["ORCA_LAB_SCREENSHOTS"])] if os.environ.get("ORCA_LAB_SCREENSHOTS") else [])
+
+
+@pytest.fixture
+def jupyterlab(tmp_path):
+    """(base url, token) of a JupyterLab serving a copy of the notebook; stopped, with its kernels, after."""
+    _need_chromium()
     root = tmp_path / "lab"
     # Settings: every cell in the DOM (the widget is there however far down it sits), the notebook's
     # kernel started without a "Select Kernel" dialog, and no news toast over the page.
@@ -116,7 +125,7 @@ def test_notebook_08_runs_and_plays_in_jupyterlab(jupyterlab, tmp_path):
     from playwright import sync_api
 
     base, token = jupyterlab
-    shots = [tmp_path] + ([Path(os.environ["ORCA_LAB_SCREENSHOTS"])] if os.environ.get("ORCA_LAB_SCREENSHOTS") else [])
+    shots = _screenshot_folders(tmp_path)
     frame = ".orca-animation .orca-frame"
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
@@ -157,3 +166,77 @@ def test_notebook_08_runs_and_plays_in_jupyterlab(jupyterlab, tmp_path):
         finally:
             browser.close()
     assert (tmp_path / "animation.png").stat().st_size > 5_000
+
+
+# Where each part of a drawn plotly figure lies on the page: every subplot's plot area, the legend, and
+# every title (the figure's, the panels', the axes').
+BOXES = """gd => {
+    const box = e => { const b = e.getBoundingClientRect(); return [b.left, b.top, b.right, b.bottom]; };
+    return {panels: [...gd.querySelectorAll('.draglayer .nsewdrag')].map(box),
+            legend: box(gd.querySelector('.legend')),
+            entries: [...gd.querySelectorAll('.legend .traces .legendtext')].map(t => t.textContent),
+            titles: [...gd.querySelectorAll('.infolayer > g, .annotation')]
+                .filter(g => /title|annotation/.test(g.getAttribute('class')) && g.getBBox().width > 0).map(box),
+            page: [document.documentElement.scrollWidth, document.documentElement.scrollHeight]};
+}"""
+
+
+def _compare_from_saved(path: Path):
+    """The Comparison of a saved ``compare.json`` (its summary and the runs it kept)."""
+    import pandas as pd
+
+    from orca_lab.compare import SYSTEMS, Comparison
+    from orca_lab.engine.engine import IterationRecord, RequestRecord, RunResult
+    report = json.loads(path.read_text())
+    runs = {(r["system"], r["rate"]): RunResult(r["system"], [RequestRecord(**q) for q in r["requests"]],
+                                                [IterationRecord(**i) for i in r["iterations"]], r["config"],
+                                                r["duration"]) for r in report["runs"]}
+    table = pd.DataFrame(report["summary"]).assign(system=lambda t: pd.Categorical(t["system"], SYSTEMS))
+    return Comparison(report["capacity_rps"], runs, table)
+
+
+def test_compare_page_and_a_reproduction_fit_a_1366x768_window(tmp_path):
+    """``orca-lab compare``'s page (from a small saved run) and Figure 10's reproduction export (from its
+    saved simulate run), opened at 1,366 x 768: every panel, every title and the legend naming each line
+    lie inside the window, the legend clear of the panels, and nothing to scroll sideways."""
+    import pandas as pd
+
+    from orca_lab.viz import export
+    from orca_lab.viz.curves import latency_throughput_figure
+    _need_chromium()
+    from playwright import sync_api
+
+    export(_compare_from_saved(ROOT / "tests" / "data" / "compare_small.json").figure(), tmp_path / "compare.html")
+    results = ROOT / "docs" / "results"
+    fig = latency_throughput_figure(pd.read_csv(results / "fig_e2e_sim.csv"), title="Figure 10 (simulate, a100-40gb)",
+                                    headlines=json.loads((results / "fig_e2e_headline.json").read_text()))
+    export(fig, tmp_path / "fig_e2e", formats=["html"])     # as reproduce/fig_e2e.ipynb exports it
+    width, height = 1366, 768
+    pages = {"compare": (4, {"orca", "ft"}), "fig_e2e": (3, {"orca(1)", "orca(32)", "ft(1,1)", "ft(8,8)"})}
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(viewport={"width": width, "height": height})
+        page.set_default_timeout(60_000)     # 4.8 MB of inline plotly.js: seconds on a busy host
+        try:
+            for name, (n_panels, lines) in pages.items():
+                page.goto((tmp_path / f"{name}.html").as_uri())
+                gd = page.wait_for_selector(".js-plotly-plot .legend .traces").evaluate_handle(
+                    "e => e.closest('.js-plotly-plot')")
+                seen = page.evaluate(BOXES, gd)
+                for folder in _screenshot_folders(tmp_path):
+                    folder.mkdir(parents=True, exist_ok=True)
+                    page.screenshot(path=folder / f"{name}_{width}x{height}.png")
+                assert len(seen["panels"]) == n_panels, name
+                assert lines <= set(seen["entries"]), (name, seen["entries"])
+                for what, (left, top, right, bottom) in ([("legend", seen["legend"])] + [("panel", b) for b in seen["panels"]]
+                                                         + [("title", b) for b in seen["titles"]]):
+                    assert 0 <= left and right <= width and 0 <= top and bottom <= height, (name, what, seen)
+                for left, top, right, bottom in seen["panels"]:
+                    lg = seen["legend"]
+                    assert right <= lg[0] or lg[2] <= left or bottom <= lg[1] or lg[3] <= top, (name, "legend on a panel")
+                assert seen["page"][0] <= width, (name, "the page scrolls sideways", seen["page"])
+        except Exception:
+            page.screenshot(path=tmp_path / "failure.png", full_page=True)
+            raise
+        finally:
+            browser.close()

@@ -202,3 +202,18 @@ def test_export_refuses_an_unknown_format(tmp_path):
     with pytest.raises(ValueError, match="format 'jpg'"):
         export(small_figure(), tmp_path / "d", formats=["html", "jpg"])
     assert not list(tmp_path.iterdir())
+
+
+def test_the_html_fits_the_window_and_the_figure_keeps_its_size_for_the_static_formats(tmp_path):
+    """The page's figure has no fixed size, follows the window and keeps its legend under the panels;
+    the figure passed in (which kaleido draws for PNG/SVG/PDF) keeps its width, height and legend."""
+    from orca_lab.viz.export import fit_window
+    fig = small_figure().update_layout(title="wide <and> tall", width=1600, height=420)
+    fitted = fit_window(fig).layout
+    assert (fitted.width, fitted.height, fitted.autosize) == (None, None, True)
+    assert (fitted.legend.orientation, fitted.legend.yref, fitted.legend.y) == ("h", "container", 0)
+    (page,) = export(fig, tmp_path / "w.html")
+    html = page.read_text()
+    assert '{"responsive": true}' in html and 'style="height:min(420px, 100vh); width:100%;"' in html
+    assert "<title>wide &lt;and&gt; tall</title>" in html and '"width":1600' not in html
+    assert (fig.layout.width, fig.layout.height, fig.layout.legend.orientation) == (1600, 420, None)

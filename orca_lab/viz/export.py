@@ -1,5 +1,8 @@
 """``export(fig, path)``: HTML always works; PNG/SVG/PDF go through kaleido and a Chromium.
 
+The HTML fits the window it opens in (``fit_window``): a 1,600-pixel figure in a 1,366-pixel window
+would hide its last panel and its legend. The static formats keep the size the figure was built with.
+
 Most GPU cluster nodes have no Chromium and no root to install one. There a reproduction still ends
 with its tables and an HTML figure: the static formats are skipped with one warning per process that
 names them and says how to get them.
@@ -45,9 +48,39 @@ def export(fig, path, formats=None) -> list[Path]:
     if problem:
         html = html or [path.with_suffix(".html")]
         _warn_once(static, html[0], problem)
-    for t in html:
-        fig.write_html(t, include_plotlyjs=True)   # self-contained: reports open offline
+    if html:
+        page = html_page(fig)
+        for t in html:
+            t.write_text(page, encoding="utf-8")
     return html + ([] if problem else static)
+
+
+def fit_window(fig):
+    """A copy of ``fig`` drawn at the size of the page that shows it: no fixed width or height (the
+    builders' sizes are for the static formats), and the legend in a row under the panels, where it
+    takes no width from them and stays in view when the figure does."""
+    import plotly.graph_objects as go
+    return go.Figure(fig).update_layout(
+        width=None, height=None, autosize=True,
+        legend=dict(orientation="h", xref="container", x=0.5, xanchor="center",
+                    yref="container", y=0, yanchor="bottom"))
+
+
+def figure_div(fig, include_plotlyjs="cdn") -> str:
+    """``fig`` as a div as wide as its container and as tall as the figure was meant to be but no taller
+    than the window, redrawn when the window is resized."""
+    tall = fig.layout.height or 450   # plotly's default height
+    return fit_window(fig).to_html(full_html=False, include_plotlyjs=include_plotlyjs, config={"responsive": True},
+                                   default_width="100%", default_height=f"min({tall}px, 100vh)")
+
+
+def html_page(fig) -> str:
+    """A self-contained page (plotly.js inline: reports open offline) holding ``figure_div(fig)``."""
+    import html
+    title = html.escape(fig.layout.title.text or "orca_lab figure")
+    return (f'<!DOCTYPE html>\n<html>\n<head><meta charset="utf-8"><title>{title}</title>\n'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+            f'<style>html, body {{ margin: 0; }}</style></head>\n<body>\n{figure_div(fig, True)}\n</body>\n</html>\n')
 
 
 def browser() -> str | None:

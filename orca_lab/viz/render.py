@@ -25,6 +25,7 @@ class Shown:
 
     def _repr_mimebundle_(self, include=None, exclude=None):
         import plotly.io as pio
+        from orca_lab.viz.export import figure_div
         bundle = pio.renderers["plotly_mimetype"].to_mimebundle(self.fig.to_dict())
         bundle["text/plain"] = f"<plotly figure: {self.fig.layout.title.text or 'untitled'}>"
         if self.static:
@@ -32,7 +33,7 @@ class Shown:
             if png is not None:
                 bundle["image/png"] = base64.b64encode(png).decode()
             else:
-                bundle["text/html"] = self.fig.to_html(full_html=False, include_plotlyjs="cdn")
+                bundle["text/html"] = figure_div(self.fig)
         return bundle
 
 
