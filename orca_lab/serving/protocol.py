@@ -205,7 +205,7 @@ class CompletionRequest(Body):
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
-        return list(check_stops(v or []))
+        return list(check_stops([] if v is None else v))
 
     @field_validator("stream_options")
     @classmethod
