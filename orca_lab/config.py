@@ -38,7 +38,10 @@ def shown(value) -> str:
         digits = int(math.log10(abs(value))) + 1
         digits += (abs(value) >= 10 ** digits) - (abs(value) < 10 ** (digits - 1))   # log10's rounding
         return f"{'-' if value < 0 else ''}{abs(value) // 10 ** (digits - 10)}... ({digits} digits)"
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:                  # a container of such an integer
+        return f"<a {type(value).__name__} holding an integer too long to print>"
     return text if len(text) <= 80 else text[:77] + "..."
 
 

@@ -106,14 +106,19 @@ def check_text(name: str, text, where: str | None = None) -> str:
 
 def check_stops(value) -> tuple[str, ...]:
     """``stop``: one string or a list of them, each text of one character or more."""
-    stops = (value,) if isinstance(value, str) else value
+    return tuple(check_text("stop", s, f"stop[{i}]") for i, s in enumerate(as_tuple("stop", value, str)))
+
+
+def as_tuple(name: str, value, kind) -> tuple:
+    """One ``kind`` or a list of them (of field ``name``), as a tuple."""
+    items = (value,) if isinstance(value, kind) else value
     try:
-        stops = tuple(stops)
+        items = tuple(items)
     except TypeError:
-        stops = None
-    if stops is None or not all(isinstance(s, str) for s in stops):
-        raise FieldError(f"stop={shown(value)} must be a str or a list of them", "stop")
-    return tuple(check_text("stop", s, f"stop[{i}]") for i, s in enumerate(stops))
+        items = None
+    if items is None or any(not isinstance(x, kind) or isinstance(x, bool) for x in items):
+        raise FieldError(f"{name}={shown(value)} must be a {kind.__name__} or a list of them", name)
+    return items
 
 
 def lone_surrogate(text: str) -> int | None:

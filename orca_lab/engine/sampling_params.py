@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orca_lab.config import FieldError, check_bool
-from orca_lab.engine.fields import check, check_stops, check_token
+from orca_lab.config import FieldError, check_bool, shown
+from orca_lab.engine.fields import as_tuple, check, check_stops, check_token
 
 # the sampling fields that read a request's tokens or write its logprobs, and their "off" value
 HOST_STATE = (("logprobs", None), ("prompt_logprobs", None), ("logit_bias", ()), ("presence_penalty", 0.0),
@@ -62,7 +62,7 @@ class SamplingParams:
                 check(name, getattr(self, name))
         check_bool("ignore_eos", self.ignore_eos)
         check("min_tokens", self.min_tokens, hi=self.max_gen_tokens)
-        ids = _as_tuple("stop_token_ids", self.stop_token_ids, int)
+        ids = as_tuple("stop_token_ids", self.stop_token_ids, int)
         for t in ids:
             check_token("stop_token_ids", t)
         object.__setattr__(self, "stop_token_ids", ids)     # tuples: the params stay hashable
@@ -94,21 +94,9 @@ def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
     except TypeError:
         pairs = None
     if pairs is None or any(len(p) != 2 for p in pairs):
-        raise FieldError(f"logit_bias={value!r} must map token ids to biases", "logit_bias")
+        raise FieldError(f"logit_bias={shown(value)} must map token ids to biases", "logit_bias")
     out = {}
     for t, b in pairs:
-        check("logit_bias", b, where=f"logit_bias[{t!r}]")
+        check("logit_bias", b, where=f"logit_bias[{shown(t)}]")
         out[check_token("logit_bias", t, where="logit_bias token id")] = float(b)
     return tuple(sorted(out.items()))
-
-
-def _as_tuple(name: str, value, kind) -> tuple:
-    """One ``kind`` or a list of them, as a tuple."""
-    items = (value,) if isinstance(value, kind) else value
-    try:
-        items = tuple(items)
-    except TypeError:
-        items = None
-    if items is None or any(not isinstance(x, kind) or isinstance(x, bool) for x in items):
-        raise FieldError(f"{name}={value!r} must be a {kind.__name__} or a list of them", name)
-    return items
