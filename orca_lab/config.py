@@ -7,33 +7,59 @@ import os
 from dataclasses import dataclass
 
 
-def check_range(name: str, value, lo=None, hi=None, kind=int):
-    """Raise ValueError naming ``name``, its value and the allowed range unless lo <= value <= hi."""
+class FieldError(ValueError):
+    """A value refused, with the field it belongs to as data (``field``): whoever reports it (an HTTP
+    endpoint's ``param``) reads this, never the message's text. A ValueError, as every refusal here."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field          # (kept when pickled: it travels from the engine process to the server)
+
+
+def check_range(name: str, value, lo=None, hi=None, kind=int, *, field: str | None = None, open_lo: bool = False):
+    """Raise FieldError naming ``name``, its value and the allowed range unless lo <= value <= hi
+    (lo < value with ``open_lo``); its ``field`` is ``field``, else ``name``. An integer too large for
+    a float is out of any float range, never an OverflowError."""
+    allowed = range_text(lo, hi, open_lo)
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ValueError(f"{name}={value!r} must be an integer in {_range_text(lo, hi)}")
+        raise FieldError(f"{name}={shown(value)} must be an integer in {allowed}", field or name)
     if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))
-                          or not math.isfinite(value)):
-        raise ValueError(f"{name}={value!r} must be a finite number in {_range_text(lo, hi)}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ValueError(f"{name}={value!r} is out of range: allowed {_range_text(lo, hi)}")
+                          or (isinstance(value, float) and not math.isfinite(value))):
+        raise FieldError(f"{name}={shown(value)} must be a finite number in {allowed}", field or name)
+    if (lo is not None and (value <= lo if open_lo else value < lo)) or (hi is not None and value > hi):
+        raise FieldError(f"{name}={shown(value)} is out of range: allowed {allowed}", field or name)
     return value
+
+
+def shown(value) -> str:
+    """``value`` as a message shows it: its repr, cut to 80 characters; an integer of more than 30
+    digits by its first ones and its length (Python refuses to print one past 4300 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 30:
+        digits = int(math.log10(abs(value))) + 1
+        digits += (abs(value) >= 10 ** digits) - (abs(value) < 10 ** (digits - 1))   # log10's rounding
+        return f"{'-' if value < 0 else ''}{abs(value) // 10 ** (digits - 10)}... ({digits} digits)"
+    try:
+        text = repr(value)
+    except ValueError:                  # a container of such an integer
+        return f"<a {type(value).__name__} holding an integer too long to print>"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def check_choice(name: str, value, choices):
     if value not in choices:
-        raise ValueError(f"{name}={value!r} is not allowed: choose one of {', '.join(map(repr, choices))}")
+        raise FieldError(f"{name}={value!r} is not allowed: choose one of {', '.join(map(repr, choices))}", name)
     return value
 
 
 def check_bool(name: str, value):
-    """Raise ValueError naming ``name`` and its value unless it is True or False."""
+    """Raise FieldError naming ``name`` and its value unless it is True or False."""
     if not isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is not allowed: choose True or False")
+        raise FieldError(f"{name}={value!r} is not allowed: choose True or False", name)
     return value
 
 
-def _range_text(lo, hi) -> str:
-    return f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+def range_text(lo, hi, open_lo: bool = False) -> str:
+    return f"{'(' if open_lo else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
 
 
 FAMILIES = ("gpt2", "llama")          # model/families.py builds each

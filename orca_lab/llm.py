@@ -15,6 +15,7 @@ from orca_lab.distributed.executor import WorkerExecutor
 from orca_lab.distributed.pool import attached
 from orca_lab.engine.engine import Engine, RunResult, eos_ids
 from orca_lab.engine.executor import split_layers
+from orca_lab.engine.fields import check_text
 from orca_lab.engine.kv_manager import KVPool
 from orca_lab.engine.policies import system as resolve
 from orca_lab.engine.sampling_params import SamplingParams
@@ -277,7 +278,7 @@ class LLM:
             if self.tokenizer is None:
                 raise TypeError("a string prompt needs a tokenizer: pass LLM(tokenizer=...) or token ids "
                                 "(the gpt2 preset finds GPT-2's BPE once tiktoken and openai-whisper are installed)")
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(check_text("prompt", prompt))
         return prompt
 
 

@@ -15,7 +15,10 @@ import pytest
 
 from orca_lab import LLM, SamplingParams
 from orca_lab.serving.launch import ServerProcess
-from orca_lab.serving.protocol import NEUTRAL
+from orca_lab.config import FieldError
+from orca_lab.engine.fields import FIELDS
+from orca_lab.serving.protocol import NEUTRAL, CompletionRequest, validation_error
+from pydantic import ValidationError
 
 from helpers import hf_log_softmax, random_prompts
 
@@ -292,10 +295,42 @@ def test_every_field_of_the_request_schema_is_honoured_or_refused_by_name(server
         assert r.status_code == 200, (name, r.text)
 
 
+def past(x, direction):
+    """The next value past bound ``x`` of an int or float field (``direction`` -1 below, +1 above)."""
+    return x + direction if isinstance(x, int) else math.nextafter(x, direction * math.inf)
+
+
+@pytest.mark.parametrize("f", [f for f in FIELDS.values() if f.kind is not str and f.name in SamplingParams.__annotations__],
+                         ids=lambda f: f.name)
+def test_the_table_of_fields_is_the_one_range_of_each_field(f):
+    """SamplingParams and the protocol (its checks and its schema) read each field's range from the
+    table (engine/fields.py): its bounds pass, one step past them is refused naming the field, in
+    process and over HTTP alike, except where the table says why HTTP's range differs."""
+    wrap = {"stop_token_ids": lambda v: [v], "logit_bias": lambda v: {5: v}}.get(f.name, lambda v: v)
+    others = {f.up_to: 7} if f.up_to else {}                   # min_tokens: at most max_gen_tokens
+    in_process = lambda v: SamplingParams(**others, **{f.name: wrap(v)})
+    over_http = lambda v: CompletionRequest(prompt="a", echo=True, **{FIELDS[k].http: n for k, n in others.items()},
+                                            **{f.http: json.loads(json.dumps(wrap(v)))})
+    schema = CompletionRequest.model_json_schema()["properties"]
+    for send, http in ((in_process, False), (over_http, True)) if f.http else ((in_process, False),):
+        lo, hi = f.limits(http)
+        hi = others.get(f.up_to, hi)
+        send(hi)
+        send(past(lo, +1) if f.open_lo else lo)
+        for v in (past(lo, -1), past(hi, +1)) + ((lo,) if f.open_lo else ()):
+            with pytest.raises(ValidationError if http else FieldError) as e:
+                send(v)
+            assert (validation_error(e.value.errors())[1] if http else e.value.field) == (f.http if http else f.name)
+        if http:
+            s = schema[f.http]
+            s = s.get("items") or s.get("additionalProperties") or s
+            assert (s.get("minimum", s.get("exclusiveMinimum")), s["maximum"]) == f.limits(http)
+
+
 @pytest.mark.parametrize("body, field, words", [
     ({"logprobs": 21}, "logprobs", "allowed [0, 20]"),
     ({"logprobs": -1}, "logprobs", "allowed [0, 20]"),
-    ({"logprobs": True}, "logprobs", "not an integer"),
+    ({"logprobs": True}, "logprobs", "must be an integer in [0, 20]"),
     ({"max_tokens": 0}, "max_tokens", "0 with echo=true"),
     ({"echo": 1}, "echo", "valid boolean"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream=true"),
@@ -305,13 +340,26 @@ def test_every_field_of_the_request_schema_is_honoured_or_refused_by_name(server
     ({"logit_bias": {"300": 1}}, "logit_bias", "out of the vocabulary"),
     ({"logit_bias": [1, 2]}, "logit_bias", "must be an object"),
     ({"presence_penalty": 2.5}, "presence_penalty", "allowed [-2.0, 2.0]"),
-    ({"frequency_penalty": "1"}, "frequency_penalty", "not a number"),
+    ({"frequency_penalty": "1"}, "frequency_penalty", "must be a finite number in [-2.0, 2.0]"),
     ({"repetition_penalty": 5e-324}, "repetition_penalty", "allowed [0.01, 100.0]"),
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens", "allowed [0, 4]"),
     ({"min_tokens": -1}, "min_tokens", "allowed [0, 4]"),
+    # the engine's refusals carry their field (max_gen_tokens is HTTP's max_tokens), never read from text
+    ({"max_tokens": 1024}, "max_tokens", "exceeds the model's max length"),
+    ({"logit_bias": {"1" * 5000: 1}}, "logit_bias", "(5000 digits) is out of range: allowed [0, 16777215]"),
+    ({"logit_bias": {"1": 10 ** 400}}, "logit_bias", "is out of range: allowed [-100.0, 100.0]"),
+    ({"temperature": 10 ** 400}, "temperature", "(401 digits) is out of range: allowed [0.0, 2.0]"),
+    ({"temperature": 2.5}, "temperature", "allowed [0.0, 2.0]"),
+    ({"seed": -10 ** 400}, "seed", "-1000000000... (401 digits) is out of range: allowed [0, 9223372036854775807]"),
+    ({"stop": "a\ud800"}, "stop", "lone surrogate"),
+    ({"stop": ["ok", "\udfff"]}, "stop", "lone surrogate"),
+    # every logit masked until min_tokens are out: refused at entry, never a dead engine
+    ({"max_tokens": 3, "temperature": 1, "stop_token_ids": list(range(257)), "min_tokens": 2},
+     "stop_token_ids", "with min_tokens=2 it leaves no token to sample"),
 ])
 def test_bad_new_fields_get_a_400_naming_the_field(server, body, field, words):
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 4, **body})
+    r = httpx.post(server.url + "/v1/completions", content=json.dumps({"prompt": "a", "max_tokens": 4, **body}),
+                   headers={"content-type": "application/json"})    # escaped: a lone surrogate is valid JSON
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field and words in err["message"], err
@@ -331,6 +379,32 @@ def test_a_token_id_out_of_the_vocabulary_is_a_400_on_every_route(server, route,
     r = httpx.post(server.url + route, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+LONE = "x\ud800y"      # valid JSON ("x\\ud800y"), no UTF-8: no tokenizer can encode it
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/completions", {"prompt": LONE}, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", LONE], "stream": True}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONE}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+     "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a", "name": LONE}]}, "messages"),
+    ("/tokenize", {"prompt": LONE}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": LONE}]}, "messages"),
+])
+def test_text_no_tokenizer_can_encode_is_a_400_naming_the_field_on_every_route(server, route, body, param):
+    """A lone surrogate was a 500 (the tokenizer raised, unguarded): refused where it enters."""
+    r = httpx.post(server.url + route, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and "surrogate" in r.json()["error"]["message"], r.json()
+
+
+def test_an_unknown_field_named_by_a_lone_surrogate_is_a_400_not_an_unencodable_error_body(server):
+    r = httpx.post(server.url + "/v1/completions", content=json.dumps({"prompt": "a", LONE: 1}),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x\\ud800y", r.text
 
 
 def test_echo_of_a_bad_id_through_the_openai_client_names_it(client):

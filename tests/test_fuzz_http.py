@@ -8,6 +8,7 @@ refused with 400 for what only the model knows (token ids in its vocabulary, pro
 within its length and its K/V slots), as OpenAI's and vLLM's schemas leave those out too. The
 server has 64 K/V slots, so a request it accepts is short. The examples are derandomized: CI runs
 the same ones every time (``FUZZ_EXAMPLES=600`` explores further)."""
+import json
 import os
 from pathlib import Path
 
@@ -82,6 +83,31 @@ def test_token_ids_out_of_the_vocabulary_are_a_400_naming_the_field_on_every_rou
         assert r.status_code == 200, r.text
     else:
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# text with a lone surrogate (valid JSON, no UTF-8), which the schema's strings cannot say and
+# schemathesis does not send: in each place a client puts text
+UNENCODABLE = st.builds(lambda a, s, b: a + s + b, st.text(max_size=4), st.characters(categories=["Cs"]),
+                        st.text(max_size=4))
+PLACES = [("/v1/completions", lambda t: {"prompt": t}, "prompt"),
+          ("/v1/completions", lambda t: {"prompt": ["a", t], "stream": True}, "prompt"),
+          ("/v1/completions", lambda t: {"prompt": "a", "stop": ["b", t]}, "stop"),
+          ("/v1/completions", lambda t: {"prompt": "a", "logit_bias": {t: 1}}, "logit_bias"),
+          ("/v1/chat/completions", lambda t: {"messages": [{"role": "user", "content": t}]}, "messages"),
+          ("/v1/chat/completions", lambda t: {"messages": MESSAGES, "user": t}, "user"),
+          ("/tokenize", lambda t: {"prompt": t}, "prompt"),
+          ("/tokenize", lambda t: {"messages": [{"role": "system", "content": [{"type": "text", "text": t}]}]},
+           "messages")]
+
+
+@given(st.sampled_from(PLACES), UNENCODABLE)
+@settings(max_examples=EXAMPLES // 4, deadline=None, derandomize=EXAMPLES <= 60, suppress_health_check=list(HealthCheck))
+def test_text_no_tokenizer_can_encode_is_a_400_naming_its_field_on_every_route(fuzzed, place, text):
+    """A lone surrogate was a 500 (``tokenizer.encode`` raised, unguarded)."""
+    route, body, param = place
+    r = httpx.post(fuzzed.url + route, content=json.dumps(body(text)), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_the_server_still_serves_greedy_tokens_afterwards(fuzzed):

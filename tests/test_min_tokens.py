@@ -43,3 +43,14 @@ def test_over_http_min_tokens_holds_against_a_stop_string():
     assert ord("$") in ref["token_ids"][:MIN - 1]        # the stop string comes out before min_tokens
     tokens, reason = cut(ref["token_ids"], "$", MIN)
     assert (got["token_ids"], got["finish_reason"]) == (tokens, reason or ref["finish_reason"])
+
+
+def test_a_mask_that_leaves_no_token_is_refused_where_it_enters(tiny_llm):
+    """min_tokens masks EOS and the stop token ids: all 257 of them left no token to draw, and the
+    engine died in torch.multinomial. One id left is a request like any other."""
+    kw = dict(temperature=1.0, min_tokens=2, seed=0)
+    for ends in (dict(stop_token_ids=list(range(257))), dict(stop_token_ids=list(range(256)), ignore_eos=False)):
+        with pytest.raises(ValueError, match="with min_tokens=2 it leaves no token to sample") as e:
+            tiny_llm.generate([[1, 2, 3]], 3, **kw, **ends)
+        assert e.value.field == "stop_token_ids"
+    assert tiny_llm.generate([[1, 2, 3]], 3, stop_token_ids=list(range(256)), **kw)[0][:2] == [256, 256]

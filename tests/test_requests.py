@@ -160,7 +160,7 @@ def test_finish_reason_is_recorded(tiny_llm):
 
 
 @pytest.mark.parametrize("prompt,kw,match", [
-    ([], {}, "prompt is empty"), ([1, 300], {}, "prompt token id 300"),
+    ([], {}, "prompt is empty"), ([1, 300], {}, "prompt token id=300 is out of the vocabulary"),
     ([1] * 1020, dict(max_gen_tokens=8), "exceeds the model's max length"),
     ([1] * 600, dict(max_gen_tokens=8), "exceeds n_slots=512"),
     ([1], dict(stop_token_ids=[257]), "stop_token_ids=257 is out of the vocabulary"),
@@ -302,10 +302,11 @@ def test_a_stop_string_needs_a_tokenizer(tiny_llm):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(top_p=0.0), r"top_p=0 is out of range: allowed \(0, 1\]"), (dict(top_p=1.5), "top_p=1.5"),
+    (dict(top_p=0.0), r"top_p=0.0 is out of range: allowed \(0.0, 1.0\]"), (dict(top_p=1.5), "top_p=1.5"),
     (dict(stop=[""]), "empty string"), (dict(stop=[1]), "stop=.*str"),
     (dict(stop_token_ids=[-1]), "stop_token_ids=-1"), (dict(stop_token_ids="a"), "stop_token_ids"),
     (dict(ignore_eos=1), "ignore_eos"), (dict(seed=-1), "seed=-1"),
+    (dict(stop=["ok", "a\ud800"]), r"stop\[1\] holds a lone surrogate"),      # no tokenizer could match it
 ])
 def test_new_sampling_params_are_validated(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -28,6 +28,8 @@ import json
 from collections import deque
 from dataclasses import dataclass, field
 
+from orca_lab.config import FieldError
+from orca_lab.engine.fields import check_token
 from orca_lab.engine.sampling_params import HOST_STATE, SamplingParams
 from orca_lab.engine.request import Request
 
@@ -163,34 +165,46 @@ class Engine:
     def _checked(self, prompt, params: SamplingParams) -> tuple[list[int], SamplingParams]:
         prompt = self._check_prompt(prompt)
         if len(prompt) + params.max_gen_tokens > self.max_seq_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_gen_tokens ({params.max_gen_tokens}) "
+            raise FieldError(f"prompt ({len(prompt)} tokens) + max_gen_tokens ({params.max_gen_tokens}) "
                              f"= {len(prompt) + params.max_gen_tokens} exceeds the model's max length: "
-                             f"allowed <= {self.max_seq_len}")
+                             f"allowed <= {self.max_seq_len}", "max_gen_tokens")
         params = self._check_params(params)
         self.scheduler.check_admissible(Request(-1, prompt, params))
         return prompt, params
 
     def _check_params(self, params: SamplingParams) -> SamplingParams:
-        """Token ids in the vocabulary, stop strings only with a tokenizer; the engine's EOS filled in."""
+        """Token ids in the vocabulary, stop strings only with a tokenizer, a token left to sample;
+        the engine's EOS filled in."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if not params.ignore_eos and params.eos_token_id is None and self.eos_token_ids:
             eos, *more = self.eos_token_ids
             params = dataclasses.replace(params, eos_token_id=eos, stop_token_ids=params.stop_token_ids + tuple(
                 t for t in more if t not in params.stop_token_ids))
-        ids = [("eos_token_id", params.eos_token_id)] if params.eos_token_id is not None else []
-        ids += [("logit_bias token id", t) for t, _ in params.logit_bias]
-        for name, t in ids + [("stop_token_ids", t) for t in params.stop_token_ids]:
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"{name}={t} is out of the vocabulary: allowed [0, {self.vocab_size - 1}]")
+        if params.eos_token_id is not None:
+            check_token("eos_token_id", params.eos_token_id, self.vocab_size)
+        for t, _ in params.logit_bias:
+            check_token("logit_bias", t, self.vocab_size, "logit_bias token id")
+        for t in params.stop_token_ids:
+            check_token("stop_token_ids", t, self.vocab_size)
+        self._check_a_token_is_left(params)
         if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop={list(params.stop)!r} needs a tokenizer to read the output as text: "
-                             "give the LLM one, or use stop_token_ids")
+            raise FieldError(f"stop={list(params.stop)!r} needs a tokenizer to read the output as text: "
+                             "give the LLM one, or use stop_token_ids", "stop")
         if params.needs_host_state and not getattr(self.executor, "has_logits", False):
             asked = [f"{name}={getattr(params, name)!r}" for name, off in HOST_STATE if getattr(params, name) != off]
             raise ValueError(f"{', '.join(asked)}: needs a model's logits, which the simulator's cost model "
                              "does not compute")
         return params
+
+    def _check_a_token_is_left(self, params: SamplingParams):
+        """Until ``min_tokens`` are out, EOS and the stop token ids are masked (``model/penalties.py``):
+        if they are the whole vocabulary, no token could ever be drawn."""
+        ends = set(params.stop_token_ids) | ({params.eos_token_id} if not params.ignore_eos else set())
+        if params.min_tokens and len(ends - {None}) >= self.vocab_size:
+            raise FieldError(f"stop_token_ids hold the whole vocabulary ({self.vocab_size} ids, with EOS): with "
+                             f"min_tokens={params.min_tokens} it leaves no token to sample; stop on fewer ids",
+                             "stop_token_ids")
 
     def abort(self, request) -> bool:
         """Cancel a request (a ``Request`` or its rid) wherever it is, with finish_reason "abort":
@@ -229,11 +243,10 @@ class Engine:
             raise TypeError(f"prompt must be a list of token ids, got {type(prompt).__name__}")
         prompt = [int(t) for t in prompt]
         if not prompt:
-            raise ValueError("prompt is empty: allowed length [1, max_seq_len - max_gen_tokens]")
+            raise FieldError("prompt is empty: allowed length [1, max_seq_len - max_gen_tokens]", "prompt")
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"prompt token id {bad} is out of the vocabulary: allowed "
-                             f"[0, {self.vocab_size - 1}]")
+            check_token("prompt", bad, self.vocab_size, "prompt token id")
         return prompt
 
     # -- the loop -----------------------------------------------------------------------------

@@ -1,13 +1,12 @@
 """How a request wants its tokens chosen and when it stops: ``SamplingParams``, checked field by
-field where it is made."""
+field where it is made, against the table of request fields (``fields.py``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orca_lab.config import check_range
+from orca_lab.config import FieldError, check_bool, shown
+from orca_lab.engine.fields import as_tuple, check, check_stops, check_token
 
-MIN_REPETITION_PENALTY = 0.01
-MAX_LOGPROBS = 20      # most likely tokens a request may ask for at each position (vLLM's default cap)
 # the sampling fields that read a request's tokens or write its logprobs, and their "off" value
 HOST_STATE = (("logprobs", None), ("prompt_logprobs", None), ("logit_bias", ()), ("presence_penalty", 0.0),
               ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0))
@@ -55,34 +54,19 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self):
-        check_range("max_gen_tokens", self.max_gen_tokens, 1, 1 << 20)
-        check_range("temperature", self.temperature, 0.0, 100.0, kind=float)
-        check_range("top_k", self.top_k, 0, 1 << 24)
-        check_range("top_p", self.top_p, 0.0, 1.0, kind=float)
-        if self.top_p == 0:
-            raise ValueError("top_p=0 is out of range: allowed (0, 1]")
-        if self.seed is not None:
-            check_range("seed", self.seed, 0, 2 ** 63 - 1)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False")
-        if self.eos_token_id is not None:
-            check_range("eos_token_id", self.eos_token_id, 0, (1 << 24) - 1)
-        ids = _as_tuple("stop_token_ids", self.stop_token_ids, int)
-        for t in ids:
-            check_range("stop_token_ids", t, 0, (1 << 24) - 1)
-        stop = _as_tuple("stop", self.stop, str)
-        if any(not s for s in stop):
-            raise ValueError(f"stop={list(stop)!r} holds an empty string: each stop string needs >= 1 character")
-        object.__setattr__(self, "stop_token_ids", ids)     # tuples: the params stay hashable
-        object.__setattr__(self, "stop", stop)
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("max_gen_tokens", "temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            check(name, getattr(self, name))
+        for name in ("seed", "logprobs", "prompt_logprobs", "eos_token_id"):      # None: not asked for
             if getattr(self, name) is not None:
-                check_range(name, getattr(self, name), 0, MAX_LOGPROBS)
-        check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, kind=float)
-        check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, kind=float)
-        # (vLLM takes any positive value; 5e-324 divides a logit to infinity, and the draw fails)
-        check_range("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, 100.0, kind=float)
-        check_range("min_tokens", self.min_tokens, 0, self.max_gen_tokens)
+                check(name, getattr(self, name))
+        check_bool("ignore_eos", self.ignore_eos)
+        check("min_tokens", self.min_tokens, hi=self.max_gen_tokens)
+        ids = as_tuple("stop_token_ids", self.stop_token_ids, int)
+        for t in ids:
+            check_token("stop_token_ids", t)
+        object.__setattr__(self, "stop_token_ids", ids)     # tuples: the params stay hashable
+        object.__setattr__(self, "stop", check_stops(self.stop))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property
@@ -108,24 +92,11 @@ def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
     try:
         pairs = [tuple(p) for p in items]
     except TypeError:
-        raise ValueError(f"logit_bias={value!r} must map token ids to biases") from None
+        pairs = None
+    if pairs is None or any(len(p) != 2 for p in pairs):
+        raise FieldError(f"logit_bias={shown(value)} must map token ids to biases", "logit_bias")
     out = {}
-    for p in pairs:
-        if len(p) != 2:
-            raise ValueError(f"logit_bias={value!r} must map token ids to biases")
-        check_range(f"logit_bias[{p[0]!r}]", p[1], -100.0, 100.0, kind=float)
-        out[check_range("logit_bias token id", p[0], 0, (1 << 24) - 1)] = float(p[1])
+    for t, b in pairs:
+        check("logit_bias", b, where=f"logit_bias[{shown(t)}]")
+        out[check_token("logit_bias", t, where="logit_bias token id")] = float(b)
     return tuple(sorted(out.items()))
-
-
-def _as_tuple(name: str, value, kind) -> tuple:
-    """One ``kind`` or a list of them, as a tuple."""
-    items = (value,) if isinstance(value, kind) else value
-    try:
-        items = tuple(items)
-    except TypeError:
-        raise ValueError(f"{name}={value!r} must be a {kind.__name__} or a list of them") from None
-    if any(not isinstance(x, kind) or isinstance(x, bool) for x in items):
-        raise ValueError(f"{name}={value!r} must be a {kind.__name__} or a list of them")
-    return items
-

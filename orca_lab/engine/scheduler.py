@@ -15,6 +15,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
+from orca_lab.config import FieldError
 from orca_lab.engine.batch import Batch
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.request import Request, RequestState
@@ -65,9 +66,9 @@ class Scheduler:
         """Refuse at submission a request that could never be scheduled: it would block FCFS forever."""
         need = self.reservation(req)
         if need > self.kv.n_slots:
-            raise ValueError(f"max_tokens={need} (prompt {len(req.prompt)} + max_gen_tokens "
+            raise FieldError(f"max_tokens={need} (prompt {len(req.prompt)} + max_gen_tokens "
                              f"{req.params.max_gen_tokens}, as reserved by {self.name}) exceeds "
-                             f"n_slots={self.kv.n_slots}: allowed max_tokens <= n_slots")
+                             f"n_slots={self.kv.n_slots}: allowed max_tokens <= n_slots", "max_gen_tokens")
 
     def add(self, req: Request):
         self.check_admissible(req)

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orca_lab.engine.detokenizer import Detokenizer
+from orca_lab.engine.fields import http_error
 from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.serving.chat import ChatRequest, DetokenizeRequest, TokenizeRequest, chat_chunk, chat_response, render
 from orca_lab.serving.completions import sse_answer, whole_answer
@@ -162,8 +163,10 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
             raise HTTPError(400, f"model {state.model_name!r} has no tokenizer: it takes token ids only", "prompt")
         if body.prompt is None and body.messages is None:
             raise HTTPError(400, "give prompt (text) or messages (a chat)", "prompt")
-        text = body.prompt if body.prompt is not None else prompt_of(body.messages, body.add_generation_prompt)
-        ids = tokenizer.encode(text)
+        if body.prompt is not None:
+            ids = _tokens(tokenizer, body.prompt, "prompt")
+        else:
+            ids = _tokens(tokenizer, prompt_of(body.messages, body.add_generation_prompt), "messages")
         return {"count": len(ids), "max_model_len": core.info.cfg.max_seq_len, "tokens": ids,
                 "token_strs": [token_name(tokenizer, t) for t in ids] if body.return_token_strs else None}
 
@@ -173,7 +176,7 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
         _check_model(state, body.model)
         if tokenizer is None:
             raise HTTPError(400, f"model {state.model_name!r} has no tokenizer: it takes token ids only", "tokens")
-        return {"prompt": tokenizer.decode(check_ids(body.tokens, core.info.cfg.vocab_size, "tokens"))}
+        return {"prompt": tokenizer.decode(check_ids(body.tokens, core.info.cfg.vocab_size, "tokens", "tokens"))}
 
     return app
 
@@ -193,7 +196,7 @@ async def _complete(state: ServerState, body: CompletionRequest, request: Reques
     try:
         await state.pool.submit(streams)
     except (ValueError, TypeError) as e:
-        raise HTTPError(400, _http_names(str(e)), _param_of(str(e))) from None
+        raise HTTPError(400, *http_error(e)) from None
     rec = HTTPRecord([s.rid for s in streams], arrival)
     state.record(cid, rec)
     if body.stream:
@@ -256,7 +259,7 @@ def _streams(state: ServerState, body: CompletionRequest, arrival: float) -> lis
     _check_model(state, body.model)
     info = state.pool.core.info
     where = lambda i: "prompt" if len(body.prompt) == 1 else f"prompt[{i}]"
-    prompts = [check_ids(_encode(info.tokenizer, p, where(i)), info.cfg.vocab_size, where(i))
+    prompts = [check_ids(_encode(info.tokenizer, p, "prompt", where(i)), info.cfg.vocab_size, "prompt", where(i))
                for i, p in enumerate(body.prompt)]
     out, q = [], asyncio.Queue()
     for i, ids in enumerate(prompts):
@@ -273,7 +276,7 @@ def _streams(state: ServerState, body: CompletionRequest, arrival: float) -> lis
                                         frequency_penalty=body.frequency_penalty,
                                         repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens)
             except ValueError as e:
-                raise HTTPError(400, _http_names(str(e)), _param_of(str(e))) from None
+                raise HTTPError(400, *http_error(e)) from None
             decode = state.pool.decode
             prompt = body.prompt[i]
             echo = "" if not body.echo else prompt if isinstance(prompt, str) else decode(ids) if decode else ""
@@ -283,42 +286,36 @@ def _streams(state: ServerState, body: CompletionRequest, arrival: float) -> lis
     return out
 
 
-def check_ids(ids: list[int], vocab_size: int, where: str) -> list[int]:
+def check_ids(ids: list[int], vocab_size: int, field: str, where: str) -> list[int]:
     """Token ids a client sent, refused here if one is out of the vocabulary: before anything
     decodes them (echo's text, /detokenize), so a bad id is a 400, never a decoder's 500."""
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise HTTPError(400, f"{where} holds token id {bad}: out of the vocabulary, allowed [0, {vocab_size - 1}]",
-                        where.split("[")[0])
+                        field)
     return ids
 
 
-def _encode(tokenizer, prompt, where: str) -> list[int]:
+def _encode(tokenizer, prompt, field: str, where: str) -> list[int]:
     if not isinstance(prompt, str):
         return prompt
     if tokenizer is None:
-        raise HTTPError(400, f"{where} is text but this model has no tokenizer: send token ids", "prompt")
-    ids = tokenizer.encode(prompt)
+        raise HTTPError(400, f"{where} is text but this model has no tokenizer: send token ids", field)
+    ids = _tokens(tokenizer, prompt, field, where)
     if not ids:
-        raise HTTPError(400, f"prompt={prompt!r} encodes to no token: allowed 1 to max_seq_len - max_tokens "
-                        "tokens", "prompt")
+        raise HTTPError(400, f"{where}={prompt!r} encodes to no token: allowed 1 to max_seq_len - max_tokens "
+                        "tokens", field)
     return ids
 
 
-def _http_names(message: str) -> str:
-    """The engine speaks the paper's names; the HTTP client sent OpenAI's."""
-    if "max_gen_tokens" in message:
-        message += " (max_gen_tokens is the request's max_tokens)"
-    return message
-
-
-def _param_of(message: str) -> str | None:
-    for name in ("prompt_logprobs", "prompt", "max_tokens", "max_gen_tokens", "stop_token_ids", "stop", "top_p",
-                 "top_k", "temperature", "seed", "eos_token_id", "logprobs", "logit_bias", "min_tokens",
-                 "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if message.startswith(name):
-            return {"max_gen_tokens": "max_tokens", "prompt_logprobs": "logprobs"}.get(name, name)
-    return "prompt" if "prompt" in message else None
+def _tokens(tokenizer, text: str, field: str, where: str | None = None) -> list[int]:
+    """``tokenizer.encode(text)``; text it cannot encode is a 400 naming the client's field (the
+    body's check refuses lone surrogates first; this holds whatever else a tokenizer refuses)."""
+    try:
+        return tokenizer.encode(text)
+    except (ValueError, TypeError) as e:          # UnicodeEncodeError; a Hugging Face tokenizer's TypeError
+        raise HTTPError(400, f"{where or field}: this model's tokenizer cannot encode it "
+                        f"({type(e).__name__}: {e})", field) from None
 
 
 async def _until_done_or_gone(state: ServerState, request: Request, work, streams: list[Stream]):

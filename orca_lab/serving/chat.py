@@ -15,9 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, create_model, field_validator
 
-from orca_lab.config import check_range
-from orca_lab.engine.sampling_params import MAX_LOGPROBS
-from orca_lab.serving.protocol import MAX_TOKENS, CompletionRequest, _short
+from orca_lab.engine.fields import MAX_LOGPROBS, check
+from orca_lab.serving.protocol import MAX_TOKENS, Body, CompletionRequest, _short
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # the completions fields a chat takes as they are (the checks are CompletionRequest's)
@@ -54,7 +53,7 @@ class ChatMessage(BaseModel):
         return v
 
 
-class ChatFields(BaseModel):
+class ChatFields(Body):
     """What only a chat has; the sampling fields (``SHARED``) are added from ``CompletionRequest``,
     their schema as they are, and are checked by it (``completion_fields``)."""
     model_config = ConfigDict(extra="forbid")
@@ -84,7 +83,7 @@ class ChatFields(BaseModel):
     def _top_logprobs(cls, v, info):
         if v is not None and not info.data.get("logprobs"):
             raise ValueError(f"top_logprobs={v} needs logprobs=true")
-        return v if v is None else check_range("top_logprobs", v, 0, MAX_LOGPROBS)
+        return v if v is None else check("logprobs", v, http=True, where="top_logprobs")
 
     @field_validator("tools", "response_format")
     @classmethod
@@ -190,7 +189,7 @@ def chat_chunk(data: str, started: set) -> str:
 
 
 # -- /tokenize and /detokenize, as vLLM serves them ------------------------------------------------
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Body):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: StrictStr | None = None
@@ -207,7 +206,7 @@ class TokenizeRequest(BaseModel):
         return v
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(Body):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[StrictInt]

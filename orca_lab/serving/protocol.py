@@ -1,7 +1,9 @@
 """The OpenAI completions API as this server speaks it: request and response shapes and their checks.
 
 Requests are pydantic models, as FastAPI reads them; every field is checked where it enters, with a
-message that names the field, the value and the allowed range (``orca_lab.config.check_range``).
+message that names the field, the value and the allowed range, read from the table of request fields
+(``orca_lab/engine/fields.py``), which ``SamplingParams`` and the engine read too. Text anywhere in a
+body must be valid Unicode (a lone surrogate, valid JSON, is refused naming its field: ``Body``).
 Checks that need the model (vocabulary, max length, K/V slots) are the engine's own, run by the
 server before it accepts a request. vLLM's extensions ``ignore_eos``, ``top_k``, ``stop_token_ids``,
 ``return_token_ids``, ``repetition_penalty`` and ``min_tokens`` are accepted. A field this server
@@ -19,14 +21,16 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-from orca_lab.config import check_range
+from orca_lab.config import FieldError
+from orca_lab.config import shown as _short
+from orca_lab.engine.fields import BY_HTTP, FIELDS, MAX_GEN_TOKENS, TOKEN_ID_MAX, check_stops, check_text, \
+    http_param, lone_surrogate
 from orca_lab.engine.request import FINISH_REASONS
-from orca_lab.engine.sampling_params import MAX_LOGPROBS, MIN_REPETITION_PENALTY
 
-MAX_TOKENS = 1 << 20
-MAX_N = 16
+MAX_TOKENS = MAX_GEN_TOKENS
+MAX_N = FIELDS["n"].hi
 
 
 class StreamOptions(BaseModel):
@@ -39,7 +43,47 @@ def bounds(**schema) -> dict:
     return {"json_schema_extra": schema}
 
 
-FLOATS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+def limits(name: str, **schema) -> dict:
+    """``bounds`` of the HTTP field ``name`` as the table of fields has them (each item's, for a list)."""
+    f = BY_HTTP[name]
+    lo, hi = f.limits(http=True)
+    bound = {"exclusiveMinimum" if f.open_lo else "minimum": lo, "maximum": hi}
+    return bounds(**({"items": {"type": "integer", **bound}} if f.each else bound) | schema)
+
+
+class Body(BaseModel):
+    """A request body. Text anywhere in it (a key too) must be valid Unicode: a lone surrogate is
+    valid JSON (``"\\ud800"``) but no character, and no tokenizer takes it; refused before any field
+    is read, naming the field that holds it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data):
+        for key, value in data.items() if isinstance(data, dict) else ():
+            where, text = ("a field name", key) if lone_surrogate(key) is not None else _unencodable(value, key)
+            if text is not None:
+                check_text(key, text, where)         # refuses it, its field the key
+        return data
+
+
+def _unencodable(value, path: str) -> tuple[str, str | None]:
+    """Where in ``value`` (named ``path``) the first text UTF-8 cannot encode is (keys too), and
+    that text; ``(path, None)`` if there is none."""
+    if isinstance(value, str):
+        return path, value if lone_surrogate(value) is not None else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        if isinstance(k, str) and lone_surrogate(k) is not None:
+            return f"a key of {path}", k
+        where, text = _unencodable(v, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]")
+        if text is not None:
+            return where, text
+    return path, None
+
+
+# the numbers the table of fields (engine/fields.py) checks, by their HTTP names
+NUMBERS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "n", "logprobs", "prompt_logprobs",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
 # OpenAI's and vLLM's completion fields this server does not implement: only the neutral value passes
 NEUTRAL = {"suffix": None, "use_beam_search": False, "length_penalty": 1.0, "truncate_prompt_tokens": None,
            "min_p": 0.0, "include_stop_str_in_output": False,
@@ -50,7 +94,7 @@ IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 
 TEXT = {"type": "string", "minLength": 1}
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(Body):
     """``POST /v1/completions``; a field this server does not know is refused (a 400 naming it)."""
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
@@ -59,31 +103,31 @@ class CompletionRequest(BaseModel):
                         **bounds(anyOf=[TEXT, IDS, {"type": "array", "items": {"anyOf": [TEXT, IDS]}, "minItems": 1}]))
     echo: StrictBool = Field(False, description="the prompt before the completion, with its logprobs if asked")
     max_tokens: int | None = Field(16, description="0 only with echo (the prompt's logprobs, no completion)",
-                                   **bounds(minimum=0, maximum=MAX_TOKENS))
-    temperature: float | None = Field(1.0, **bounds(minimum=0.0, maximum=2.0))
-    top_p: float | None = Field(1.0, **bounds(exclusiveMinimum=0.0, maximum=1.0))
-    top_k: int | None = Field(None, **bounds(minimum=-1, maximum=1 << 24))
-    seed: int | None = Field(None, **bounds(minimum=0, maximum=2 ** 63 - 1))
+                                   **limits("max_tokens"))
+    temperature: float | None = Field(1.0, **limits("temperature"))
+    top_p: float | None = Field(1.0, **limits("top_p"))
+    top_k: int | None = Field(None, **limits("top_k"))
+    seed: int | None = Field(None, **limits("seed"))
     stop: str | list[str] | None = Field(None, **bounds(anyOf=[TEXT, {"type": "array", "items": TEXT}, {"type": "null"}]))
-    stop_token_ids: list[int] | None = Field(None, **bounds(items={"type": "integer", "minimum": 0, "maximum": 1 << 24}))
-    n: int = Field(1, **bounds(minimum=1, maximum=MAX_N))
+    stop_token_ids: list[int] | None = Field(None, **limits("stop_token_ids"))
+    n: int = Field(1, **limits("n"))
     stream: StrictBool = False
     stream_options: StreamOptions | None = Field(None, description="only with stream=true")
     ignore_eos: StrictBool = False
     return_token_ids: StrictBool = False
     return_tokens_as_token_ids: StrictBool = Field(False, description="logprobs name each token token_id:<id>")
     logprobs: int | None = Field(None, description="the log-probabilities of the k most likely tokens at each "
-                                 "position (log_softmax of the raw logits)", **bounds(minimum=0, maximum=MAX_LOGPROBS))
-    presence_penalty: float | None = Field(0.0, **bounds(minimum=-2.0, maximum=2.0))
-    frequency_penalty: float | None = Field(0.0, **bounds(minimum=-2.0, maximum=2.0))
-    repetition_penalty: float | None = Field(1.0, **bounds(minimum=MIN_REPETITION_PENALTY, maximum=100.0))
+                                 "position (log_softmax of the raw logits)", **limits("logprobs"))
+    presence_penalty: float | None = Field(0.0, **limits("presence_penalty"))
+    frequency_penalty: float | None = Field(0.0, **limits("frequency_penalty"))
+    repetition_penalty: float | None = Field(1.0, **limits("repetition_penalty"))
     prompt_logprobs: int | None = Field(None, description="vLLM's: each prompt token's log-probability with the "
                                         "k most likely at its position, in choice.prompt_logprobs",
-                                        **bounds(minimum=0, maximum=MAX_LOGPROBS))
-    min_tokens: int | None = Field(0, description="at most max_tokens", **bounds(minimum=0, maximum=MAX_TOKENS))
+                                        **limits("prompt_logprobs"))
+    min_tokens: int | None = Field(0, description="at most max_tokens", **limits("min_tokens"))
     logit_bias: dict[str, float] | None = Field(None, description="token id -> bias added to its logit",
-                                                **bounds(additionalProperties={"type": "number", "minimum": -100,
-                                                                               "maximum": 100}))
+                                                **bounds(additionalProperties={"type": "number", **dict(zip(
+                                                    ("minimum", "maximum"), FIELDS["logit_bias"].limits(http=True)))}))
     best_of: int | None = Field(None, **bounds(enum=[None, 1]))
     user: str | None = None
     # not implemented: the neutral value only (NEUTRAL)
@@ -105,18 +149,30 @@ class CompletionRequest(BaseModel):
     logits_processors: Any = Field(None, **bounds(enum=[None]))
     priority: int | None = Field(0, **bounds(enum=[None, 0]))
 
-    @field_validator("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "n", "logprobs",
-                     "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                     "prompt_logprobs", mode="before")
+    @field_validator(*NUMBERS, mode="before")
     @classmethod
-    def _numbers(cls, v, info):
-        """A number is a JSON number: pydantic would take ``true`` as 1 and ``"5"`` as 5 (``5.0`` is
-        an integer, in JSON Schema as here)."""
-        kind = "a number" if info.field_name in FLOATS else "an integer"
-        for x in v if isinstance(v, list) else [v]:
-            if isinstance(x, (bool, str)):
-                raise ValueError(f"{info.field_name}={_short(v)}: {x!r} is not {kind}")
-        return v
+    def _in_range(cls, v, info):
+        """A number's kind and range from the table of fields (``engine/fields.py``), read as JSON has
+        it: ``true`` and ``"5"`` are no numbers (pydantic would read 1 and 5), ``5.0`` is an integer."""
+        name = info.field_name
+        f = BY_HTTP[name]
+        if v is None:                                           # the default (``_null_is_default``)
+            return v
+        if f.each:                                              # stop_token_ids: pydantic refuses a non-list
+            return [f.check(_json_number(x, f.kind), http=True, where=f"{name}[{i}]") for i, x in enumerate(v)] \
+                if isinstance(v, list) else v
+        v = _json_number(v, f.kind)
+        if name == "max_tokens" and v == 0:
+            if info.data.get("echo") is True:                   # lm-eval's scoring request: the prompt only
+                return 0
+            raise FieldError(f"max_tokens=0 is out of range: allowed {f.range_text()}, or 0 with echo=true", f.name)
+        return f.check(v, http=True, hi=info.data.get(FIELDS[f.up_to].http) if f.up_to else None)  # min_tokens
+
+    @field_validator("max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "min_tokens")
+    @classmethod
+    def _null_is_default(cls, v, info):
+        return cls.model_fields[info.field_name].default if v is None else v
 
     @field_validator(*NEUTRAL, mode="before")
     @classmethod
@@ -141,58 +197,16 @@ class CompletionRequest(BaseModel):
     def _prompts(cls, v):
         return normalize_prompt(v)
 
-    @field_validator("max_tokens")
-    @classmethod
-    def _max_tokens(cls, v, info):
-        if v == 0 and info.data.get("echo") is True:       # lm-eval's scoring request: the prompt only
-            return 0
-        if v == 0:
-            raise ValueError("max_tokens=0 is out of range: allowed [1, 1048576], or 0 with echo=true")
-        return 16 if v is None else check_range("max_tokens", v, 1, MAX_TOKENS)
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v):
-        return 1.0 if v is None else check_range("temperature", v, 0.0, 2.0, kind=float)
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v):
-        if v is None:
-            return 1.0
-        check_range("top_p", v, 0.0, 1.0, kind=float)
-        if v == 0:
-            raise ValueError("top_p=0.0 is out of range: allowed (0, 1]")
-        return v
-
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v):
-        """vLLM's -1 (and 0) turn top-k off."""
-        return 0 if v is None or v == -1 else check_range("top_k", v, 0, 1 << 24)
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, v):
-        return v if v is None else check_range("seed", v, 0, 2 ** 63 - 1)
+        """vLLM's -1 (and 0, and null) turn top-k off."""
+        return 0 if v is None or v == -1 else v
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if any(not s for s in stops):
-            raise ValueError(f"stop={v!r} holds an empty string: each stop string needs >= 1 character")
-        return stops
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _stop_ids(cls, v):
-        return [check_range("stop_token_ids[]", t, 0, 1 << 24) for t in v or []]
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v):
-        return check_range("n", v, 1, MAX_N)
+        return list(check_stops([] if v is None else v))
 
     @field_validator("stream_options")
     @classmethod
@@ -200,29 +214,6 @@ class CompletionRequest(BaseModel):
         if v is not None and info.data.get("stream") is not True:
             raise ValueError("stream_options is only allowed with stream=true")
         return v
-
-    @field_validator("logprobs", "prompt_logprobs")
-    @classmethod
-    def _logprobs(cls, v, info):
-        return v if v is None else check_range(info.field_name, v, 0, MAX_LOGPROBS)
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v, info):
-        return 0.0 if v is None else check_range(info.field_name, v, -2.0, 2.0, kind=float)
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _repetition_penalty(cls, v):
-        if v is None:
-            return 1.0
-        return check_range("repetition_penalty", v, MIN_REPETITION_PENALTY, 100.0, kind=float)
-
-    @field_validator("min_tokens")
-    @classmethod
-    def _min_tokens(cls, v, info):
-        hi = info.data.get("max_tokens", MAX_TOKENS)
-        return 0 if v is None else check_range("min_tokens", v, 0, hi if hi is not None else MAX_TOKENS)
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -233,11 +224,15 @@ class CompletionRequest(BaseModel):
         if not isinstance(v, dict):
             raise ValueError(f"logit_bias={_short(v)} must be an object mapping token ids to biases")
         for k, b in v.items():
-            if not (str(k).isascii() and str(k).isdigit()):          # "²" is a digit to str.isdigit, not to int()
-                raise ValueError(f"logit_bias key {k!r} is not a token id: keys are token ids (0 or more)")
-            if isinstance(b, (bool, str)) or not isinstance(b, (int, float)):
-                raise ValueError(f"logit_bias[{k!r}]={_short(b)} is not a number")
-            check_range(f"logit_bias[{k!r}]", b, -100.0, 100.0, kind=float)
+            k = str(k)
+            if not (k.isascii() and k.isdigit()):          # "²" is a digit to str.isdigit, not to int()
+                raise FieldError(f"logit_bias key {_short(k)} is not a token id: keys are token ids (0 or more)",
+                                 "logit_bias")
+            long = len(k.lstrip("0")) > 12                 # (int() refuses 4300 digits and more)
+            if long or int(k) > TOKEN_ID_MAX:
+                raise FieldError(f"logit_bias key {_short(k)}{f' ({len(k)} digits)' if long else ''} is out of "
+                                 f"range: allowed [0, {TOKEN_ID_MAX}]", "logit_bias")
+            FIELDS["logit_bias"].check(b, http=True, where=f"logit_bias[{k!r}]")
         return {str(k): float(b) for k, b in v.items()}
 
     @property
@@ -279,9 +274,10 @@ def _is_id(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
 
 
-def _short(v) -> str:
-    text = repr(v)
-    return text if len(text) <= 80 else text[:77] + "..."
+def _json_number(v, kind):
+    """``v`` as the table's ``kind`` reads it: an integral JSON number is an integer (JSON Schema's);
+    anything else as it is, for the table to refuse."""
+    return int(v) if kind is int and isinstance(v, float) and v.is_integer() else v
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -397,17 +393,24 @@ class RunPage(BaseModel):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": status}}
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``; text UTF-8 cannot
+    encode (a lone surrogate a client sent, named back) escaped, so that the answer can be sent."""
+    return {"error": {"message": _sendable(message), "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": None if param is None else _sendable(param), "code": status}}
+
+
+def _sendable(text: str) -> str:
+    return text if lone_surrogate(text) is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def validation_error(errors: list[dict]) -> tuple[str, str | None]:
     """The first of pydantic's errors as ``(message, field)``: our own checks already name the field,
-    value and range; a type error gets them prepended. Malformed JSON names the position."""
+    value and range; a type error gets them prepended. Malformed JSON names the position. A check of
+    the whole body (``Body``) names its field as data (``FieldError.field``)."""
     err = errors[0]
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    field = ".".join(loc) or None
+    refused = err.get("ctx", {}).get("error")
+    field = ".".join(loc) or (http_param(refused.field) if isinstance(refused, FieldError) else None)
     if err.get("type") == "json_invalid":
         where = err.get("ctx", {}).get("error", err.get("msg", ""))
         return f"malformed JSON body: {where}", None
