@@ -4,7 +4,8 @@ Requests are pydantic models, as FastAPI reads them; every field is checked wher
 message that names the field, the value and the allowed range (``orca_lab.config.check_range``).
 Checks that need the model (vocabulary, max length, K/V slots) are the engine's own, run by the
 server before it accepts a request. vLLM's extensions ``ignore_eos``, ``top_k``, ``stop_token_ids``,
-``return_token_ids``, ``repetition_penalty`` and ``min_tokens`` are accepted. A field this server
+``return_token_ids``, ``repetition_penalty``, ``min_tokens``, ``truncate_prompt_tokens`` and beam search
+(``use_beam_search``, ``length_penalty``) are accepted. A field this server
 cannot honour is refused with a 400 naming it, never accepted and ignored: OpenAI's and vLLM's fields
 it does not implement are declared with their neutral value the only one allowed (``NEUTRAL``), and
 a field it does not know is refused too.
@@ -22,6 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from orca_lab.config import check_range
+from orca_lab.engine.beam_search import MAX_LENGTH_PENALTY
 from orca_lab.engine.sampling_params import MAX_LOGPROBS, MIN_REPETITION_PENALTY
 
 MAX_TOKENS = 1 << 20
@@ -29,7 +31,12 @@ MAX_N = 16
 
 
 class StreamOptions(BaseModel):
-    include_usage: StrictBool = False
+    """``include_usage``: a last chunk with the usage (null: as ``continuous_usage_stats``, which then
+    implies it, as vLLM's default true does); ``continuous_usage_stats`` (vLLM's): with it, every
+    chunk carries its choice's usage so far."""
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool | None = None
+    continuous_usage_stats: StrictBool | None = False
 
 
 def bounds(**schema) -> dict:
@@ -38,10 +45,9 @@ def bounds(**schema) -> dict:
     return {"json_schema_extra": schema}
 
 
-FLOATS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+FLOATS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty")
 # OpenAI's and vLLM's completion fields this server does not implement: only the neutral value passes
-NEUTRAL = {"suffix": None, "use_beam_search": False, "length_penalty": 1.0, "truncate_prompt_tokens": None,
-           "min_p": 0.0, "include_stop_str_in_output": False,
+NEUTRAL = {"suffix": None, "min_p": 0.0, "include_stop_str_in_output": False,
            "skip_special_tokens": True, "spaces_between_special_tokens": True, "allowed_token_ids": None,
            "bad_words": None, "response_format": None, "guided_json": None, "guided_regex": None,
            "guided_choice": None, "guided_grammar": None, "logits_processors": None, "priority": 0}
@@ -85,11 +91,17 @@ class CompletionRequest(BaseModel):
                                                                                "maximum": 100}))
     best_of: int | None = Field(None, **bounds(enum=[None, 1]))
     user: str | None = None
+    use_beam_search: StrictBool = Field(False, description="vLLM's: the n best sequences by beam search, n the beam "
+                                        "width; whole only, and the sampling fields are refused with it")
+    length_penalty: float | None = Field(1.0, description="with use_beam_search: a beam's score is its cumulative "
+                                         "logprob / len(prompt + output) ** length_penalty",
+                                         **bounds(minimum=-MAX_LENGTH_PENALTY, maximum=MAX_LENGTH_PENALTY))
+    truncate_prompt_tokens: int | None = Field(None, description="vLLM's: keep the prompt's last k tokens; -1: as many "
+                                               "as max_tokens leaves of the model's length (at most that)",
+                                               **bounds(anyOf=[{"const": -1}, {"type": "integer", "minimum": 1},
+                                                                {"type": "null"}]))
     # not implemented: the neutral value only (NEUTRAL)
     suffix: str | None = Field(None, **bounds(enum=[None]))
-    use_beam_search: StrictBool = Field(False, **bounds(enum=[False]))
-    length_penalty: float | None = Field(1.0, **bounds(enum=[None, 1.0]))
-    truncate_prompt_tokens: int | None = Field(None, **bounds(enum=[None]))
     min_p: float | None = Field(0.0, **bounds(enum=[None, 0.0]))
     include_stop_str_in_output: StrictBool = Field(False, **bounds(enum=[False]))
     skip_special_tokens: StrictBool = Field(True, **bounds(enum=[True]))
@@ -106,7 +118,7 @@ class CompletionRequest(BaseModel):
 
     @field_validator("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "n", "logprobs",
                      "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                     "prompt_logprobs", mode="before")
+                     "prompt_logprobs", "length_penalty", "truncate_prompt_tokens", mode="before")
     @classmethod
     def _numbers(cls, v, info):
         """A number is a JSON number: pydantic would take ``true`` as 1 and ``"5"`` as 5 (``5.0`` is
@@ -223,6 +235,19 @@ class CompletionRequest(BaseModel):
         hi = info.data.get("max_tokens", MAX_TOKENS)
         return 0 if v is None else check_range("min_tokens", v, 0, hi if hi is not None else MAX_TOKENS)
 
+    @field_validator("length_penalty")
+    @classmethod
+    def _length_penalty(cls, v):
+        return 1.0 if v is None else check_range("length_penalty", v, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY, kind=float)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_prompt_tokens(cls, v):
+        """The model's bound (max_seq_len - max_tokens) is the endpoint's to check."""
+        if v is not None and v != -1 and v < 1:
+            raise ValueError(f"truncate_prompt_tokens={v!r} is out of range: allowed -1 or >= 1")
+        return v
+
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _logit_bias(cls, v):
@@ -247,7 +272,13 @@ class CompletionRequest(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        so = self.stream_options
+        return bool(so and (so.continuous_usage_stats if so.include_usage is None else so.include_usage))
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's rule: every chunk's usage only with the last chunk's too."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         return tuple((int(k), b) for k, b in (self.logit_bias or {}).items())
@@ -327,9 +358,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | ChatChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
-    # vLLM's return_token_ids; left out of the JSON unless asked for
-    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
-    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
+    # vLLM's return_token_ids (null unless asked for, as vLLM sends them)
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
     # vLLM's: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
     matched_stop: int | str | None = None     # SGLang's: the stop token id or string that ended it
