@@ -443,9 +443,9 @@ def plain_beam_search(logprobs_of, prompt, width, max_tokens, eos, length_penalt
 
 def test_beam_search_finds_what_a_plain_one_over_transformers_logits_finds(llm, reference):
     from orca_lab import BeamSearchParams
-    got = llm.beam_search(BEAM_PROMPTS, BeamSearchParams(beam_width=3, max_tokens=4, length_penalty=0.5))
+    got = llm.beam_search(BEAM_PROMPTS, BeamSearchParams(beam_width=3, max_tokens=3, length_penalty=0.5))
     for prompt, beams in zip(BEAM_PROMPTS, got):
-        want = plain_beam_search(reference, prompt, 3, 4, llm.eos_token_id, 0.5)
+        want = plain_beam_search(reference, prompt, 3, 3, llm.eos_token_id, 0.5)
         assert [(b.output, b.finish_reason) for b in beams] == [(o, why) for o, _, why in want]
         assert all(math.isclose(b.cum_logprob, v, abs_tol=1e-3) for b, (_, v, _) in zip(beams, want))
         assert all(b.text == llm.tokenizer.decode(b.output) for b in beams)
@@ -468,11 +468,11 @@ def test_beam_search_sets_eos_beams_aside_and_ranks_them_by_length_penalty():
 
 def test_beam_search_over_http_returns_n_choices_per_prompt_best_first(server, client, llm, reference):
     prompts = BEAM_PROMPTS
-    r = client.completions.create(model="tiny", prompt=prompts, n=3, max_tokens=4, temperature=0.7, echo=True,
+    r = client.completions.create(model="tiny", prompt=prompts, n=3, max_tokens=3, temperature=0.7, echo=True,
                                   extra_body={"use_beam_search": True, "length_penalty": 0.5, "return_token_ids": True})
     assert [c.index for c in r.choices] == list(range(6))
     for i, prompt in enumerate(prompts):
-        want = plain_beam_search(reference, prompt, 3, 4, llm.eos_token_id, 0.5)
+        want = plain_beam_search(reference, prompt, 3, 3, llm.eos_token_id, 0.5)
         got = r.choices[3 * i:3 * i + 3]
         assert [(c.model_extra["token_ids"], c.finish_reason) for c in got] == [(o, why) for o, _, why in want]
         assert all(c.model_extra["prompt_token_ids"] == prompt for c in got)

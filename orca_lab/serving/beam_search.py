@@ -65,9 +65,9 @@ async def _step(state: ServerState, seqs: list[tuple[int, ...]], k: int) -> list
     params = SamplingParams(max_gen_tokens=1, logprobs=k, ignore_eos=True)
     q, now = asyncio.Queue(), state.pool.clock.now()
     streams = [Stream(i, list(s), params, now, q) for i, s in enumerate(seqs)]
-    await state.pool.submit(streams)
     tops, left = [None] * len(streams), set(range(len(streams)))
     try:
+        await state.pool.submit(streams)
         async for i, ev in events_of(streams):
             if ev.error is not None:                 # the engine died: no answer, not a partial one
                 raise HTTPError(503, ev.error)
@@ -80,6 +80,6 @@ async def _step(state: ServerState, seqs: list[tuple[int, ...]], k: int) -> list
             if ev.finish_reason is not None:
                 left.discard(i)
     finally:
-        if left:                                     # the client left (cancelled): free their slots
+        if left:                                     # the client left (cancelled), or refused: free their slots
             state.pool.cancel([streams[i] for i in left])
     return tops
