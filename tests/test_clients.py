@@ -388,8 +388,10 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_k_tokens(server, client, 
     c = sorted(r.choices, key=lambda c: c.index)
     assert c[0].model_extra["prompt_token_ids"] == prompt[-5:] and c[1].text.startswith("cated")
     assert c[0].model_extra["token_ids"] == llm.generate([prompt[-5:]], max_gen_tokens=4)[0]
-    kw["extra_body"]["truncate_prompt_tokens"] = -1           # as many as the model's length leaves: all of it
-    assert client.completions.create(prompt=prompt, **kw).usage.prompt_tokens == 20
+    kw["extra_body"]["truncate_prompt_tokens"] = -1           # as many as max_tokens leaves of 1024: 14
+    stream = client.completions.create(prompt=prompt, stream=True, **{**kw, "max_tokens": 1010})
+    assert next(iter(stream)).choices[0].model_extra["prompt_token_ids"] == prompt[-14:]
+    stream.close()                                            # the client leaves: its request is cancelled
     for k, words in ((0, "allowed -1 or >= 1"), (-2, "allowed -1 or >= 1"), (1021, "allowed -1 or [1, 1020]"),
                      ("5", "not an integer"), (True, "not an integer")):
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 4, "truncate_prompt_tokens": k})
