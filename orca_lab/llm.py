@@ -13,6 +13,7 @@ import torch
 from orca_lab.config import EngineConfig, ModelConfig, check_degrees, check_range, model_config, uses_workers
 from orca_lab.distributed.executor import WorkerExecutor
 from orca_lab.distributed.pool import attached
+from orca_lab.engine.beam_search import Beam, BeamSearch, BeamSearchParams, advance_all, pending
 from orca_lab.engine.engine import Engine, RunResult, eos_ids
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.fields import check_text
@@ -257,6 +258,23 @@ class LLM:
                            None if r.params.logprobs is None else r.logprobs[:len(r.output)],
                            None if r.params.prompt_logprobs is None else list(r.prompt_logprobs), r.error)
                 for _, r in sorted(reqs.items())]
+
+    def beam_search(self, prompts, params: BeamSearchParams, system: str = "orca") -> list[list[Beam]]:
+        """vLLM's ``LLM.beam_search``: each prompt's ``params.beam_width`` best sequences, best first
+        (``engine/beam_search.py``), each step one engine run of one-token requests."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        ids = [self._encode(p) for p in _as_list(prompts)]
+        engine = self.new_engine(system)          # refuses first what the longest beams could not run
+        try:
+            engine.check_requests([(p, SamplingParams(max_gen_tokens=params.max_tokens)) for p in ids])
+        finally:
+            engine.close()
+        searches = [BeamSearch(p, params, self.eos_token_ids) for p in ids]
+        while seqs := pending(searches):
+            steps = self.complete(seqs, 1, system, logprobs=params.logprobs, ignore_eos=True)
+            advance_all(searches, [c.logprobs[0].top for c in steps])
+        return [s.best(getattr(self.tokenizer, "decode", None)) for s in searches]
 
     def _run(self, prompts, max_gen_tokens, system, sampling_params, sampling):
         """``(prompt index, request, token)`` for every token of every prompt (None: it failed), on a

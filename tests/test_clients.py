@@ -269,7 +269,8 @@ def test_models_route_and_error_bodies_in_openai_shape(server, client):
 HONOURED = {"model", "prompt", "echo", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
             "stop_token_ids", "n", "stream", "stream_options", "ignore_eos", "return_token_ids", "logprobs",
             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
-            "prompt_logprobs", "return_tokens_as_token_ids",
+            "prompt_logprobs", "return_tokens_as_token_ids", "truncate_prompt_tokens", "use_beam_search",
+            "length_penalty",
             "user",          # metadata: nothing to honour
             "best_of"}       # 1 (or null) only: refused otherwise, below
 
@@ -284,8 +285,7 @@ def test_every_field_of_the_request_schema_is_honoured_or_refused_by_name(server
     fields = set(schema["properties"])
     assert fields == HONOURED | set(NEUTRAL), fields ^ (HONOURED | set(NEUTRAL))
     bodies = [(name, {name: off_value(neutral)}) for name, neutral in NEUTRAL.items()]
-    bodies += [(name, {name: v}) for name, v in (("best_of", 2), ("best_of", 0), ("use_beam_search", True),
-                                                ("not_a_field", 1), ("suffix", "x"))]
+    bodies += [(name, {name: v}) for name, v in (("best_of", 2), ("best_of", 0), ("not_a_field", 1), ("suffix", "x"))]
     for name, extra in bodies:
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1, **extra})
         assert r.status_code == 400, (name, extra, r.text)
@@ -418,6 +418,149 @@ def test_a_request_larger_than_the_queue_can_ever_hold_is_a_400_naming_both_numb
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt=[[1]] * 65, n=16, max_tokens=1)
     assert "1040" in e.value.body["message"] and "max_queue=1024" in e.value.body["message"]
+
+
+# -- vLLM's fields: return_token_ids, truncate_prompt_tokens, continuous_usage_stats, beam search -------
+def choices_by_index(chunks):
+    out = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            out.setdefault(c.index, []).append(c)
+    return out
+
+
+def test_return_token_ids_gives_the_prompts_and_the_generated_ids_streamed_and_whole(server, client, llm):
+    """Each choice's ``prompt_token_ids`` (what /tokenize gives) and ``token_ids`` (the engine's greedy
+    tokens), n > 1 and two prompts, with echo; streamed: the prompt's ids with each choice's first
+    chunk, the tokens chunk by chunk; not asked: both null, as vLLM sends them."""
+    prompts = ["ORCA serves", [7, 8, 9]]
+    ids = [httpx.post(server.url + "/tokenize", json={"prompt": prompts[0]}).json()["tokens"], prompts[1]]
+    want = llm.generate(ids, max_gen_tokens=4)
+    kw = dict(model="tiny", prompt=prompts, n=2, max_tokens=4, temperature=0, echo=True,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = sorted(client.completions.create(**kw).choices, key=lambda c: c.index)
+    assert [(c.model_extra["prompt_token_ids"], c.model_extra["token_ids"]) for c in whole] == \
+        [(ids[i // 2], want[i // 2]) for i in range(4)]
+    assert whole[0].text.startswith("ORCA serves")
+    streamed = choices_by_index(client.completions.create(stream=True, **kw))
+    for c in whole:
+        parts = streamed[c.index]
+        assert parts[0].model_extra["prompt_token_ids"] == c.model_extra["prompt_token_ids"]
+        assert all("prompt_token_ids" not in p.model_extra for p in parts[1:])
+        assert [t for p in parts for t in p.model_extra["token_ids"]] == c.model_extra["token_ids"]
+        assert "".join(p.text for p in parts) == c.text
+    plain = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1}).json()["choices"][0]
+    assert plain["token_ids"] is None and plain["prompt_token_ids"] is None
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_k_tokens(server, client, llm):
+    prompt = list(range(40, 60))
+    kw = dict(model="tiny", max_tokens=4, temperature=0, echo=True,
+              extra_body={"truncate_prompt_tokens": 5, "return_token_ids": True, "ignore_eos": True})
+    r = client.completions.create(prompt=[prompt, "truncated"], **kw)
+    assert r.usage.prompt_tokens == 10
+    c = sorted(r.choices, key=lambda c: c.index)
+    assert c[0].model_extra["prompt_token_ids"] == prompt[-5:] and c[1].text.startswith("cated")
+    assert c[0].model_extra["token_ids"] == llm.generate([prompt[-5:]], max_gen_tokens=4)[0]
+    kw["extra_body"]["truncate_prompt_tokens"] = -1           # as many as max_tokens leaves of 1024: 14
+    stream = client.completions.create(prompt=prompt, stream=True, **{**kw, "max_tokens": 1010})
+    assert next(iter(stream)).choices[0].model_extra["prompt_token_ids"] == prompt[-14:]
+    stream.close()                                            # the client leaves: its request is cancelled
+    for k, words in ((0, "allowed -1 or >= 1"), (-2, "allowed -1 or >= 1"), (1021, "allowed -1 or [1, 1020]"),
+                     ("5", "not an integer"), (True, "not an integer")):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 4, "truncate_prompt_tokens": k})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+        assert words in r.json()["error"]["message"], r.text
+
+
+def test_continuous_usage_stats_puts_each_choices_usage_so_far_in_every_chunk(server, client):
+    """vLLM's rule: only with include_usage (implied when left out), the last chunk's usage too."""
+    kw = dict(model="tiny", prompt=[[1, 2, 3], [4, 5]], n=2, max_tokens=3, temperature=0, stream=True,
+              extra_body={"ignore_eos": True})
+    for options in ({"include_usage": True, "continuous_usage_stats": True}, {"continuous_usage_stats": True}):
+        chunks = list(client.completions.create(stream_options=options, **kw))
+        assert chunks[-1].choices == [] and (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (5, 12)
+        for index, parts in choices_by_index(chunks[:-1]).items():
+            usage = [ch.usage for ch in chunks[:-1] if ch.choices[0].index == index]
+            assert [u.completion_tokens for u in usage] == [1, 2, 3] and len(parts) == 3
+            assert all(u.prompt_tokens == (3 if index < 2 else 2) and u.total_tokens == u.prompt_tokens + u.completion_tokens
+                       for u in usage)
+    quiet = list(client.completions.create(stream_options={"include_usage": False, "continuous_usage_stats": True}, **kw))
+    assert all(ch.usage is None for ch in quiet)
+    last_only = list(client.completions.create(stream_options={"include_usage": True}, **kw))
+    assert [ch.usage is None for ch in last_only] == [True] * 12 + [False]
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "stream": True,
+                                                       "stream_options": {"continuous_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.continuous_usage", r.text
+
+
+BEAM_PROMPTS, ROWS = random_prompts(2, 256, lo=3, hi=8, seed=21), {}
+
+
+def plain_beam_search(logprobs_of, prompt, width, max_tokens, eos, length_penalty=1.0):
+    """vLLM's beam search written plainly over a full log_softmax: ``(output, cumulative logprob,
+    finish reason)`` of the ``width`` best, best first."""
+    live, done = [(list(prompt), 0.0)], []
+    for _ in range(max_tokens):
+        grown = []
+        for seq, total in live:
+            row = ROWS.get(tuple(seq))
+            if row is None:
+                row = ROWS[tuple(seq)] = logprobs_of(seq)[-1]
+            for t in row.topk(2 * width).indices.tolist():
+                if t == eos:
+                    done.append((seq, total + row[t].item(), "stop"))
+                else:
+                    grown.append((seq + [t], total + row[t].item()))
+        live = sorted(grown, key=lambda b: -b[1])[:width]
+    ranked = sorted(done + [(s, v, "length") for s, v in live], key=lambda b: -b[1] / len(b[0]) ** length_penalty)
+    return [(s[len(prompt):], v, why) for s, v, why in ranked[:width]]
+
+
+def test_beam_search_finds_what_a_plain_one_over_transformers_logits_finds(llm, reference):
+    from orca_lab import BeamSearchParams
+    got = llm.beam_search(BEAM_PROMPTS, BeamSearchParams(beam_width=3, max_tokens=3, length_penalty=0.5))
+    for prompt, beams in zip(BEAM_PROMPTS, got):
+        want = plain_beam_search(reference, prompt, 3, 3, llm.eos_token_id, 0.5)
+        assert [(b.output, b.finish_reason) for b in beams] == [(o, why) for o, _, why in want]
+        assert all(math.isclose(b.cum_logprob, v, abs_tol=1e-3) for b, (_, v, _) in zip(beams, want))
+        assert all(b.text == llm.tokenizer.decode(b.output) for b in beams)
+    with pytest.raises(ValueError, match="1025 exceeds the model's max length"):       # before its first step
+        llm.beam_search([[1] * 1021], BeamSearchParams(beam_width=2, max_tokens=4))
+
+
+def test_beam_search_sets_eos_beams_aside_and_ranks_them_by_length_penalty():
+    """The search alone, over made-up scores: a beam whose candidate is EOS is finished then and
+    there (EOS left out), the others grow; the ranking divides by len(prompt + output) ** length_penalty."""
+    from orca_lab.engine.beam_search import BeamSearch, BeamSearchParams
+    tops = {(): [(9, -0.1), (5, -1.0), (6, -3.0), (7, -4.0)], (5,): [(8, -0.1), (9, -0.2)], (6,): [(8, -0.1), (7, -0.2)]}
+    for penalty, order in ((1.0, [([], "stop"), ([5, 8], "length")]), (3.0, [([5, 8], "length"), ([], "stop")])):
+        search = BeamSearch([0], BeamSearchParams(beam_width=2, max_tokens=2, length_penalty=penalty), eos_token_ids=[9])
+        while not search.done:
+            search.advance([tops[b.tokens[1:]] for b in search.live])
+        assert [(b.output, b.finish_reason) for b in search.best()] == order
+        assert sorted(round(b.cum_logprob, 6) for b in search.finished) == [-1.2, -0.1]
+
+
+def test_beam_search_over_http_returns_n_choices_per_prompt_best_first(server, client, llm, reference):
+    prompts = BEAM_PROMPTS
+    r = client.completions.create(model="tiny", prompt=prompts, n=3, max_tokens=3, temperature=0.7, echo=True,
+                                  extra_body={"use_beam_search": True, "length_penalty": 0.5, "return_token_ids": True})
+    assert [c.index for c in r.choices] == list(range(6))
+    for i, prompt in enumerate(prompts):
+        want = plain_beam_search(reference, prompt, 3, 3, llm.eos_token_id, 0.5)
+        got = r.choices[3 * i:3 * i + 3]
+        assert [(c.model_extra["token_ids"], c.finish_reason) for c in got] == [(o, why) for o, _, why in want]
+        assert all(c.model_extra["prompt_token_ids"] == prompt for c in got)
+        assert all(c.text == llm.tokenizer.decode(prompt + c.model_extra["token_ids"]) for c in got)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (sum(map(len, prompts)),
+                                                                  sum(len(c.model_extra["token_ids"]) for c in r.choices))
+    for extra, param in (({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"), ({"stop": ["x"]}, "stop"),
+                         ({"top_k": 5}, "top_k"), ({"max_tokens": 0, "echo": True}, "max_tokens"),
+                         ({"length_penalty": 11}, "length_penalty"), ({"max_tokens": 1024}, "prompt")):
+        body = {"prompt": "a", "max_tokens": 3, "n": 2, "use_beam_search": True, **extra}
+        resp = httpx.post(server.url + "/v1/completions", json=body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (extra, resp.text)
 
 
 # -- shutdown ---------------------------------------------------------------------------------

@@ -103,7 +103,7 @@ BAD = [  # (body, status, words the message must hold: the field, the value, the
     ({"prompt": "a", "temperature": "0.5"}, 400, ["temperature='0.5'", "number"]),
     ({"prompt": "a", "logprobs": 21}, 400, ["logprobs=21", "[0, 20]"]),
     ({"prompt": "a", "best_of": 0}, 400, ["best_of=0", "not supported"]),              # 0 == False slipped through
-    ({"prompt": "a", "use_beam_search": True}, 400, ["use_beam_search=True", "not supported"]),
+    ({"prompt": "a", "use_beam_search": True, "stream": True}, 400, ["stream=True", "use_beam_search=true"]),
 ]
 
 

@@ -153,6 +153,13 @@ class Engine:
         checked = [(*self._checked(prompt, params), arrival) for prompt, params, arrival in items]
         return [self._add(*item) for item in checked]
 
+    def check_requests(self, items):
+        """Raise what ``add_requests`` would for ``(prompt, params)`` each, adding nothing (beam
+        search asks this of its longest beams before its first step)."""
+        self._check_open()
+        for prompt, params in items:
+            self._checked(prompt, params)
+
     def _add(self, prompt: list[int], params: SamplingParams, arrival: float | None) -> Request:
         req = Request(self._next_rid, prompt, params, self.clock.now() if arrival is None else arrival,
                       detokenize=None if self.tokenizer is None else self.tokenizer.decode)

@@ -15,6 +15,7 @@ TOKEN_ID_MAX = (1 << 24) - 1    # any vocabulary's ids; the engine checks the mo
 MAX_LOGPROBS = 20               # most likely tokens a request may ask for at each position (vLLM's cap)
 MIN_REPETITION_PENALTY = 0.01   # vLLM takes any positive value; 5e-324 divides a logit to infinity
 MAX_GEN_TOKENS = 1 << 20
+MAX_LENGTH_PENALTY = 10.0       # beam search: a beam's score is its logprob / len ** length_penalty
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,11 @@ FIELDS = {f.name: f for f in (
     Field("presence_penalty", float, -2.0, 2.0, "presence_penalty"),
     Field("frequency_penalty", float, -2.0, 2.0, "frequency_penalty"),
     Field("repetition_penalty", float, MIN_REPETITION_PENALTY, 100.0, "repetition_penalty"),
+    Field("length_penalty", float, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY, "length_penalty"),   # beam search
+    # vLLM's: keep the prompt's last k tokens; -1 (as many as max_tokens leaves of the model's length)
+    # is the endpoint's to resolve, and 0 is refused there (``protocol.py``)
+    Field("truncate_prompt_tokens", int, 1, MAX_GEN_TOKENS, "truncate_prompt_tokens",
+          http_range=(-1, MAX_GEN_TOKENS, "vLLM's -1: as many as max_tokens leaves of the model's length")),
 )}
 BY_HTTP = {f.http: f for f in FIELDS.values() if f.http}
 

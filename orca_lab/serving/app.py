@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from orca_lab.engine.detokenizer import Detokenizer
 from orca_lab.engine.fields import http_error
 from orca_lab.engine.sampling_params import SamplingParams
+from orca_lab.serving.beam_search import beam_answer
 from orca_lab.serving.chat import ChatRequest, DetokenizeRequest, TokenizeRequest, chat_chunk, chat_response, render
 from orca_lab.serving.completions import sse_answer, whole_answer
 from orca_lab.serving.engine_client import RETRY_AFTER_S, EngineClient, HTTPError, Stream
@@ -194,6 +195,8 @@ async def _complete(state: ServerState, body: CompletionRequest, request: Reques
     streams = _streams(state, body, arrival)
     cid = f"cmpl-{uuid.uuid4().hex}"
     try:
+        if body.use_beam_search:          # its own requests, step by step: one prompt's streams[::n]
+            return await _until_done_or_gone(state, request, beam_answer(state, body, cid, streams[::body.n]), [])
         await state.pool.submit(streams)
     except (ValueError, TypeError) as e:
         raise HTTPError(400, *http_error(e)) from None
@@ -259,8 +262,8 @@ def _streams(state: ServerState, body: CompletionRequest, arrival: float) -> lis
     _check_model(state, body.model)
     info = state.pool.core.info
     where = lambda i: "prompt" if len(body.prompt) == 1 else f"prompt[{i}]"
-    prompts = [check_ids(_encode(info.tokenizer, p, "prompt", where(i)), info.cfg.vocab_size, "prompt", where(i))
-               for i, p in enumerate(body.prompt)]
+    prompts = [_truncated(check_ids(_encode(info.tokenizer, p, "prompt", where(i)), info.cfg.vocab_size, "prompt",
+                                    where(i)), body, info.cfg.max_seq_len) for i, p in enumerate(body.prompt)]
     out, q = [], asyncio.Queue()
     for i, ids in enumerate(prompts):
         for j in range(body.n):
@@ -279,7 +282,8 @@ def _streams(state: ServerState, body: CompletionRequest, arrival: float) -> lis
                 raise HTTPError(400, *http_error(e)) from None
             decode = state.pool.decode
             prompt = body.prompt[i]
-            echo = "" if not body.echo else prompt if isinstance(prompt, str) else decode(ids) if decode else ""
+            kept = isinstance(prompt, str) and body.truncate_prompt_tokens is None
+            echo = "" if not body.echo else prompt if kept else decode(ids) if decode else ""
             out.append(Stream(len(out), ids, params, arrival, q,
                               detokenizer=None if decode is None else Detokenizer(decode, params.stop),
                               prompt_text=echo, echo_only=body.max_tokens == 0))
@@ -294,6 +298,18 @@ def check_ids(ids: list[int], vocab_size: int, field: str, where: str) -> list[i
         raise HTTPError(400, f"{where} holds token id {bad}: out of the vocabulary, allowed [0, {vocab_size - 1}]",
                         field)
     return ids
+
+
+def _truncated(ids: list[int], body: CompletionRequest, max_seq_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens, k at most what max_tokens leaves
+    of the model's length (-1: that many)."""
+    k, room = body.truncate_prompt_tokens, max_seq_len - max(1, body.max_tokens)
+    if k is None or room < 1:             # no room at all: the engine refuses max_tokens, naming it
+        return ids
+    if k > room:
+        raise HTTPError(400, f"truncate_prompt_tokens={k} is out of range: allowed -1 or [1, {room}] (the model's "
+                        f"max length {max_seq_len} - max_tokens {max(1, body.max_tokens)})", "truncate_prompt_tokens")
+    return ids[-(room if k == -1 else k):]
 
 
 def _encode(tokenizer, prompt, field: str, where: str) -> list[int]:

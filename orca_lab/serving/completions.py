@@ -101,9 +101,11 @@ async def whole_answer(state: ServerState, body: CompletionRequest, cid: str, st
 async def sse_answer(state: ServerState, body: CompletionRequest, cid: str, streams: list[Stream], rec: HTTPRecord,
                      form=LogprobText):
     """Server-sent events: one chunk per token of each choice, its finish reason on its last chunk,
-    the usage chunk if asked, then ``[DONE]``. A client that disconnects (the stream is cancelled)
-    cancels its unfinished requests: their slots are free within one iteration."""
-    outputs, done = [[] for _ in streams], [False] * len(streams)
+    the usage chunk if asked, then ``[DONE]``. With ``return_token_ids``, each chunk's ``token_ids``
+    and the choice's ``prompt_token_ids`` with its first; with ``continuous_usage_stats``, each
+    chunk's ``usage``: its choice's prompt and tokens so far (vLLM's). A client that disconnects (the
+    stream is cancelled) cancels its unfinished requests: their slots are free within one iteration."""
+    outputs, done, continuous = [[] for _ in streams], [False] * len(streams), body.continuous_usage
     writers = [ChoiceWriter(s, body, state.pool.tokenizer, form) for s in streams]
     head = CompletionResponse(id=cid, model=state.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
     head = json.dumps(head)[:-1] + ', "choices": ['       # every token chunk starts the same way
@@ -112,16 +114,19 @@ async def sse_answer(state: ServerState, body: CompletionRequest, cid: str, stre
             if ev.token is not None:
                 outputs[i].append(ev.token)
             done[i] = ev.finish_reason is not None
-            plp = writers[i].prompt_logprobs_of(ev)
+            plp, first = writers[i].prompt_logprobs_of(ev), not writers[i].started
             choice = {"index": i, "text": writers[i].text(ev), "logprobs": writers[i].logprobs_of(ev),
                       "finish_reason": ev.finish_reason, "matched_stop": ev.matched_stop}
             if plp is not None:
                 choice["prompt_logprobs"] = plp
             if body.return_token_ids:
                 choice["token_ids"] = [] if ev.token is None else [ev.token]
+                if first:
+                    choice["prompt_token_ids"] = streams[i].prompt
             # a CompletionResponse with this one choice, written by hand: a token's chunk is the
             # server's hottest path (pydantic took ~15x longer)
-            data = f"data: {head}{json.dumps(choice)}], \"usage\": null}}\n\n"
+            usage = _usage_json(len(streams[i].prompt), len(outputs[i])) if continuous else "null"
+            data = f"data: {head}{json.dumps(choice)}], \"usage\": {usage}}}\n\n"
             if rec.first_token is None and ev.token is not None:
                 rec.first_token = state.pool.clock.now()
             yield data
@@ -138,6 +143,10 @@ async def sse_answer(state: ServerState, body: CompletionRequest, cid: str, stre
         left = [s for s, d in zip(streams, done) if not d]
         if left:
             state.pool.cancel(left)
+
+
+def _usage_json(prompt: int, completion: int) -> str:
+    return f'{{"prompt_tokens": {prompt}, "completion_tokens": {completion}, "total_tokens": {prompt + completion}}}'
 
 
 def sse_chunk(resp: CompletionResponse) -> str:

@@ -91,6 +91,7 @@ class EngineInfo:
     cfg: object
     engine_config: EngineConfig
     tokenizer: object
+    eos_token_ids: tuple = ()      # every id that ends a request not ignoring EOS (beam search reads them)
 
 
 # -- the engine's side (the child process) ---------------------------------------------------------
@@ -111,7 +112,7 @@ def engine_main(recipe: EngineArgs, inbox, outbox, t0: float, history: int = 0):
         outbox.send(("failed", f"the engine could not start: {e!r}"))
         return
     engine.clock.t0 = t0                       # one clock for both processes (perf_counter is system-wide)
-    outbox.send(("ready", EngineInfo(llm.cfg, llm.engine_config, llm.tokenizer)))
+    outbox.send(("ready", EngineInfo(llm.cfg, llm.engine_config, llm.tokenizer, llm.eos_token_ids)))
     outbox.send(("stats", engine.stats()))      # the gauges from the start (kv_slots_total)
     EngineLoop(engine, inbox, outbox, history, recipe.stall_s, recipe.plugins).run()
 
@@ -226,7 +227,7 @@ class EngineLoop:
 
     def _call(self, call_id, name, args=()):
         try:
-            value = {"records": records_json}[name](self.engine, *args)
+            value = {"records": records_json, "check_requests": check_requests}[name](self.engine, *args)
         except Exception as e:
             value = e
         self._send(("result", call_id, value))
@@ -286,6 +287,11 @@ def plugins_folder(plugins: str | None) -> Path | None:
     spec = importlib.util.find_spec(plugins)
     origin = None if spec is None else spec.origin
     return None if origin is None else Path(origin).parent
+
+
+def check_requests(engine, items):
+    """What the engine would refuse of ``items``, adding nothing (``Engine.check_requests``)."""
+    engine.check_requests(items)
 
 
 def records_json(engine, since: float) -> bytes:

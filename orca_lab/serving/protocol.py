@@ -6,7 +6,8 @@ message that names the field, the value and the allowed range, read from the tab
 body must be valid Unicode (a lone surrogate, valid JSON, is refused naming its field: ``Body``).
 Checks that need the model (vocabulary, max length, K/V slots) are the engine's own, run by the
 server before it accepts a request. vLLM's extensions ``ignore_eos``, ``top_k``, ``stop_token_ids``,
-``return_token_ids``, ``repetition_penalty`` and ``min_tokens`` are accepted. A field this server
+``return_token_ids``, ``repetition_penalty``, ``min_tokens``, ``truncate_prompt_tokens`` and beam search
+(``use_beam_search``, ``length_penalty``) are accepted. A field this server
 cannot honour is refused with a 400 naming it, never accepted and ignored: OpenAI's and vLLM's fields
 it does not implement are declared with their neutral value the only one allowed (``NEUTRAL``), and
 a field it does not know is refused too.
@@ -34,7 +35,12 @@ MAX_N = FIELDS["n"].hi
 
 
 class StreamOptions(BaseModel):
-    include_usage: StrictBool = False
+    """``include_usage``: a last chunk with the usage (null: as ``continuous_usage_stats``, which then
+    implies it, as vLLM's default true does); ``continuous_usage_stats`` (vLLM's): with it, every
+    chunk carries its choice's usage so far."""
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool | None = None
+    continuous_usage_stats: StrictBool | None = False
 
 
 def bounds(**schema) -> dict:
@@ -83,10 +89,10 @@ def _unencodable(value, path: str) -> tuple[str, str | None]:
 
 # the numbers the table of fields (engine/fields.py) checks, by their HTTP names
 NUMBERS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "n", "logprobs", "prompt_logprobs",
-           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "length_penalty",
+           "truncate_prompt_tokens")
 # OpenAI's and vLLM's completion fields this server does not implement: only the neutral value passes
-NEUTRAL = {"suffix": None, "use_beam_search": False, "length_penalty": 1.0, "truncate_prompt_tokens": None,
-           "min_p": 0.0, "include_stop_str_in_output": False,
+NEUTRAL = {"suffix": None, "min_p": 0.0, "include_stop_str_in_output": False,
            "skip_special_tokens": True, "spaces_between_special_tokens": True, "allowed_token_ids": None,
            "bad_words": None, "response_format": None, "guided_json": None, "guided_regex": None,
            "guided_choice": None, "guided_grammar": None, "logits_processors": None, "priority": 0}
@@ -130,11 +136,17 @@ class CompletionRequest(Body):
                                                     ("minimum", "maximum"), FIELDS["logit_bias"].limits(http=True)))}))
     best_of: int | None = Field(None, **bounds(enum=[None, 1]))
     user: str | None = None
+    use_beam_search: StrictBool = Field(False, description="vLLM's: the n best sequences by beam search, n the beam "
+                                        "width; whole only, and the sampling fields are refused with it")
+    length_penalty: float | None = Field(1.0, description="with use_beam_search: a beam's score is its cumulative "
+                                         "logprob / len(prompt + output) ** length_penalty",
+                                         **limits("length_penalty"))
+    truncate_prompt_tokens: int | None = Field(None, description="vLLM's: keep the prompt's last k tokens; -1: as many "
+                                               "as max_tokens leaves of the model's length (at most that)",
+                                               **bounds(anyOf=[{"const": -1}, {"type": "integer", "minimum": 1},
+                                                                {"type": "null"}]))
     # not implemented: the neutral value only (NEUTRAL)
     suffix: str | None = Field(None, **bounds(enum=[None]))
-    use_beam_search: StrictBool = Field(False, **bounds(enum=[False]))
-    length_penalty: float | None = Field(1.0, **bounds(enum=[None, 1.0]))
-    truncate_prompt_tokens: int | None = Field(None, **bounds(enum=[None]))
     min_p: float | None = Field(0.0, **bounds(enum=[None, 0.0]))
     include_stop_str_in_output: StrictBool = Field(False, **bounds(enum=[False]))
     skip_special_tokens: StrictBool = Field(True, **bounds(enum=[True]))
@@ -169,7 +181,7 @@ class CompletionRequest(Body):
         return f.check(v, http=True, hi=info.data.get(FIELDS[f.up_to].http) if f.up_to else None)  # min_tokens
 
     @field_validator("max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "min_tokens")
+                     "repetition_penalty", "min_tokens", "length_penalty")
     @classmethod
     def _null_is_default(cls, v, info):
         return cls.model_fields[info.field_name].default if v is None else v
@@ -215,6 +227,16 @@ class CompletionRequest(Body):
             raise ValueError("stream_options is only allowed with stream=true")
         return v
 
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_prompt_tokens(cls, v):
+        """-1 or >= 1 (the table's range has no hole); the model's bound, max_seq_len - max_tokens,
+        is the endpoint's to check."""
+        if v == 0:
+            raise FieldError("truncate_prompt_tokens=0 is out of range: allowed -1 or >= 1",
+                             "truncate_prompt_tokens")
+        return v
+
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _logit_bias(cls, v):
@@ -243,7 +265,13 @@ class CompletionRequest(Body):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        so = self.stream_options
+        return bool(so and (so.continuous_usage_stats if so.include_usage is None else so.include_usage))
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's rule: every chunk's usage only with the last chunk's too."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         return tuple((int(k), b) for k, b in (self.logit_bias or {}).items())
@@ -324,9 +352,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | ChatChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
-    # vLLM's return_token_ids; left out of the JSON unless asked for
-    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
-    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
+    # vLLM's return_token_ids (null unless asked for, as vLLM sends them)
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
     # vLLM's: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
     matched_stop: int | str | None = None     # SGLang's: the stop token id or string that ended it
