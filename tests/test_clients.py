@@ -467,7 +467,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_k_tokens(server, client, 
     assert next(iter(stream)).choices[0].model_extra["prompt_token_ids"] == prompt[-14:]
     stream.close()                                            # the client leaves: its request is cancelled
     for k, words in ((0, "allowed -1 or >= 1"), (-2, "allowed -1 or >= 1"), (1021, "allowed -1 or [1, 1020]"),
-                     ("5", "not an integer"), (True, "not an integer")):
+                     ("5", "must be an integer"), (True, "must be an integer")):
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 4, "truncate_prompt_tokens": k})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
         assert words in r.json()["error"]["message"], r.text
@@ -557,7 +557,7 @@ def test_beam_search_over_http_returns_n_choices_per_prompt_best_first(server, c
                                                                   sum(len(c.model_extra["token_ids"]) for c in r.choices))
     for extra, param in (({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"), ({"stop": ["x"]}, "stop"),
                          ({"top_k": 5}, "top_k"), ({"max_tokens": 0, "echo": True}, "max_tokens"),
-                         ({"length_penalty": 11}, "length_penalty"), ({"max_tokens": 1024}, "prompt")):
+                         ({"length_penalty": 11}, "length_penalty"), ({"max_tokens": 1024}, "max_tokens")):
         body = {"prompt": "a", "max_tokens": 3, "n": 2, "use_beam_search": True, **extra}
         resp = httpx.post(server.url + "/v1/completions", json=body)
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (extra, resp.text)

@@ -70,10 +70,9 @@ FIELDS = {f.name: f for f in (
     Field("frequency_penalty", float, -2.0, 2.0, "frequency_penalty"),
     Field("repetition_penalty", float, MIN_REPETITION_PENALTY, 100.0, "repetition_penalty"),
     Field("length_penalty", float, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY, "length_penalty"),   # beam search
-    # vLLM's: keep the prompt's last k tokens; -1 (as many as max_tokens leaves of the model's length)
-    # is the endpoint's to resolve, and 0 is refused there (``protocol.py``)
-    Field("truncate_prompt_tokens", int, 1, MAX_GEN_TOKENS, "truncate_prompt_tokens",
-          http_range=(-1, MAX_GEN_TOKENS, "vLLM's -1: as many as max_tokens leaves of the model's length")),
+    # vLLM's: keep the prompt's last k tokens; its -1 (as many as max_tokens leaves of the model's
+    # length) is the endpoint's to resolve (``protocol.py``)
+    Field("truncate_prompt_tokens", int, 1, MAX_GEN_TOKENS, "truncate_prompt_tokens"),
 )}
 BY_HTTP = {f.http: f for f in FIELDS.values() if f.http}
 

@@ -31,7 +31,7 @@ def check(body: CompletionRequest):
     """Refuse, naming it, a field beam search would otherwise ignore."""
     for name, off in NOT_WITH_BEAM.items():
         value = getattr(body, name)
-        if value != off and not (off is None and value == {}):
+        if value is not None and value != off and value != {}:       # None, {}: left out
             why = "the beams are known only at the end (vLLM refuses it too)" if name == "stream" else \
                 "beam search ranks the model's raw log-probabilities and does not sample"
             raise HTTPError(400, f"{name}={value!r} is not supported with use_beam_search=true: {why}", name)

@@ -89,8 +89,7 @@ def _unencodable(value, path: str) -> tuple[str, str | None]:
 
 # the numbers the table of fields (engine/fields.py) checks, by their HTTP names
 NUMBERS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "n", "logprobs", "prompt_logprobs",
-           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "length_penalty",
-           "truncate_prompt_tokens")
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "length_penalty")
 # OpenAI's and vLLM's completion fields this server does not implement: only the neutral value passes
 NEUTRAL = {"suffix": None, "min_p": 0.0, "include_stop_str_in_output": False,
            "skip_special_tokens": True, "spaces_between_special_tokens": True, "allowed_token_ids": None,
@@ -227,15 +226,20 @@ class CompletionRequest(Body):
             raise ValueError("stream_options is only allowed with stream=true")
         return v
 
-    @field_validator("truncate_prompt_tokens")
+    @field_validator("truncate_prompt_tokens", mode="before")
     @classmethod
     def _truncate_prompt_tokens(cls, v):
-        """-1 or >= 1 (the table's range has no hole); the model's bound, max_seq_len - max_tokens,
-        is the endpoint's to check."""
-        if v == 0:
-            raise FieldError("truncate_prompt_tokens=0 is out of range: allowed -1 or >= 1",
-                             "truncate_prompt_tokens")
-        return v
+        """-1, or in the table's range (a range with a hole at 0 and below); the model's bound,
+        max_seq_len - max_tokens, is the endpoint's to check."""
+        if v is None:
+            return v
+        f = BY_HTTP["truncate_prompt_tokens"]
+        v = _json_number(v, f.kind)
+        if type(v) is int and v < 1:
+            if v == -1:
+                return v
+            raise FieldError(f"truncate_prompt_tokens={_short(v)} is out of range: allowed -1 or >= 1", f.name)
+        return f.check(v)                                       # its kind, and the range above 0
 
     @field_validator("logit_bias", mode="before")
     @classmethod
