@@ -204,18 +204,24 @@ def test_stage_clock_on_cpu_is_the_wall_clock():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and events need a GPU")
 def test_cuda_graph_replay_gives_the_eager_tokens(tiny_llm):
-    """On a GPU: the first decode of each size is eager and captured, later ones replay; the tokens
-    equal the run without graphs, and the stage times come from CUDA events in order."""
+    """On a GPU: the first decode of each size is eager and captured, later ones replay, for ORCA's
+    decodes and FT's one-token steps alike; the tokens equal the run without graphs, and the stage
+    times come from CUDA events in order."""
     prompts = random_prompts(6, tiny_llm.cfg.vocab_size, 2, 30, seed=3)
-    runs = {}
+    runs, replayed = {}, []
     for graphs in (False, True):
-        cfg = EngineConfig(max_bs=6, n_slots=1024, device="cuda", attention_backend="triton",
+        cfg = EngineConfig(max_bs=6, n_slots=6 * 1024 + 8, device="cuda", attention_backend="triton",
                            fused_ops_backend="triton", cuda_graphs=graphs)
         llm = LLM(gpt=copy.deepcopy(tiny_llm.model).cuda(), engine=cfg)
         engine = llm.new_engine()
         assert (engine.executor.graphs is not None) == graphs
-        runs[graphs] = llm.generate(prompts, max_gen_tokens=8)
         engine.close()
-    assert runs[True] == runs[False]
+        if graphs:
+            real_run = llm._graphs.run
+            llm._graphs.run = lambda batch: replayed.append(batch.padded) or real_run(batch)
+        runs[graphs] = [llm.generate(prompts, max_gen_tokens=8, system=s) for s in ("orca", "ft")]
+    assert runs[True] == runs[False] and runs[True][0] == runs[True][1]
+    lens = [len(p) for p in prompts]          # FT: the shortest prompt, then one token a step to the end
+    assert replayed.count(False) == 7 and replayed.count(True) == max(lens) + 7 - min(lens)
     result = llm.serve(paper_trace(4, rate=None, seed=1, scale=0.05, vocab_size=llm.cfg.vocab_size))
     assert all(0 <= it.start <= it.end for it in result.iterations)
