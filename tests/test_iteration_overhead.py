@@ -118,14 +118,69 @@ def test_padded_decode_gives_the_unpadded_tokens(small_gpt, backend):
         engine.close()
 
 
+def run_ft(llm, prompts, gens, mbs, graphs: bool):
+    """Each prompt's tokens under ``ft(max_bs, mbs)``; with ``graphs``, the decode graphs' static-buffer
+    forward (eager here). Also the one-token steps and the batches the graphs ran (their phases)."""
+    engine = llm.new_engine("ft", mbs)
+    kv = engine.scheduler.kv
+    ran = []
+    if graphs:
+        g = engine.executor.graphs = DecodeGraphs(llm.model, kv, llm.engine_config.max_bs, capture=False)
+        real_run = g.run
+
+        def run(batch):
+            logits = real_run(batch)
+            if logits is not None:
+                ran.append(tuple(batch.phases))
+            return logits
+        g.run = run
+    reqs = [engine.add_request(p, SamplingParams(max_gen_tokens=n)) for p, n in zip(prompts, gens)]
+    while engine.has_work():
+        engine.step()
+    one_token_steps = sum(all(q == 1 for q in it.q_lens) for it in engine.records)
+    assert kv.n_holders == 0 and kv.stats().free == kv.n_slots
+    engine.close()
+    return [list(r.output) for r in reqs], ran, one_token_steps
+
+
+@pytest.mark.parametrize("mbs", [None, 3], ids=["mbs=max_bs", "micro-batches"])
+def test_every_ft_decode_step_takes_the_graph_path_and_gives_the_eager_tokens(small_gpt, mbs):
+    """The baseline's one-token steps (its decodes, the longer prompts fed a token at a time, and the
+    rows of requests held after they finished) run through the decode graphs' static buffers, as
+    ORCA's decodes do (eagerly here; a GPU replays them): every one of them, with the tokens of the
+    run without graphs, token for token, which are each request's tokens alone. Batches of 5 and of
+    3 + 2 (micro-batches): 5 and 3 are padded to graph sizes, and early finishers are held."""
+    llm = LLM(gpt=copy.deepcopy(small_gpt), engine=EngineConfig(max_bs=5, n_slots=5 * 128 + 8, attention_backend="torch",
+                                                              fused_ops_backend="torch"))
+    prompts = random_prompts(5, llm.cfg.vocab_size, 2, 9, seed=8)
+    gens = [2, 7, 3, 5, 1]
+    eager, ran_eager, steps = run_ft(llm, prompts, gens, mbs, graphs=False)
+    graphed, ran, graph_steps = run_ft(llm, prompts, gens, mbs, graphs=True)
+    assert not ran_eager and steps == graph_steps > 0
+    assert len(ran) == steps, "every one-token step of ft went through the graphs' static buffers"
+    assert any("held" in phases for phases in ran) and any("prefill" in phases for phases in ran)
+    assert graphed == eager == [llm.generate([p], max_gen_tokens=n)[0] for p, n in zip(prompts, gens)]
+
+
 def test_padding_steps_aside_when_no_slot_is_free(tiny_llm):
+    """A batch of 3 needs a padding row (graph size 4), hence a free slot; a batch of a graph size
+    (here 2) needs none, so it runs on a full pool: FT's reservations fill one exactly (Figure 9 on
+    the H200: batch 8 x 2,048 slots of 16,384)."""
     engine, batch = mixed_batch(tiny_llm)
     kv = engine.scheduler.kv
     graphs = DecodeGraphs(tiny_llm.model, kv, 4, capture=False)
-    decode = type(batch)([batch.requests[0]], [batch.starts[0]], [1], tokens=[batch.tokens[0]])
-    assert graphs.takes(decode) and not graphs.takes(batch)
+    decoding = [i for i, p in enumerate(batch.phases) if p == "decode"]
+    assert len(decoding) == 2
+
+    def decode(rows):
+        return type(batch)([batch.requests[i] for i in rows], [batch.starts[i] for i in rows], [1] * len(rows),
+                           tokens=[batch.tokens[i] for i in rows])
+    assert graphs.takes(decode(decoding)) and not graphs.takes(batch)
     kv.n_reserved = kv.n_slots          # the pool is full: no slot for the padding rows
-    assert graphs.run(decode) is None
+    assert graphs.run(decode(decoding + decoding[:1])) is None
+    with torch.inference_mode():
+        logits = graphs.run(decode(decoding))
+        assert logits is not None and logits.shape == (2, tiny_llm.cfg.vocab_size)
     engine.close()
 
 
@@ -149,18 +204,24 @@ def test_stage_clock_on_cpu_is_the_wall_clock():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and events need a GPU")
 def test_cuda_graph_replay_gives_the_eager_tokens(tiny_llm):
-    """On a GPU: the first decode of each size is eager and captured, later ones replay; the tokens
-    equal the run without graphs, and the stage times come from CUDA events in order."""
+    """On a GPU: the first decode of each size is eager and captured, later ones replay, for ORCA's
+    decodes and FT's one-token steps alike; the tokens equal the run without graphs, and the stage
+    times come from CUDA events in order."""
     prompts = random_prompts(6, tiny_llm.cfg.vocab_size, 2, 30, seed=3)
-    runs = {}
+    runs, replayed = {}, []
     for graphs in (False, True):
-        cfg = EngineConfig(max_bs=6, n_slots=1024, device="cuda", attention_backend="triton",
+        cfg = EngineConfig(max_bs=6, n_slots=6 * 1024 + 8, device="cuda", attention_backend="triton",
                            fused_ops_backend="triton", cuda_graphs=graphs)
         llm = LLM(gpt=copy.deepcopy(tiny_llm.model).cuda(), engine=cfg)
         engine = llm.new_engine()
         assert (engine.executor.graphs is not None) == graphs
-        runs[graphs] = llm.generate(prompts, max_gen_tokens=8)
         engine.close()
-    assert runs[True] == runs[False]
+        if graphs:
+            real_run = llm._graphs.run
+            llm._graphs.run = lambda batch: replayed.append(batch.padded) or real_run(batch)
+        runs[graphs] = [llm.generate(prompts, max_gen_tokens=8, system=s) for s in ("orca", "ft")]
+    assert runs[True] == runs[False] and runs[True][0] == runs[True][1]
+    lens = [len(p) for p in prompts]          # FT: the shortest prompt, then one token a step to the end
+    assert replayed.count(False) == 7 and replayed.count(True) == max(lens) + 7 - min(lens)
     result = llm.serve(paper_trace(4, rate=None, seed=1, scale=0.05, vocab_size=llm.cfg.vocab_size))
     assert all(0 <= it.start <= it.end for it in result.iterations)

@@ -81,7 +81,7 @@ def test_last_token_logits_match_transformers(checkpoint, prompts):
 
 @pytest.mark.parametrize("system", SYSTEMS)
 def test_batched_greedy_equals_transformers_alone(checkpoint, prompts, reference, system):
-    """Every system batches the prompts (prefills and decodes mixed, or padded for ft) and gives
+    """Every system batches the prompts (prefills and decodes mixed, or ft's padded steps) and gives
     each one transformers' tokens of it alone."""
     llm = LLM.from_pretrained(checkpoint[1], engine=EngineConfig(max_bs=3, n_slots=512, block_size=8,
                                                                   max_num_batched_tokens=16))

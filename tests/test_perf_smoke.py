@@ -54,6 +54,28 @@ def test_overhead_smoke(tmp_path):
         assert r["forward_ms"] > 0 and r["bare_forward_ms"] > 0 and 0 <= r["overhead_pct"] < 100
 
 
+def test_step_time_smoke(tmp_path):
+    """ORCA and FT side by side per step: the same path (the decode graphs' static buffers, eager on
+    the CPU) for every one-token step of both, the same ops, the same tokens."""
+    out = tmp_path / "step_time.json"
+    load("step_time").main(["--smoke", "--threads", threads(), "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["launches"] == "n/a on the CPU"
+    assert report["graphs"] == "static buffers, eager" and "torch_threads" in report["environment"]
+    assert [p["batch_size"] for p in report["points"]] == [1, 3]
+    for p in report["points"]:
+        assert p["tokens_equal"], p["batch_size"]
+        o, f = p["orca"], p["ft"]
+        assert o["steps"] == f["steps"] == 4 and o["decode"]["steps"] == f["decode"]["steps"] == 3
+        assert o["graph_steps"] == f["graph_steps"] == o["decode"]["graph_steps"] == 3
+        assert not o["prefill"]["graph"] and not f["prefill"]["graph"]
+        assert o["decode"]["ops_median"] == f["decode"]["ops_median"] > 0 and p["ft_over_orca"]["ops"] == 1
+        assert o["prefill"]["ops"] == f["prefill"]["ops"] > 0
+        assert o["decode"]["launches_median"] is None and p["ft_over_orca"]["launches"] is None
+        assert set(p["ft_over_orca"]) == {"host_ms", "device_ms", "ops", "launches", "total_ms"}
+        assert all(s["decode"]["host_ms_median"] > 0 and s["decode"]["device_ms_median"] > 0 for s in (o, f))
+
+
 def test_generate_overhead_smoke(tmp_path):
     out = tmp_path / "generate_overhead.json"
     load("generate_overhead").main(["--smoke", "--threads", threads(), "--out", str(out)])

@@ -106,7 +106,7 @@ def tensors_from(flat: dict, device) -> BatchTensors:
     on = {name: torch.from_numpy(host[name]).to(device)
           for name in ("input_ids", "positions", "slot_mapping", "kv_slot_ids", "last_idx")}
     return BatchTensors(on["input_ids"], on["positions"], on["slot_mapping"], on["kv_slot_ids"], cu[0], cu[1],
-                        on["last_idx"], False, host["cu_seqlens_q"], host["cu_seqlens_k"],
+                        on["last_idx"], host["cu_seqlens_q"], host["cu_seqlens_k"],
                         np.concatenate([host["slot_mapping"], host["kv_slot_ids"]]))
 
 

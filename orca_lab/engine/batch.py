@@ -3,6 +3,15 @@
 ORCA's selective batching flattens the new tokens of all requests into ``[sum L]``: a request in its
 initiation phase brings its whole prompt, one in its increment phase its last token. The baseline's
 batch is padded instead: every request brings the same number of tokens at the same positions.
+
+Both are laid out flat for the model. A padded batch, ``B`` requests x ``L`` tokens at equal
+positions, is a flat batch in which every request brings ``L`` rows; held (finished) requests are
+rows like the others, computed and dropped (their token is padding, and is not sampled), which is
+exactly the padding FasterTransformer computes. So both systems run the same kernels, and the
+baseline's one-token steps the same decode graphs as ORCA's decodes (``model/cuda_graphs.py``): the
+paper compares schedules on equal kernels (§6), and FasterTransformer's own decoder runs a fixed shape.
+What stays FT's is the schedule (``scheduler.py``: a batch held whole, tokens delivered at its end) and
+its cost (``Batch.padded``, which the simulator's cost models read).
 """
 from __future__ import annotations
 
@@ -18,7 +27,7 @@ class Batch:
     requests: list            # Request objects, in batch order
     starts: list[int]         # position of each request's first new token (= tokens already cached)
     q_lens: list[int]         # new tokens of each request this iteration
-    padded: bool = False      # FasterTransformer-style: equal starts and q_lens, [B, L, H] shape
+    padded: bool = False      # FasterTransformer-style: equal starts and q_lens (run flat, as any batch)
     iteration: int = -1
     tokens: list[list[int]] = field(default_factory=list)  # the new token ids of each request
     phases: list[str] = field(default_factory=list)        # prefill / decode / held, at build time
@@ -44,9 +53,10 @@ class Batch:
     @classmethod
     def padded_step(cls, requests, start: int, q_len: int, pad_id: int = 0) -> "Batch":
         """FasterTransformer: every request runs positions [start, start + q_len), finished or not."""
-        tokens = []
-        for r in requests:
-            seq = (r.prompt + r.output)[start:start + q_len]
+        tokens, end = [], start + q_len
+        for r in requests:      # positions [start, end) of prompt + output, without copying either
+            n = len(r.prompt)
+            seq = r.prompt[start:end] + r.output[max(0, start - n):max(0, end - n)]
             tokens.append(seq + [pad_id] * (q_len - len(seq)))   # held finished requests compute padding
         n = len(requests)
         return cls(list(requests), [start] * n, [q_len] * n, padded=True, tokens=tokens)
@@ -83,20 +93,20 @@ def yields_token(req, start: int, q_len: int) -> bool:
 
 @dataclass
 class BatchTensors:
-    """Flat metadata of one iteration on the model's device, and its host copies.
+    """Flat metadata of one iteration on the model's device, and its host copies (a padded batch's
+    too: see the module's docstring).
 
     The host copies (numpy) are what the attention plans are built from, once per iteration: the
     layers then read nothing back from the device. Slot ids are host data from the start (the K/V
     manager hands them out on the host), so building them costs no device synchronization.
     """
-    input_ids: torch.Tensor     # [T] (padded: [B, L])
-    positions: torch.Tensor     # [T] (padded: [L])
+    input_ids: torch.Tensor     # [T]
+    positions: torch.Tensor     # [T]
     slot_mapping: torch.Tensor  # [T]: slot of each new token's K/V
-    kv_slot_ids: torch.Tensor   # [sum kv_len] (padded: [B, kv_len]): slots of each request's context
+    kv_slot_ids: torch.Tensor   # [sum kv_len]: slots of each request's context
     cu_seqlens_q: torch.Tensor  # [B+1] int32
     cu_seqlens_k: torch.Tensor  # [B+1] int32
     last_idx: torch.Tensor      # [B]: row of each request's last new token in [T]
-    padded: bool
     cu_q_host: np.ndarray = field(default=None, repr=False, compare=False)      # [B+1] int64
     cu_k_host: np.ndarray = field(default=None, repr=False, compare=False)      # [B+1] int64
     slots_host: np.ndarray = field(default=None, repr=False, compare=False)     # slot_mapping, kv_slot_ids
@@ -120,15 +130,10 @@ class BatchTensors:
         slot_mapping, kv_slot_ids = torch.from_numpy(slots_host).split([len(new_rows), len(kv_rows)])
         ids = torch.tensor(list(chain.from_iterable(batch.tokens)), dtype=torch.int64)
         positions = torch.from_numpy(positions)
-        if batch.padded:
-            B, L = len(batch), batch.q_lens[0]
-            ids, positions = ids.view(B, L), positions[:L]
-            kv_slot_ids = kv_slot_ids.view(B, -1)
         cu = torch.from_numpy(np.stack([cu_q, cu_k]).astype(np.int32)).to(device)
         to = dict(device=device, non_blocking=True)
         return cls(ids.to(**to), positions.to(**to), slot_mapping.to(**to), kv_slot_ids.to(**to),
-                   cu[0], cu[1], torch.from_numpy(cu_q[1:] - 1).to(**to), batch.padded,
-                   cu_q, cu_k, slots_host)
+                   cu[0], cu[1], torch.from_numpy(cu_q[1:] - 1).to(**to), cu_q, cu_k, slots_host)
 
     def check_slots(self, n_slots: int):
         """Every slot id in ``[0, n_slots)``, checked on the host copy (an out-of-range slot would

@@ -6,10 +6,16 @@ with one call. A graph's shapes are fixed, so batches are padded up to a few siz
 multiples of 8, as vLLM does), and its inputs live in static buffers that each iteration refills.
 
 Padding rows are one-token requests at position 0 whose only K/V slot is reserved from the K/V
-manager for the iteration: they write and read that slot alone, and their logits are dropped. The
+manager for the iteration (only when there are any: a batch of a graph size needs no slot, so it
+runs even on a pool its requests' reservations fill, as FT's can): they write and read that slot
+alone, and their logits are dropped. The
 decode kernel's grid is fixed per graph by ``max_seq_len`` (splits past a context stay empty).
 Everything except capture and replay also runs eagerly (``capture=False``), on CPU too, so the padding
 and the static buffers are tested without a GPU.
+
+Both systems' one-token steps take them: ORCA's decode iterations, and every step of the
+FasterTransformer-style baseline after its first (``B`` requests x 1 token, laid flat like any batch:
+``engine/batch.py``), its held requests' rows included.
 """
 from __future__ import annotations
 
@@ -69,25 +75,27 @@ class DecodeGraphs:
         self.pool = None                       # one memory pool shared by all graphs
 
     def takes(self, batch: Batch) -> bool:
-        """Decode-only (one new token each) and not larger than the largest graph."""
-        return not batch.padded and len(batch) <= self.max_size and all(q == 1 for q in batch.q_lens)
+        """One new token each (ORCA's decodes; FT's padded steps too, held rows and all) and not
+        larger than the largest graph."""
+        return len(batch) <= self.max_size and all(q == 1 for q in batch.q_lens)
 
     def run(self, batch: Batch) -> torch.Tensor | None:
         """The logits of ``batch`` (``[B, vocab]``) through a padded graph, or None when no slot is
         free for the padding rows (the caller then runs the batch as it is)."""
         n, size = len(batch), padded_size(len(batch))
-        pad = PadRequest()
-        if not self.kv.can_reserve(1):
-            return None
-        self.kv.reserve(pad, 1)
+        extra, pad = size - n, PadRequest()
+        if extra:
+            if not self.kv.can_reserve(1):
+                return None
+            self.kv.reserve(pad, 1)
         try:
-            extra = size - n
             padded = Batch(batch.requests + [pad] * extra, batch.starts + [0] * extra, [1] * size,
                            iteration=batch.iteration, tokens=batch.tokens + [[0]] * extra,
                            phases=batch.phases + ["pad"] * extra, yields=batch.yields + [False] * extra)
             return self._forward(self._fill(padded.tensors(self.kv.k.device), size), size)[:n]
         finally:
-            self.kv.release(pad)
+            if extra:
+                self.kv.release(pad)
 
     def _fill(self, bt: BatchTensors, size: int) -> BatchTensors:
         """Copy one iteration's metadata into the static buffers; the view the graphs read."""
@@ -98,7 +106,7 @@ class DecodeGraphs:
             static[:new.numel()].copy_(new)
         return BatchTensors(self.ids[:size], self.positions[:size], self.slot_mapping[:size],
                             self.kv_slot_ids, self.cu_q[:size + 1], self.cu_k[:size + 1],
-                            self.last_idx[:size], False, bt.cu_q_host, bt.cu_k_host, bt.slots_host)
+                            self.last_idx[:size], bt.cu_q_host, bt.cu_k_host, bt.slots_host)
 
     def _forward(self, static: BatchTensors, size: int) -> torch.Tensor:
         if not self.capture:

@@ -2,7 +2,7 @@
 
 Every token-wise op (Linear, LayerNorm, GeLU, Add) runs on the flat ``[sum L, H]`` tensor of the
 whole iteration; only attention is split per request, over that request's K/V in the slot pool.
-The request-level baseline runs the same weights on padded ``[B, L, H]`` batches (``padded=True``).
+The request-level baseline's padded batches run the same way, laid flat (``engine/batch.py``).
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from torch import nn
 from orca_lab import kernels
 from orca_lab.config import ModelConfig
 from orca_lab.kernels._backend import use_triton
-from orca_lab.kernels.attention import (_gqa, attention_plan, causal_mask, ragged_attention_torch,
-                                        ragged_attention_triton, tf32_matmuls, triton_plan)
+from orca_lab.kernels.attention import (attention_plan, ragged_attention_torch, ragged_attention_triton,
+                                        tf32_matmuls, triton_plan)
 from orca_lab.model.checkpoint import SafetensorFiles
 
 
@@ -78,7 +78,7 @@ class GPT(nn.Module):
     # -- the forward, in the three parts a pipeline stage may own ------------------------------
     def embed(self, bt) -> torch.Tensor:
         """Token + position embeddings of the flat batch: ``[T, H]``."""
-        return self.wte(bt.input_ids.reshape(-1)) + self.wpe(token_positions(bt))
+        return self.wte(bt.input_ids) + self.wpe(bt.positions)
 
     def run_layers(self, x, bt, kv, lo: int = 0, hi: int | None = None, layer_offset: int = 0):
         """Blocks ``lo..hi`` on ``x``; ``kv.layer(i - layer_offset)`` holds block i's K/V pool."""
@@ -119,8 +119,6 @@ class GPT(nn.Module):
 
         def attend(q, k, v):
             kernels.write_kv(k, v, k_pool, v_pool, bt.slot_mapping, backend=backend, check=False)
-            if bt.padded:
-                return padded_attention(q, k_pool, v_pool, bt)
             if triton:
                 return ragged_attention_triton(q, k_pool, v_pool, bt.kv_slot_ids, bt.cu_seqlens_q,
                                                bt.cu_seqlens_k, scale, plan, tf32=self.tf32)
@@ -165,38 +163,17 @@ class GPT(nn.Module):
         (path / "config.json").write_text(json.dumps(config_to_hf(self.cfg), indent=2))
 
 
-def token_positions(bt) -> torch.Tensor:
-    """The position of every token of the flat batch ``[T]`` (a padded batch's ``[L]``, per request)."""
-    return bt.positions.repeat(bt.input_ids.shape[0]) if bt.padded else bt.positions
-
-
 def _plan(bt, triton: bool, n_slots: int):
     """The iteration's attention plan, built by the first layer from the batch's host copies (no
     read from the device) and read by the others. The slot ids are checked here, once."""
     if bt.attn_plan is None:
         bt.check_slots(n_slots)
-        if bt.padded:
-            bt.attn_plan = "padded"       # dense attention: nothing to plan
-        elif triton:
+        if triton:
             bt.attn_plan = triton_plan(bt.cu_q_host, bt.cu_k_host, bt.kv_slot_ids.device)
         else:
             bt.attn_plan = attention_plan(bt.cu_q_host, bt.cu_k_host, bt.kv_slot_ids,
                                           bt.slots_host[len(bt.slot_mapping):])
     return bt.attn_plan
-
-
-def padded_attention(q, k_pool, v_pool, bt):
-    """The baseline's dense attention: ``[B, L]`` queries over ``[B, kv_len]`` keys, causal."""
-    B, L = bt.input_ids.shape
-    kv_len = bt.kv_slot_ids.shape[1]
-    rows = bt.kv_slot_ids.flatten()
-    k = k_pool.index_select(0, rows).view(B, kv_len, *k_pool.shape[1:])   # [B, kv_len, H, D]
-    v = v_pool.index_select(0, rows).view(B, kv_len, *v_pool.shape[1:])
-    # One new token sees its whole context: no mask needed.
-    mask = None if L == 1 else causal_mask(L, kv_len, q.device)
-    o = F.scaled_dot_product_attention(q.view(B, L, *q.shape[1:]).transpose(1, 2), k.transpose(1, 2),
-                                       v.transpose(1, 2), attn_mask=mask, **_gqa(q, k_pool))
-    return o.transpose(1, 2).reshape(B * L, *q.shape[1:])
 
 
 # -- weights, whole or by shard --------------------------------------------------------------------

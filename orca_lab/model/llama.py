@@ -28,7 +28,7 @@ from orca_lab import kernels
 from orca_lab.config import ModelConfig
 from orca_lab.kernels.attention import tf32_matmuls
 from orca_lab.model.checkpoint import SafetensorFiles
-from orca_lab.model.gpt import GPT, Block, _place, chunk_dim, token_positions
+from orca_lab.model.gpt import GPT, Block, _place, chunk_dim
 
 
 class RMSNorm(nn.Module):
@@ -84,7 +84,7 @@ class Llama(GPT):
         self.rotary_caches = {}     # device -> cos/sin of every position (``rotary_cache``)
 
     def embed(self, bt) -> torch.Tensor:
-        return self.wte(bt.input_ids.reshape(-1))
+        return self.wte(bt.input_ids)
 
     def head_at(self, x, rows) -> torch.Tensor:
         h = kernels.rms_norm(x.index_select(0, rows), self.ln_f.weight, self.cfg.layer_norm_eps,
@@ -97,7 +97,7 @@ class Llama(GPT):
         token-wise op: ``fused_ops_backend``, one launch for both), then GPT's attention, which writes
         the rotated k to the pool (so attention needs no positions) and reads each K/V head once for
         its group of query heads."""
-        positions, cache = token_positions(bt), self.rotary_cache(x.device)
+        positions, cache = bt.positions, self.rotary_cache(x.device)
 
         def for_layer(k_pool, v_pool):
             attend = self._attention(bt, k_pool, v_pool)
