@@ -429,3 +429,20 @@ def test_real_backend_warms_up_each_shape_once_before_timing_it(monkeypatch):
     assert calls == [warm, timed, timed, ("ft", [2, 2]), ("ft", [5, 5, 5])]
     assert backend.describe() == dict(preset="tiny", device="cpu", dtype="float32", n_slots=4096,
                                       tensor_parallel=1, pipeline_parallel=1)
+
+
+def test_the_baselines_warm_up_is_two_iterations_of_the_timed_runs_first_shapes():
+    """ft(2,2) with prompts of 8 and 40 tokens: two tokens of the whole prompts fed 32 of them one per
+    iteration (34 iterations, untimed but paid); cut to the shortest prompt, two iterations, the same
+    shapes the timed run starts with. One LLM per max_bs: its K/V pool serves every run."""
+    from orca_lab.sim.backends import RealBackend
+    backend = RealBackend("tiny", n_slots=4096)
+    trace = [TraceItem(0.0, tuple(range(1, n + 1)), 3) for n in (8, 40)]
+    curve = Curve("ft", 2, 2)
+    warm = backend.warm_up(backend.llm_for(2), curve, trace)
+    assert len(warm.iterations) == 2 and [it.q_lens for it in warm.iterations] == [(8, 8), (1, 1)]
+    assert backend.warm_up(backend.llm_for(2), curve, trace) is None
+    pool = backend.llm_for(2)._pool().k
+    run = backend.serve(curve, trace)
+    assert len(run.iterations) == 40 + 3 - 8 and run.iterations[0].q_lens == (8, 8)
+    assert backend.llm_for(2)._pool().k is pool and backend.llm_for(4) is not backend.llm_for(2)
