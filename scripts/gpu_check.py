@@ -19,20 +19,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from orca_lab.sim.cost import model_of_gpu as sim_device  # noqa: E402  (the simulator's model of a GPU)
+
 
 def slug(name: str) -> str:
     """A directory name for a device: 'NVIDIA H100 80GB HBM3' -> 'h100_80gb_hbm3'."""
     s = re.sub(r"[^a-z0-9]+", "_", name.lower().replace("nvidia", "")).strip("_")
     return s or "unknown"
-
-
-def sim_device(name: str) -> str | None:
-    """The simulator's model (``orca_lab.sim.cost.DEVICES``) of a CUDA device name, if it has one."""
-    n = name.lower()
-    for key, pattern in (("h200", "h200"), ("h100", "h100"), ("a100-40gb", "a100")):
-        if pattern in n:
-            return key
-    return None
 
 
 def environment(out: Path, command: str) -> dict:

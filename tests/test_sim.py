@@ -208,6 +208,8 @@ def test_grouped_queries_read_only_their_k_v_heads_and_swiglu_has_three_matrices
     (lambda: P.check_measure("tiny", "cpu", "auto", 0, None), "tensor_parallel=0"),
     (lambda: P.check_formats(["html", "jpg"]), "formats='jpg' is not allowed"),
     (lambda: P.check_formats([]), "formats=\\[\\] is an empty sweep"),
+    (lambda: P.check_budget(60.0, "simulate"), "budget_s=60.0 is for mode='measure'"),
+    (lambda: P.check_budget(0.5, "measure"), "budget_s=0.5"),
 ])
 def test_bad_parameters_are_refused_with_a_clear_message(make, match):
     with pytest.raises(ValueError, match=match):
@@ -446,3 +448,50 @@ def test_the_baselines_warm_up_is_two_iterations_of_the_timed_runs_first_shapes(
     run = backend.serve(curve, trace)
     assert len(run.iterations) == 40 + 3 - 8 and run.iterations[0].q_lens == (8, 8)
     assert backend.llm_for(2)._pool().k is pool and backend.llm_for(4) is not backend.llm_for(2)
+
+
+def test_a_sweep_fitted_to_a_budget_shrinks_requests_then_the_costliest_loads_and_keeps_the_knee():
+    """Synthetic costs: a run of n requests at load x takes n / min(x, 1) seconds (a light load's
+    trace takes longest to arrive), a capacity run n. Requests shrink to the floor first, then the
+    costliest load goes, one load below saturation and one past it stay, and the requests grow back."""
+    from orca_lab.sim.budget import fit_to
+    xs = [0.25, 0.5, 1.0, 2.0]
+    predict = lambda n: {**{("c", None): float(n)}, **{("c", x): n / min(x, 1.0) for x in xs}}
+    total = lambda n, kept: n + sum(n / min(x, 1.0) for x in kept)
+    assert fit_to(40, xs, predict, 1e9, 16)[:2] == (40, xs)                 # it fits: nothing shrunk
+    assert fit_to(40, xs, predict, 300, 16)[:2] == (33, xs)                  # 33 x 9 s: fewer requests
+    n, kept, runs = fit_to(40, xs, predict, 120, 16)     # at 16 requests 0.25 goes; they grow back to 24
+    assert (n, kept) == (24, [0.5, 1.0, 2.0]) and sum(runs.values()) == total(24, kept) == 120
+    assert set(runs) == {("c", None), ("c", 0.5), ("c", 1.0), ("c", 2.0)}
+    n, kept, _ = fit_to(40, xs, predict, 60, 16)         # then 1.0 (0.5 is the last below 1), then requests
+    assert (n, kept) == (15, [0.5, 2.0]) and total(n, kept) <= 60
+    assert fit_to(40, xs, predict, 1.0, 16)[0] == 4                          # the least: the caller refuses
+
+
+def test_the_budget_plan_is_refused_when_even_the_least_sweep_does_not_fit_and_models_the_device():
+    from orca_lab.sim.budget import HOST_EAGER_S_PER_LAYER, BudgetedSweep, device_model
+    from orca_lab.config import model_config
+
+    class Real:     # what a plan reads of a RealBackend
+        cfg, name, n_slots = model_config("gpt2"), "gpt2", 16384
+
+        def describe(self):
+            return dict(preset="gpt2", device="cuda", tensor_parallel=1, pipeline_parallel=1)
+
+    h100 = device_model("gpt2", "cuda", gpu_name="NVIDIA H100 80GB HBM3")
+    assert "h100 model" in h100[1] and "a100-40gb" in device_model("gpt2", "cuda", gpu_name="NVIDIA L4")[1]
+    assert device_model("tiny", "cpu")[0].coef["padded"][0] > 0 and "gpt2's" in device_model("gpt3-13b", "cpu")[1]
+    reqs = [Request(i, [1] * 40, SamplingParams(max_gen_tokens=4)) for i in range(8)]
+    for r in reqs:
+        r.n_cached = 40
+    padded, decode = Batch.padded_step(reqs, 40, 1), Batch(reqs, [40] * 8, [1] * 8)
+    cost = h100[0]
+    assert sum(cost.iteration(padded).stages) >= 12 * HOST_EAGER_S_PER_LAYER > sum(cost.iteration(decode).stages)
+    curves = [Curve("orca", 8), Curve("ft", 8, 8)]
+    with pytest.raises(ValueError, match=r"budget_s=20 is too small .* allowed budget_s >= \d+"):
+        BudgetedSweep(Real(), curves, TraceSpec(24, 0, 0.5), None, [0.5, 2.0], 20, model=h100, progress=False)
+    plan = BudgetedSweep(Real(), curves, TraceSpec(24, 0, 0.5), None, [0.25, 0.5, 1.0, 2.0], 60,
+                         model=h100, progress=False).plan     # 98 s as asked
+    assert plan.fits and plan.n_requests < 24 and plan.xs == [0.5, 2.0]
+    assert plan.shrunk()[0] == f"n_requests 24 -> {plan.n_requests}" and "dropped [0.25, 1]" in plan.shrunk()[1]
+    assert {c for c, _ in plan.runs} == {"orca(8)", "ft(8,8)"} and {x for _, x in plan.runs} == {None, 0.5, 2.0}
