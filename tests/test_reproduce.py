@@ -168,15 +168,17 @@ def test_fig_e2e_measured_reads_the_cost_model_of_compare_with(runs):
 
 def test_fig_e2e_measured_in_a_budget_has_every_curve_at_every_load_it_planned(runs):
     """budget_s=24 on the CPU: the plan, on this engine's CPU model, shrinks the 40 requests asked for
-    (and may drop loads); the capacity runs' speed corrects it; the points are those of the corrected
-    plan, every curve at every load, predicted within the budget; the prediction is written beside."""
+    (12 s of runs as asked) until the model's prediction fits the budget; the capacity runs' speed sizes
+    the points again (how far depends on this host's speed: only counts are asserted of it); every curve
+    is measured at every load of that plan, with its requests; the prediction is written beside."""
     _, out = runs[("fig_e2e", "measure")]
     meta = json.loads((out / "fig_e2e.json").read_text())
     plan = meta["meta"]["plan"]
     first, last = plan["planned"], plan["corrected"]
     assert "2-core CPU (tiny)" in plan["model"] and first["n_requests"] < 40
-    assert first["shrunk"][0] == f"n_requests 40 -> {first['n_requests']}"
-    assert last["fits"] and last["predicted_s"] <= 0.85 * 24 and set(last["speeds"]) == {"orca(4)", "ft(2,2)"}
+    assert first["shrunk"][0] == f"n_requests 40 -> {first['n_requests']}" and first["modelled_s"] <= 0.85 * 24
+    assert set(last["speeds"]) == {"orca(4)", "ft(2,2)"} and set(last["loads"]) <= {0.25, 0.5, 1.0, 2.0}
+    assert min(last["loads"]) < 1 <= max(last["loads"])                     # below and past saturation
     rows = pd.DataFrame(meta["rows"])
     for curve, got in rows.groupby(["system", "max_bs"]):
         assert sorted(got["load"].round(6)) == last["loads"], curve

@@ -113,13 +113,14 @@ def after_sweep_s(formats) -> float:
 @dataclass
 class Plan:
     """A sweep's size and every run's predicted seconds: ``runs[(curve label, load or rate)]``, the
-    capacity runs under ``None``; ``fixed_s`` the rest of the notebook's time: spent before the plan was
-    made, the warm-ups still to come, the cells after the sweep. The plan fits if ``predicted_s`` is at
-    most ``MARGIN`` of ``budget_s``."""
+    capacity runs under ``None``; ``fixed_s`` what the model adds (the warm-ups still to come, the cells
+    after the sweep), ``spent_s`` the notebook's time already spent when the plan was made. The plan
+    fits if ``predicted_s``, all three, is at most ``MARGIN`` of ``budget_s``."""
     n_requests: int
     xs: list[float]               # the loads (or rates) every curve is measured at
     runs: dict
     fixed_s: float
+    spent_s: float
     budget_s: float
     asked: tuple                  # (n_requests, xs) asked for
     by: str = "loads"
@@ -127,8 +128,13 @@ class Plan:
     speeds: dict = field(default_factory=dict)   # curve label -> measured / simulated engine time
 
     @property
-    def predicted_s(self) -> float:
+    def modelled_s(self) -> float:
+        """The runs and what the model adds: the budget's share the plan was sized into, less the spent."""
         return self.fixed_s + sum(self.runs.values())
+
+    @property
+    def predicted_s(self) -> float:
+        return self.spent_s + self.modelled_s
 
     def shrunk(self) -> list[str]:
         n, xs = self.asked
@@ -149,7 +155,8 @@ class Plan:
 
     def to_json(self) -> dict:
         return {"stage": self.stage, "n_requests": self.n_requests, self.by: self.xs, "budget_s": self.budget_s,
-                "predicted_s": self.predicted_s, "fits": self.fits, "fixed_s": self.fixed_s, "shrunk": self.shrunk(),
+                "predicted_s": self.predicted_s, "fits": self.fits, "fixed_s": self.fixed_s, "spent_s": self.spent_s,
+                "modelled_s": self.modelled_s, "shrunk": self.shrunk(),
                 "asked": {"n_requests": self.asked[0], self.by: self.asked[1]}, "speeds": self.speeds,
                 "runs": [{"curve": c, self.by[:-1]: x, "predicted_s": s} for (c, x), s in self.runs.items()]}
 
@@ -245,16 +252,16 @@ class BudgetedSweep:
 
     def _plan(self) -> Plan:
         """Sized on the model alone: warm-ups, capacity runs and points; refused if even the least
-        sweep does not fit."""
-        fixed = time.perf_counter() - self.started + self.after_s + self.warm_s * len(self.curves)
+        sweep does not fit the budget (the time already spent aside: a slow start runs the least)."""
+        fixed, spent = self.after_s + self.warm_s * len(self.curves), self._spent()
         n, xs, runs = fit_to(self.asked[0], self.asked[1], lambda n: self._predict(n, None, {}),
-                             MARGIN * self.budget_s - fixed, self._floor(), self._pivot())
-        plan = Plan(n, xs, runs, fixed, self.budget_s, self.asked, self.by)
-        if not plan.fits:
-            least = plan.predicted_s / MARGIN
+                             MARGIN * self.budget_s - fixed - spent, self._floor(), self._pivot())
+        plan = Plan(n, xs, runs, fixed, spent, self.budget_s, self.asked, self.by)
+        if plan.modelled_s > MARGIN * self.budget_s:
+            least = plan.modelled_s / MARGIN
             raise ValueError(f"budget_s={self.budget_s:g} is too small for this sweep on {self.model_said}: "
                              f"the least one ({n} requests, {self.by} {_fmt(xs)}) is predicted to take "
-                             f"{plan.predicted_s:.0f} s, {MARGIN:.0%} of {least:.0f}; allowed budget_s >= "
+                             f"{plan.modelled_s:.0f} s, {MARGIN:.0%} of {least:.0f}; allowed budget_s >= "
                              f"{least:.0f}, or fewer curves, a smaller scale or preset")
         return plan
 
@@ -263,11 +270,14 @@ class BudgetedSweep:
         n_cap = self.plan.n_requests
         speeds = {c.label: cap_rows[(self.real.name, c)]["duration_s"] / self.simulate(c, n_cap, None).duration
                   for c in self.curves}
-        fixed = time.perf_counter() - self.started + self.after_s
+        spent = self._spent()
         n, xs, runs = fit_to(self.asked[0], self.asked[1], lambda n: self._predict(n, n_cap, speeds),
-                             MARGIN * self.budget_s - fixed, self._floor(), self._pivot())
-        return Plan(n, xs, runs, fixed, self.budget_s, self.asked, self.by, "corrected",
+                             MARGIN * self.budget_s - self.after_s - spent, self._floor(), self._pivot())
+        return Plan(n, xs, runs, self.after_s, spent, self.budget_s, self.asked, self.by, "corrected",
                     {k: round(v, 3) for k, v in speeds.items()})
+
+    def _spent(self) -> float:
+        return time.perf_counter() - self.started
 
     def _pivot(self) -> float | None:
         return 1.0 if self.by == "loads" else None
