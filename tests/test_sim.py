@@ -495,3 +495,19 @@ def test_the_budget_plan_is_refused_when_even_the_least_sweep_does_not_fit_and_m
     assert plan.fits and plan.n_requests < 24 and plan.xs == [0.5, 2.0]
     assert plan.shrunk()[0] == f"n_requests 24 -> {plan.n_requests}" and "dropped [0.25, 1]" in plan.shrunk()[1]
     assert {c for c, _ in plan.runs} == {"orca(8)", "ft(8,8)"} and {x for _, x in plan.runs} == {None, 0.5, 2.0}
+
+
+def test_orca_lab_compare_warms_the_baseline_up_on_its_first_iterations_shapes_only(tiny_llm, monkeypatch):
+    """compare's warm-up (the longest prompt in its batch) fed ft 32 one-token iterations of 8- to
+    40-token prompts; cut to the shortest, two; ORCA's batch keeps its whole prompts."""
+    from orca_lab.compare import warm_up
+    seen, real = [], LLM.serve
+
+    def serve(self, trace, system="orca", mbs=None, progress=False):
+        result = real(self, trace, system, mbs, progress)
+        seen.append((system, [len(t.prompt) for t in trace], len(result.iterations)))
+        return result
+
+    monkeypatch.setattr(LLM, "serve", serve)
+    warm_up(tiny_llm, [TraceItem(0.0, tuple(range(1, n + 1)), 5) for n in (8, 40, 20)])
+    assert seen == [("orca", [8, 40, 20], 2), ("ft", [8, 8, 8], 2)]

@@ -114,18 +114,24 @@ class RealBackend:
 
     def warm_up(self, llm, curve: Curve, trace):
         """Run the first ``max_bs`` requests of ``trace`` for two tokens, once per curve and lengths;
-        the run (None if already warm). The baseline's prompts are cut to the batch's shortest: its
-        batch feeds a longer prompt one token per iteration, so two tokens of the whole prompts took
-        hundreds of iterations (ft(8,8) on gpt2: ~400); cut, they take the two the timed run starts
-        with, of the same shapes (``[B, shortest]``, then ``[B, 1]``)."""
+        the run (None if already warm). The baseline's prompts are cut to the batch's shortest
+        (``warm_up_batch``): its batch feeds a longer prompt one token per iteration, so two tokens of
+        the whole prompts took hundreds of iterations (ft(8,8) on gpt2: ~400); cut, they take the two
+        the timed run starts with, of the same shapes (``[B, shortest]``, then ``[B, 1]``)."""
         first = list(trace)[:curve.max_bs]
         key = (curve, tuple(len(t.prompt) for t in first))
         if key in self._warm or not first:
             return None
         self._warm.add(key)
-        cut = min(len(t.prompt) for t in first) if curve.system == "ft" else None
-        short = [TraceItem(0.0, t.prompt[:cut], min(t.max_gen_tokens, 2)) for t in first]
-        return llm.serve(short, system=curve.system, mbs=curve.mbs)
+        return llm.serve(warm_up_batch(first, curve.system), system=curve.system, mbs=curve.mbs)
+
+
+def warm_up_batch(first, system: str) -> list[TraceItem]:
+    """The untimed copy of a run's first batch ``first``: at t=0, two tokens each (one prefill and one
+    decode iteration); for the baseline ("ft"), every prompt cut to the batch's shortest, which is
+    all its first iteration feeds (the rest would be fed one token per iteration)."""
+    cut = min(len(t.prompt) for t in first) if system == "ft" else None
+    return [TraceItem(0.0, tuple(t.prompt)[:cut], min(t.max_gen_tokens, 2)) for t in first]
 
 
 def _synchronize(device: str):
