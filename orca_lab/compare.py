@@ -77,14 +77,15 @@ def trace_at(rate, n: int, seed: int, scale: float, vocab_size: int):
 
 def warm_up(llm, trace, systems=SYSTEMS):
     """Run each system once on the trace's first batch, two tokens each, before anything is timed: the
-    first call of each shape pays for allocations and, on a GPU, for Triton's compilation."""
+    first call of each shape pays for allocations and, on a GPU, for Triton's compilation
+    (``sim.backends.warm_up_batch``: the baseline's prompts cut to its first iteration's)."""
+    from orca_lab.sim.backends import warm_up_batch
     first = list(trace[:llm.engine_config.max_bs])
     longest = max(trace, key=lambda it: len(it.prompt))
     if longest not in first:           # the longest prompt too: the largest prefill shape
         first[-1] = longest
-    batch = [dataclasses.replace(it, arrival=0.0, max_gen_tokens=min(2, it.max_gen_tokens)) for it in first]
     for system in systems:
-        llm.serve(batch, system=system)
+        llm.serve(warm_up_batch(first, system), system=system)
 
 
 def probe_capacity(llm, trace, system: str, n: int) -> float:

@@ -6,6 +6,7 @@ check, and Figure 9 measured beside the simulator's prediction for the same GPU.
     python scripts/gpu_check.py workers OUT
     python scripts/gpu_check.py fig9-compare MEASURED_CSV SIMULATED_CSV OUT
     python scripts/gpu_check.py sim-device                # the simulator's model of this GPU, or "none"
+    python scripts/gpu_check.py wheels [--download]       # the wheels to carry to the GPU machine (.whl/)
 """
 from __future__ import annotations
 
@@ -28,11 +29,8 @@ def slug(name: str) -> str:
 
 def sim_device(name: str) -> str | None:
     """The simulator's model (``orca_lab.sim.cost.DEVICES``) of a CUDA device name, if it has one."""
-    n = name.lower()
-    for key, pattern in (("h200", "h200"), ("h100", "h100"), ("a100-40gb", "a100")):
-        if pattern in n:
-            return key
-    return None
+    from orca_lab.sim.cost import model_of_gpu
+    return model_of_gpu(name)
 
 
 def environment(out: Path, command: str) -> dict:
@@ -95,6 +93,61 @@ def fig9_compare(measured_csv: Path, simulated_csv: Path, out: Path):
     return df
 
 
+# The wheels the GPU check needs beyond the GPU machine's image: what the notebooks (papermill, a
+# kernel, plotly) and the serving tests import, at the lock's versions, for its Python 3.12.
+CARRY_ROOTS = ("papermill", "ipykernel", "plotly", "fastapi", "uvicorn", "pydantic", "openai", "opentelemetry-api")
+# What the image already holds (its package list as read on 2026-11-17): never carried.
+IMAGE = frozenset("""
+absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
+charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
+cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock
+flatbuffers flax fonttools formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx humanize
+hypothesis idna imageio iniconfig interface-meta jax jaxlib jaxtyping jinja2 joblib kiwisolver lazy-loader
+lightning lightning-utilities linear-operator lineax llvmlite lxml markdown markdown-it-py markupsafe matplotlib
+mdurl meson ml-dtypes mpi4py mpmath msgpack multidict multipledispatch mypy-extensions nanobind narwhals
+networkx ninja numba numba-cuda numpy numpyro nvidia-ml-py onnx onnxruntime opencv-python-headless optax
+opt-einsum packaging pandas pathspec patsy peft pillow pip pluggy portalocker prometheus-client propcache
+protobuf psutil pyarrow pybind11 py-cpuinfo pygments pyparsing pyproject-hooks pytest pytest-benchmark
+pytest-cov pytest-mock pytest-timeout pytest-xdist python-dateutil pytorch-lightning pyyaml regex requests
+rich sacrebleu safetensors scikit-learn scipy seaborn sentencepiece sentence-transformers setuptools
+shellingham simplejson six sortedcontainers statsmodels sympy tabulate tensorboard threadpoolctl tifffile
+tiktoken timm tokenizers toolz torch torchaudio torchvision tqdm transformers triton typer typing-extensions
+typing-inspect urllib3 uvloop werkzeug wheel wrapt xarray xxhash yarl zipp huggingface-hub
+""".split())
+PIP_DOWNLOAD = ["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+                "--implementation", "cp", *[f"--platform={p}" for p in (
+                    "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+                    "manylinux1_x86_64")]]
+
+
+def _name(dist: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def lock_graph(lock: Path) -> dict:
+    """``requirements/lock.txt`` as {name: (version, the names that need it)} (pip-compile's "# via")."""
+    graph, name = {}, None
+    for line in lock.read_text().splitlines():
+        if m := re.match(r"^([A-Za-z0-9][\w.\-]*)==(\S+)", line):
+            name = _name(m.group(1))
+            graph[name] = (m.group(2), [])
+        elif name and (m := re.match(r"^\s+#\s+(?:via\s+)?([A-Za-z0-9][\w.\-]*)\s*$", line)) and m.group(1) != "via":
+            graph[name][1].append(_name(m.group(1)))
+    return graph
+
+
+def wheels(lock: Path = ROOT / "requirements" / "lock.txt") -> list[str]:
+    """``name==version`` of ``CARRY_ROOTS`` and everything they need in the lock, less the image's."""
+    graph = lock_graph(lock)
+    carry = {r for r in map(_name, CARRY_ROOTS) if r in graph}
+    grew = True
+    while grew:
+        more = {n for n, (_, parents) in graph.items() if n not in carry and n not in IMAGE and carry & set(parents)}
+        carry |= more
+        grew = bool(more)
+    return sorted(f"{n}=={graph[n][0]}" for n in carry)
+
+
 def main(argv) -> int:
     cmd, *args = argv or ["help"]
     if cmd == "slug":
@@ -107,6 +160,11 @@ def main(argv) -> int:
         environment(Path(args[0]), args[1])
     elif cmd == "workers":
         return 0 if workers(Path(args[0]))["ok"] else 1
+    elif cmd == "wheels":     # run here, where a registry is: the GPU machine has none
+        cmd = [sys.executable, *PIP_DOWNLOAD, "-d", str(ROOT / ".whl"), *wheels()]
+        print(" ".join(cmd))
+        if args[:1] == ["--download"]:
+            return subprocess.run(cmd).returncode
     elif cmd == "fig9-compare":
         fig9_compare(Path(args[0]), Path(args[1]), Path(args[2]))
     else:

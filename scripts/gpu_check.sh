@@ -1,33 +1,59 @@
 #!/usr/bin/env bash
-# The GPU check: one command on a CUDA machine, about 10 minutes on one H100.
+# The GPU check, planned for a short window (12 minutes of one H100, in two calls of at most 10):
+# the steps in the order of their value, each under a time limit taken from its predicted time, the
+# results packed as each step ends, so a run cut anywhere keeps every step finished before the cut.
 #
-#   bash scripts/gpu_check.sh            # everything; results in docs/results/gpu_<device>/
-#   bash scripts/gpu_check.sh --dry-run  # print the steps, run nothing (works without a GPU)
+#   bash scripts/gpu_check.sh --dry-run      # print the plan: steps, predicted times, limits (no GPU needed)
+#   bash scripts/gpu_check.sh --part 1       # on the GPU: Figure 9, the step times, Figure 10, kernels, workers
+#   bash scripts/gpu_check.sh --part 2       # on the GPU: the suite's CUDA tests, aot --full beside them
+#   bash scripts/gpu_check.sh                # both parts, one after the other
 #
-# Steps (each logged to <out>/<step>.log; a failed step does not stop the others, the exit status
-# says whether all passed):
-#   tests    the test suite, on the GPU (kernels compiled for it, fp16/bf16 for real)
-#   bench    python -m orca_lab.kernels.bench: kernels against their roofline and the alternatives
-#   aot      python -m orca_lab.kernels.aot --full: every declared launch compiled for sm_80 and sm_90
-#            (CI compiles a subset; see orca_lab/kernels/aot.py)
-#   workers  EngineConfig(executor="workers") on one GPU over NCCL: the in-process engine's tokens
-#   fig9     Figure 9 measured for gpt3-13b (batch 1-32, inputs 32 and 128, 32 generated tokens),
-#            beside the simulator's prediction for the same GPU
-#   fig10    a measured Figure 10 sweep (latency vs throughput) on gpt2, which fits any GPU
-# Environment: OUT_DIR (default docs/results/gpu_<device>), PYTHON (default python3),
-# FIG10_PRESET (default gpt2), STEPS (default "tests bench aot workers fig9 fig10").
+# The plan (PLAN below): predicted seconds on one H100, from the H200 run of 2026-11-26
+# (docs/results/gpu_h200: steps.txt) where a step ran there; a step's limit is its prediction with
+# 10-45 s to spare, and never past what is left of its part (WINDOW_1, WINDOW_2: each within one call
+# of at most 10 minutes, together 12 minutes). A step cut by its limit exits 124; the others still run.
+# aot --full compiles on the CPU beside the tests (H200: cut at 200 s) and is cut with them.
+#
+# Wheels: the GPU machine has torch, Triton, numpy, pandas, scipy, pytest, transformers... and no
+# package registry. `python3 scripts/gpu_check.py wheels` prints the pip command that downloads the
+# rest at the lock's versions (papermill, ipykernel, plotly, the serving stack) into .whl/, on a machine
+# with a registry; carry .whl/ to the GPU machine. The setup step installs them into /tmp/site.
+#
+# Results: docs/results/gpu_<device>/ (OUT_DIR): <step>.log per step, steps.txt (step, exit status,
+# seconds, predicted, limit, seconds since the start); with PACK_TO set, after each step the whole
+# folder is packed into $PACK_TO/gpu_results.tgz (paths from the repository's root) and steps.txt
+# copied beside it. Environment: PYTHON (default python3), OUT_DIR, PACK_TO, STEPS (a subset, by name).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-STEPS=${STEPS:-tests bench aot workers fig9 fig10}
-FIG10_PRESET=${FIG10_PRESET:-gpt2}
-DRY=0
-case "${1:-}" in
-    --dry-run) DRY=1 ;;
-    "") ;;
-    *) echo "usage: bash scripts/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
-esac
-COMMAND="bash scripts/gpu_check.sh $*"
+DRY=0 PART=all
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --dry-run) DRY=1 ;;
+        --part) PART=${2:-}; shift ;;
+        *) echo "usage: bash scripts/gpu_check.sh [--dry-run] [--part 1|2]" >&2; exit 2 ;;
+    esac
+    shift
+done
+case "$PART" in 1|2|all) ;; *) echo "--part must be 1 or 2, got '$PART'" >&2; exit 2 ;; esac
+COMMAND="bash scripts/gpu_check.sh$([ "$PART" = all ] || echo " --part $PART")"
+T0=$SECONDS
+
+# part  step       predicted limit   (predicted: where it comes from)
+PLAN="
+1     setup         20      30       the carried wheels installed first (~10 s), the kernel spec, environment.json
+1     fig9          70      95       H200: 50 s measured (gpt3-13b, bf16, 12 points) + 9 s simulated
+1     step_time     40      55       benchmarks/step_time.py at Figure 9's points, ORCA and FT, one model build
+1     fig10        155     190       the notebook's budget_s=140 (it sizes itself to end within it) + its start
+1     bench         20      30       H200: 17 s
+1     workers       25      40       H200: 24 s (12 requests on gpt2, in process and on a worker over NCCL)
+2     setup         20      30       as above, on a fresh machine
+2     tests        200     245       H200: 164 s for 413 tests on 8 workers, + test_cuda_safe (37 s alone)
+"
+WINDOW_1=445      # part 1: its limits add up to 435 s
+WINDOW_2=275      # part 2: 720 s, 12 minutes, in all
+export FIG10_BUDGET=140
+START=$([ "$PART" = 2 ] && echo "$WINDOW_1" || echo 0)     # where this run starts on the plan's clock
 
 if [ "$DRY" = 0 ] && ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "scripts/gpu_check.sh: no CUDA GPU here (torch.cuda.is_available() is False, or torch is missing)." >&2
@@ -37,54 +63,107 @@ fi
 if [ "$DRY" = 1 ]; then
     DEVICE=example_gpu SIM=h100
 else
+    if [ -d .whl ]; then     # the packages the GPU machine lacks (scripts/gpu_check.py wheels)
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+            && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
     DEVICE=$("$PY" scripts/gpu_check.py slug) && SIM=$("$PY" scripts/gpu_check.py sim-device) || exit 1
 fi
-OUT=${OUT_DIR:-docs/results/gpu_$DEVICE}
+export PY SIM COMMAND OUT=${OUT_DIR:-docs/results/gpu_$DEVICE}
 FAILED=()
 
-# step NAME COMMAND...: run it with its output in $OUT/NAME.log, note its time and status
-step() {
-    local name=$1; shift
-    case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
-    if [ "$DRY" = 1 ]; then   # a shell function is shown by its body
-        if declare -F "$1" >/dev/null; then echo "[$name]"; declare -f "$1" | sed '1,2d;$d'; else echo "[$name] $*"; fi
-        return 0
-    fi
-    echo "== $name: $*"
-    local t0=$SECONDS
-    "$@" > >(tee "$OUT/$name.log") 2>&1
-    local rc=$?
-    echo "$name $rc $((SECONDS - t0))" >> "$OUT/steps.txt"
-    echo "== $name: exit $rc after $((SECONDS - t0)) s"
-    [ "$rc" = 0 ] || FAILED+=("$name")
+pack() {   # the results so far, where they come back from (an interrupted pack leaves the last whole one)
+    [ -n "${PACK_TO:-}" ] || return 0
+    tar czf "$PACK_TO/gpu_results.tgz.part" "$OUT" 2>/dev/null && mv "$PACK_TO/gpu_results.tgz.part" "$PACK_TO/gpu_results.tgz"
+    cp "$OUT/steps.txt" "$PACK_TO/" 2>/dev/null
 }
 
-if [ "$DRY" = 0 ]; then
-    mkdir -p "$OUT" && : > "$OUT/steps.txt"
-    "$PY" scripts/gpu_check.py environment "$OUT" "$COMMAND" || exit 1
-fi
-PM=("$PY" -m papermill -k python3)
+# step PART NAME COMMAND...: under its limit, and never past the end of its part's window; the
+# output in $OUT/NAME.log, a line in steps.txt, the results packed. COMMAND may be a function below.
+step() {
+    local part=$1 name=$2; shift 2
+    [ "$PART" = all ] || [ "$PART" = "$part" ] || return 0
+    case " ${STEPS:-$name} " in *" $name "*) ;; *) return 0 ;; esac
+    local predicted limit why
+    read -r predicted limit why < <(awk -v p="$part" -v n="$name" '$1 == p && $2 == n {$1 = $2 = ""; print}' <<< "$PLAN")
+    if [ "$DRY" = 1 ]; then
+        [ "$part" = 2 ] && [ "$ENDS" -lt "$WINDOW_1" ] && ENDS=$WINDOW_1
+        ENDS=$(( ENDS + limit ))
+        printf '[%s] part %s: predicted %d s, limit %d s, ends by %d s: %s\n' "$name" "$part" "$predicted" "$limit" "$ENDS" "$why"
+        if declare -F "$1" >/dev/null; then declare -f "$1" | sed '1,2d;$d'; else echo "    $*"; fi
+        return 0
+    fi
+    local now=$(( SECONDS - T0 + START )) left=$(( (part == 1 ? WINDOW_1 : WINDOW_1 + WINDOW_2) - SECONDS + T0 - START ))
+    [ "$limit" -gt "$left" ] && limit=$left
+    if [ "$limit" -lt 5 ]; then
+        echo "== $name: skipped, its part's window is spent"
+        echo "$name skipped 0 $predicted 0 $now" >> "$OUT/steps.txt"; pack; return 0
+    fi
+    echo "== $name: limit $limit s (predicted $predicted): $*"
+    local t0=$SECONDS
+    if declare -F "$1" >/dev/null; then export -f "$1"; set -- bash -c "$1"; fi
+    LIMIT=$limit timeout -k 10 "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
+    local rc=$?
+    # a cut notebook's kernel runs in a session of its own: end it before the next step times anything
+    [ "$rc" = 124 ] && pkill -TERM -f ipykernel_launcher
+    echo "$name $rc $((SECONDS - t0)) $predicted $limit $((SECONDS - T0 + START))" >> "$OUT/steps.txt"
+    echo "== $name: exit $rc after $((SECONDS - t0)) s"
+    [ "$rc" = 0 ] || FAILED+=("$name")
+    pack
+}
+
+setup() {   # the kernel papermill starts, and the record of the machine
+    "$PY" -m ipykernel install --user > /dev/null || echo "no ipykernel: the notebook steps will fail (carry .whl/)"
+    nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.max.sm --format=csv > "$OUT/nvidia_smi.txt"
+    "$PY" scripts/gpu_check.py environment "$OUT" "$COMMAND"
+}
 fig9() {   # measured, then simulated for the same GPU, then the two side by side
-    "${PM[@]}" reproduce/fig9_engine.ipynb "$OUT/fig9_measured.ipynb" -p out_dir "$OUT/fig9_measured" "${FIG9[@]}" || return
+    local pm=("$PY" -m papermill -k python3) shapes='{batch_sizes: [1, 2, 4, 8, 16, 32], input_lens: [32, 128]}'
+    "${pm[@]}" reproduce/fig9_engine.ipynb "$OUT/fig9_measured.ipynb" -p out_dir "$OUT/fig9_measured" \
+        -p mode measure -p preset gpt3-13b -p device cuda -p dtype bfloat16 -y "$shapes" -p gen_len 32 || return
     if [ "$SIM" = none ]; then echo "the simulator has no model of this GPU: Figure 9 measured only"; return 0; fi
-    "${PM[@]}" reproduce/fig9_engine.ipynb "$OUT/fig9_simulated.ipynb" -p out_dir "$OUT/fig9_simulated" "${FIG9_SIM[@]}" || return
+    "${pm[@]}" reproduce/fig9_engine.ipynb "$OUT/fig9_simulated.ipynb" -p out_dir "$OUT/fig9_simulated" \
+        -p mode simulate -p device "$SIM" -y "$shapes" -y '{models: [gpt3-13b]}' -p gen_len 32 || return
     "$PY" scripts/gpu_check.py fig9-compare "$OUT/fig9_measured/fig9_engine.csv" "$OUT/fig9_simulated/fig9_engine.csv" \
         "$OUT/fig9_vs_sim.csv"
 }
-FIG9=(-p mode measure -p preset gpt3-13b -p device cuda -p dtype bfloat16
-      -y '{batch_sizes: [1, 2, 4, 8, 16, 32], input_lens: [32, 128]}' -p gen_len 32)
-FIG9_SIM=(-p mode simulate -p device "$SIM" -y '{models: [gpt3-13b], batch_sizes: [1, 2, 4, 8, 16, 32], input_lens: [32, 128]}' -p gen_len 32)
-FIG10=(-p mode measure -p preset "$FIG10_PRESET" -p device cuda
-       -y '{curves: ["orca(8)", "orca(32)", "ft(8,8)"], loads: [0.25, 0.5, 1.0, 2.0]}' -p n_requests 60)
+fig10() {   # measured on gpt2, sized by the notebook to budget_s; the simulator's prediction beside it
+    "$PY" -m papermill -k python3 reproduce/fig_e2e.ipynb "$OUT/fig10_measured.ipynb" -p out_dir "$OUT/fig10_measured" \
+        -p mode measure -p preset gpt2 -p device cuda -p n_requests 60 -p budget_s "$FIG10_BUDGET" \
+        -y '{curves: ["orca(8)", "orca(32)", "ft(8,8)"], loads: [0.25, 0.5, 1.0, 2.0], formats: [html]}'
+}
+tests() {   # the suite's CUDA tests on 8 workers; aot --full compiles beside them on the CPU, cut before the step
+    timeout $(( LIMIT > 10 ? LIMIT - 5 : LIMIT / 2 )) env TRITON_INTERPRET=0 "$PY" -m orca_lab.kernels.aot --full --jobs 6 --json "$OUT/aot_full.json" \
+        > "$OUT/aot.log" 2>&1 &
+    "$PY" -m pytest -q -p no:cacheprovider -n 8 --junitxml "$OUT/tests.xml" tests/test_llama.py tests/test_kernels_llama.py \
+        tests/test_kernels.py tests/test_decode_attention.py tests/test_engine.py tests/test_model.py tests/test_kv_pool.py \
+        tests/test_kv_sizing.py tests/test_prefix_caching.py tests/test_sharding.py tests/test_cuda_safe.py
+    local rc=$?
+    wait $!; echo "aot --full: exit $? (124: cut 5 s before the step's limit)"
+    return $rc
+}
 
-step tests "$PY" -m pytest -q -p no:cacheprovider --junitxml "$OUT/tests.xml" tests
-step bench "$PY" -m orca_lab.kernels.bench --out "$OUT/kernels_bench.json"
-step aot env TRITON_INTERPRET=0 "$PY" -m orca_lab.kernels.aot --full --jobs "$(nproc)" --json "$OUT/aot_full.json"
-step workers "$PY" scripts/gpu_check.py workers "$OUT"
-step fig9 fig9
-step fig10 "${PM[@]}" reproduce/fig_e2e.ipynb "$OUT/fig10_measured.ipynb" -p out_dir "$OUT/fig10_measured" "${FIG10[@]}"
+if [ "$DRY" = 1 ]; then
+    ENDS=0
+    echo "The GPU check's plan: part 1 within ${WINDOW_1} s, part 2 within ${WINDOW_2} s (each one call of at most 10 minutes)"
+else
+    mkdir -p "$OUT" && touch "$OUT/steps.txt"
+fi
+step 1 setup setup
+step 1 fig9 fig9
+step 1 step_time "$PY" benchmarks/step_time.py --model gpt3-13b --device cuda --dtype bfloat16 --out "$OUT/step_time.json"
+step 1 fig10 fig10
+step 1 bench "$PY" -m orca_lab.kernels.bench --out "$OUT/kernels_bench.json"
+step 1 workers "$PY" scripts/gpu_check.py workers "$OUT"
+step 2 setup setup
+step 2 tests tests
 
-[ "$DRY" = 1 ] && exit 0
+if [ "$DRY" = 1 ]; then
+    awk '$1 ~ /^[12]$/ {p += $3; l += $4} END {printf "total: predicted %d s, limits %d s\n", p, l}' <<< "$PLAN"
+    echo "window: $((WINDOW_1 + WINDOW_2)) s, 12 minutes; carry .whl/: python3 scripts/gpu_check.py wheels"
+    exit 0
+fi
 if [ ${#FAILED[@]} -gt 0 ]; then
     echo "gpu_check: FAILED steps: ${FAILED[*]} (logs in $OUT)"; exit 1
 fi

@@ -1,6 +1,7 @@
 """scripts/gpu_check.sh without a GPU: it parses, plans the issue's steps, and refuses cleanly; its
 Python helpers on small inputs. The script itself runs on a CUDA machine (docs/results/README.md)."""
 import importlib.util
+import re
 import subprocess
 from pathlib import Path
 
@@ -34,15 +35,42 @@ def test_without_cuda_it_refuses_cleanly_and_writes_nothing(tmp_path):
     assert not (tmp_path / "out").exists() and "Traceback" not in proc.stderr
 
 
-def test_the_dry_run_plans_every_step_at_the_papers_shapes():
+def test_the_dry_run_plans_a_12_minute_window_by_value_each_step_under_a_limit():
+    """Figure 9, the step times and Figure 10 first, then kernels, workers, then the CUDA tests with aot
+    beside them; each limit at least its prediction; each part one call of at most 10 minutes, 12 in all."""
     proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    steps = [line.split("]")[0][1:] for line in proc.stdout.splitlines() if line.startswith("[")]
-    assert steps == ["tests", "bench", "aot", "workers", "fig9", "fig10"]
+    rows = [re.match(r"\[(\w+)\] part (\d): predicted (\d+) s, limit (\d+) s, ends by (\d+) s", line)
+            for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert all(rows), proc.stdout
+    steps = [(r[1], int(r[2])) for r in rows]
+    assert steps == [("setup", 1), ("fig9", 1), ("step_time", 1), ("fig10", 1), ("bench", 1), ("workers", 1),
+                     ("setup", 2), ("tests", 2)]
+    predicted, limits, ends = ([int(r[i]) for r in rows] for i in (3, 4, 5))
+    assert all(p <= lim for p, lim in zip(predicted, limits)) and ends[-1] <= 720
+    part1 = sum(lim for (_, part), lim in zip(steps, limits) if part == 1)
+    assert part1 <= ends[5] <= 600 and ends[-1] - ends[5] <= 600
+    assert f"total: predicted {sum(predicted)} s, limits {sum(limits)} s" in proc.stdout and sum(limits) <= 720
     out = proc.stdout
-    assert "-m pytest" in out and "-m orca_lab.kernels.bench" in out and "gpu_check.py workers" in out
-    assert "fig9-compare" in out and "reproduce/fig_e2e.ipynb" in out and "-p mode measure" in out
-    assert subprocess.run(["bash", str(SCRIPT), "--bogus"], capture_output=True).returncode == 2
+    assert "-m pytest" in out and "-n 8" in out and "kernels.aot --full" in out and "-m orca_lab.kernels.bench" in out
+    assert "gpu_check.py workers" in out and "fig9-compare" in out and "benchmarks/step_time.py --model gpt3-13b" in out
+    assert "reproduce/fig_e2e.ipynb" in out and "-p mode measure" in out and '-p budget_s "$FIG10_BUDGET"' in out
+    assert "--device cuda --dtype bfloat16 --out docs/results/gpu_example_gpu/step_time.json" in out
+    for bad in (["--bogus"], ["--part", "3"]):
+        assert subprocess.run(["bash", str(SCRIPT), *bad], capture_output=True).returncode == 2
+
+
+def test_the_wheels_to_carry_are_what_the_gpu_image_lacks_at_the_locks_versions(capsys):
+    h = load_helpers()
+    lock = dict(line.split("==") for line in (ROOT / "requirements" / "lock.txt").read_text().splitlines()
+                if re.match(r"^[a-z0-9]", line, re.I))
+    got = dict(w.split("==") for w in h.wheels())
+    for name in ("papermill", "ipykernel", "plotly", "fastapi", "opentelemetry-api", "pyzmq", "nbclient", "jupyter-client"):
+        assert got[name] == lock[name], name
+    assert not {"torch", "triton", "numpy", "pandas", "scipy", "transformers", "pytest"} & set(got)
+    assert h.main(["wheels"]) == 0
+    cmd = capsys.readouterr().out
+    assert "pip download --no-deps --only-binary=:all: --python-version 3.12" in cmd and "papermill==" in cmd
 
 
 def test_the_fig9_arguments_are_the_papers():

@@ -43,7 +43,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MEASURE = {
     "fig9_engine": (dict(batch_sizes=[1, 4], input_lens=[8], gen_len=4),
                     ["model", "system", "batch_size", "input_len", "gen_len", "kv_slots_needed", "n_slots", "oom", "time_ms"]),
-    "fig_e2e": (dict(curves=["orca(4)", "ft(2,2)"], n_requests=8, loads=[0.5, 2.0], scale=0.05), CSV_COLUMNS),
+    # fig_e2e in a budget its request and loads do not fit (~12 s of runs on the CPU's model, as asked)
+    "fig_e2e": (dict(curves=["orca(4)", "ft(2,2)"], n_requests=40, loads=[0.25, 0.5, 1.0, 2.0], scale=0.05,
+                     budget_s=24), CSV_COLUMNS),
     "fig11_homogeneous": (dict(shapes=[[32, 16]], scale=0.25, curves=["orca(4)", "ft(2,2)"], n_requests=8, loads=[0.5, 2.0]),
                           CSV_COLUMNS[:5] + ["input_len", "gen_len", "throughput_rps", "e2e_median_ms",
                                              "norm_latency_median_ms"]),
@@ -162,6 +164,28 @@ def test_fig_e2e_measured_reads_the_cost_model_of_compare_with(runs):
     assert json.loads((out / "headline.json").read_text())[0]["model"] == "tiny"
     printed = json.dumps([c.get("outputs", []) for c in nbformat.read(out / "fig_e2e.ipynb", as_version=4).cells])
     assert "the calibrated cost model of 175B on a100-40gb (compare_with), not a measurement of this run" in printed
+
+
+def test_fig_e2e_measured_in_a_budget_has_every_curve_at_every_load_it_planned(runs):
+    """budget_s=24 on the CPU: the plan, on this engine's CPU model, shrinks the 40 requests asked for
+    (12 s of runs as asked) until the model's prediction fits the budget; the capacity runs' speed sizes
+    the points again (how far depends on this host's speed: only counts are asserted of it); every curve
+    is measured at every load of that plan, with its requests; the prediction is written beside."""
+    _, out = runs[("fig_e2e", "measure")]
+    meta = json.loads((out / "fig_e2e.json").read_text())
+    plan = meta["meta"]["plan"]
+    first, last = plan["planned"], plan["corrected"]
+    assert "2-core CPU (tiny)" in plan["model"] and first["n_requests"] < 40
+    assert first["shrunk"][0] == f"n_requests 40 -> {first['n_requests']}" and first["modelled_s"] <= 0.85 * 24
+    assert set(last["speeds"]) == {"orca(4)", "ft(2,2)"} and set(last["loads"]) <= {0.25, 0.5, 1.0, 2.0}
+    assert min(last["loads"]) < 1 <= max(last["loads"])                     # below and past saturation
+    rows = pd.DataFrame(meta["rows"])
+    for curve, got in rows.groupby(["system", "max_bs"]):
+        assert sorted(got["load"].round(6)) == last["loads"], curve
+    assert len(rows) == 2 * len(last["loads"]) and (rows["n_requests"] == last["n_requests"]).all()
+    assert len(pd.read_csv(out / "fig_e2e_predicted.csv")) == len(rows)
+    printed = json.dumps([c.get("outputs", []) for c in nbformat.read(out / "fig_e2e.ipynb", as_version=4).cells])
+    assert f"planned: {first['n_requests']} requests" in printed and "corrected: " in printed
 
 
 def test_fig11_and_kv_memory_measured_shrink_with_scale(runs):

@@ -208,6 +208,8 @@ def test_grouped_queries_read_only_their_k_v_heads_and_swiglu_has_three_matrices
     (lambda: P.check_measure("tiny", "cpu", "auto", 0, None), "tensor_parallel=0"),
     (lambda: P.check_formats(["html", "jpg"]), "formats='jpg' is not allowed"),
     (lambda: P.check_formats([]), "formats=\\[\\] is an empty sweep"),
+    (lambda: P.check_budget(60.0, "simulate"), "budget_s=60.0 is for mode='measure'"),
+    (lambda: P.check_budget(0.5, "measure"), "budget_s=0.5"),
 ])
 def test_bad_parameters_are_refused_with_a_clear_message(make, match):
     with pytest.raises(ValueError, match=match):
@@ -429,3 +431,83 @@ def test_real_backend_warms_up_each_shape_once_before_timing_it(monkeypatch):
     assert calls == [warm, timed, timed, ("ft", [2, 2]), ("ft", [5, 5, 5])]
     assert backend.describe() == dict(preset="tiny", device="cpu", dtype="float32", n_slots=4096,
                                       tensor_parallel=1, pipeline_parallel=1)
+
+
+def test_the_baselines_warm_up_is_two_iterations_of_the_timed_runs_first_shapes():
+    """ft(2,2) with prompts of 8 and 40 tokens: two tokens of the whole prompts fed 32 of them one per
+    iteration (34 iterations, untimed but paid); cut to the shortest prompt, two iterations, the same
+    shapes the timed run starts with. One LLM per max_bs: its K/V pool serves every run."""
+    from orca_lab.sim.backends import RealBackend
+    backend = RealBackend("tiny", n_slots=4096)
+    trace = [TraceItem(0.0, tuple(range(1, n + 1)), 3) for n in (8, 40)]
+    curve = Curve("ft", 2, 2)
+    warm = backend.warm_up(backend.llm_for(2), curve, trace)
+    assert len(warm.iterations) == 2 and [it.q_lens for it in warm.iterations] == [(8, 8), (1, 1)]
+    assert backend.warm_up(backend.llm_for(2), curve, trace) is None
+    pool = backend.llm_for(2)._pool().k
+    run = backend.serve(curve, trace)
+    assert len(run.iterations) == 40 + 3 - 8 and run.iterations[0].q_lens == (8, 8)
+    assert backend.llm_for(2)._pool().k is pool and backend.llm_for(4) is not backend.llm_for(2)
+
+
+def test_a_sweep_fitted_to_a_budget_shrinks_requests_then_the_costliest_loads_and_keeps_the_knee():
+    """Synthetic costs: a run of n requests at load x takes n / min(x, 1) seconds (a light load's
+    trace takes longest to arrive), a capacity run n. Requests shrink to the floor first, then the
+    costliest load goes, one load below saturation and one past it stay, and the requests grow back."""
+    from orca_lab.sim.budget import fit_to
+    xs = [0.25, 0.5, 1.0, 2.0]
+    predict = lambda n: {**{("c", None): float(n)}, **{("c", x): n / min(x, 1.0) for x in xs}}
+    total = lambda n, kept: n + sum(n / min(x, 1.0) for x in kept)
+    assert fit_to(40, xs, predict, 1e9, 16)[:2] == (40, xs)                 # it fits: nothing shrunk
+    assert fit_to(40, xs, predict, 300, 16)[:2] == (33, xs)                  # 33 x 9 s: fewer requests
+    n, kept, runs = fit_to(40, xs, predict, 120, 16)     # at 16 requests 0.25 goes; they grow back to 24
+    assert (n, kept) == (24, [0.5, 1.0, 2.0]) and sum(runs.values()) == total(24, kept) == 120
+    assert set(runs) == {("c", None), ("c", 0.5), ("c", 1.0), ("c", 2.0)}
+    n, kept, _ = fit_to(40, xs, predict, 60, 16)         # then 1.0 (0.5 is the last below 1), then requests
+    assert (n, kept) == (15, [0.5, 2.0]) and total(n, kept) <= 60
+    assert fit_to(40, xs, predict, 1.0, 16)[0] == 4                          # the least: the caller refuses
+
+
+def test_the_budget_plan_is_refused_when_even_the_least_sweep_does_not_fit_and_models_the_device():
+    from orca_lab.sim.budget import HOST_EAGER_S_PER_LAYER, BudgetedSweep, device_model
+    from orca_lab.config import model_config
+
+    class Real:     # what a plan reads of a RealBackend
+        cfg, name, n_slots = model_config("gpt2"), "gpt2", 16384
+
+        def describe(self):
+            return dict(preset="gpt2", device="cuda", tensor_parallel=1, pipeline_parallel=1)
+
+    h100 = device_model("gpt2", "cuda", gpu_name="NVIDIA H100 80GB HBM3")
+    assert "h100 model" in h100[1] and "a100-40gb" in device_model("gpt2", "cuda", gpu_name="NVIDIA L4")[1]
+    assert device_model("tiny", "cpu")[0].coef["padded"][0] > 0 and "gpt2's" in device_model("gpt3-13b", "cpu")[1]
+    reqs = [Request(i, [1] * 40, SamplingParams(max_gen_tokens=4)) for i in range(8)]
+    for r in reqs:
+        r.n_cached = 40
+    padded, decode = Batch.padded_step(reqs, 40, 1), Batch(reqs, [40] * 8, [1] * 8)
+    cost = h100[0]
+    assert sum(cost.iteration(padded).stages) >= 12 * HOST_EAGER_S_PER_LAYER > sum(cost.iteration(decode).stages)
+    curves = [Curve("orca", 8), Curve("ft", 8, 8)]
+    with pytest.raises(ValueError, match=r"budget_s=20 is too small .* allowed budget_s >= \d+"):
+        BudgetedSweep(Real(), curves, TraceSpec(24, 0, 0.5), None, [0.5, 2.0], 20, model=h100, progress=False)
+    plan = BudgetedSweep(Real(), curves, TraceSpec(24, 0, 0.5), None, [0.25, 0.5, 1.0, 2.0], 60,
+                         model=h100, progress=False).plan     # 98 s as asked
+    assert plan.fits and plan.n_requests < 24 and plan.xs == [0.5, 2.0]
+    assert plan.shrunk()[0] == f"n_requests 24 -> {plan.n_requests}" and "dropped [0.25, 1]" in plan.shrunk()[1]
+    assert {c for c, _ in plan.runs} == {"orca(8)", "ft(8,8)"} and {x for _, x in plan.runs} == {None, 0.5, 2.0}
+
+
+def test_orca_lab_compare_warms_the_baseline_up_on_its_first_iterations_shapes_only(tiny_llm, monkeypatch):
+    """compare's warm-up (the longest prompt in its batch) fed ft 32 one-token iterations of 8- to
+    40-token prompts; cut to the shortest, two; ORCA's batch keeps its whole prompts."""
+    from orca_lab.compare import warm_up
+    seen, real = [], LLM.serve
+
+    def serve(self, trace, system="orca", mbs=None, progress=False):
+        result = real(self, trace, system, mbs, progress)
+        seen.append((system, [len(t.prompt) for t in trace], len(result.iterations)))
+        return result
+
+    monkeypatch.setattr(LLM, "serve", serve)
+    warm_up(tiny_llm, [TraceItem(0.0, tuple(range(1, n + 1)), 5) for n in (8, 40, 20)])
+    assert seen == [("orca", [8, 40, 20], 2), ("ft", [8, 8, 8], 2)]

@@ -75,7 +75,8 @@ class RealBackend:
     Every shape is warmed up before it is timed: the first time a curve meets a trace of new lengths,
     a short untimed copy of it runs first (its first ``max_bs`` requests, two tokens each: one prefill
     and one decode iteration), so Triton's JIT and the first-call costs of the libraries stay out of
-    the timed run; the device is synchronized before the run's clock starts."""
+    the timed run; the device is synchronized before the run's clock starts. One LLM per ``max_bs``
+    serves every run of that size: its K/V pool is allocated, and its CUDA graphs captured, once."""
 
     def __init__(self, preset: str = "tiny", seed: int = 0, n_slots: int = 16384, device: str = "cpu",
                  dtype: str = "float32", tensor_parallel: int = 1, pipeline_parallel: int = 1,
@@ -86,6 +87,7 @@ class RealBackend:
         self.llm = LLM(preset, seed=seed, engine=self._engine)
         self.cfg, self.n_slots = self.llm.cfg, n_slots
         self._warm: set = set()
+        self._llms: dict[int, LLM] = {}      # max_bs -> the LLM serving that size
 
     @property
     def name(self) -> str:
@@ -98,20 +100,38 @@ class RealBackend:
                 "tensor_parallel": ec.tensor_parallel, "pipeline_parallel": ec.pipeline_parallel}
 
     def serve(self, curve: Curve, trace):
-        llm = LLM(gpt=self.llm.model, engine=self._engine.replace(max_bs=curve.max_bs))
+        llm = self.llm_for(curve.max_bs)
         self.warm_up(llm, curve, trace)
         _synchronize(self._engine.device)
         return llm.serve(trace, system=curve.system, mbs=curve.mbs)
 
+    def llm_for(self, max_bs: int) -> LLM:
+        """The LLM of ``max_bs`` over the preset's model: a new one (pool, graphs) per run made each
+        point pay for them, and the graphs of a run's smaller batches were captured inside its timing."""
+        if max_bs not in self._llms:
+            self._llms[max_bs] = LLM(gpt=self.llm.model, engine=self._engine.replace(max_bs=max_bs))
+        return self._llms[max_bs]
+
     def warm_up(self, llm, curve: Curve, trace):
-        """Run the first ``max_bs`` requests of ``trace`` for two tokens, once per curve and lengths."""
-        trace = list(trace)
-        key = (curve, tuple(len(t.prompt) for t in trace[:curve.max_bs]))
-        if key in self._warm or not trace:
-            return
+        """Run the first ``max_bs`` requests of ``trace`` for two tokens, once per curve and lengths;
+        the run (None if already warm). The baseline's prompts are cut to the batch's shortest
+        (``warm_up_batch``): its batch feeds a longer prompt one token per iteration, so two tokens of
+        the whole prompts took hundreds of iterations (ft(8,8) on gpt2: ~400); cut, they take the two
+        the timed run starts with, of the same shapes (``[B, shortest]``, then ``[B, 1]``)."""
+        first = list(trace)[:curve.max_bs]
+        key = (curve, tuple(len(t.prompt) for t in first))
+        if key in self._warm or not first:
+            return None
         self._warm.add(key)
-        short = [TraceItem(0.0, t.prompt, min(t.max_gen_tokens, 2)) for t in trace[:curve.max_bs]]
-        llm.serve(short, system=curve.system, mbs=curve.mbs)
+        return llm.serve(warm_up_batch(first, curve.system), system=curve.system, mbs=curve.mbs)
+
+
+def warm_up_batch(first, system: str) -> list[TraceItem]:
+    """The untimed copy of a run's first batch ``first``: at t=0, two tokens each (one prefill and one
+    decode iteration); for the baseline ("ft"), every prompt cut to the batch's shortest, which is
+    all its first iteration feeds (the rest would be fed one token per iteration)."""
+    cut = min(len(t.prompt) for t in first) if system == "ft" else None
+    return [TraceItem(0.0, tuple(t.prompt)[:cut], min(t.max_gen_tokens, 2)) for t in first]
 
 
 def _synchronize(device: str):

@@ -55,6 +55,14 @@ DEVICES: dict[str, Device] = {
 }
 
 
+def model_of_gpu(name: str) -> str | None:
+    """The key of ``DEVICES`` that models a CUDA device of this name (``torch.cuda.get_device_name``),
+    if one does: an A100 of either size by the paper's 40 GB one."""
+    n = name.lower()
+    return next((key for key, pattern in (("h200", "h200"), ("h100", "h100"), ("a100-40gb", "a100"))
+                 if pattern in n), None)
+
+
 @dataclass(frozen=True)
 class Efficiency:
     """Achievable fractions of the peaks, fixed latencies and control overheads. Assumptions taken

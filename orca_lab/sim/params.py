@@ -135,6 +135,16 @@ def check_counts(**counts):
         check_range(name, v, 0 if name == "seed" else 1, None)
 
 
+def check_budget(budget_s, mode: str) -> float | None:
+    """``budget_s``: None (the sweep as given) or, in measure mode, the notebook's seconds (>= 1)."""
+    if budget_s is None:
+        return None
+    if mode != "measure":
+        raise ValueError(f"budget_s={budget_s!r} is for mode='measure' (a simulation sizes itself): "
+                         "leave it None here")
+    return check_range("budget_s", budget_s, 1.0, 1e6, kind=float)
+
+
 def check_out_dir(out_dir) -> str:
     if not isinstance(out_dir, str) or not out_dir.strip():
         raise ValueError(f"out_dir={out_dir!r} must be a non-empty path")

@@ -129,19 +129,30 @@ class Sweep:
     span_s: float | None = None
 
     def run(self) -> pd.DataFrame:
+        with _pool(self.n_procs) as pool:
+            caps = self.capacities(pool)
+            return self.frame(self.points(caps, pool), caps)
+
+    def capacities(self, pool=None) -> dict:
+        """The offline run of each (backend name, curve) that sets its capacity, a row each; none
+        when ``rates`` are given."""
+        if self.rates is not None:
+            return {}
         n_cap = min(self.capacity_requests or self.spec.n_requests, self.spec.n_requests)
         cap_spec = dataclasses.replace(self.spec, n_requests=n_cap)
-        pairs = [(b, c) for b in self.backends for c in self.curves]
-        with _pool(self.n_procs) as pool:
-            caps = {}
-            if self.rates is None:
-                jobs = [(b, c, cap_spec, None) for b, c in pairs]
-                caps = {(b.name, c): row["throughput_rps"]
-                        for (b, c, *_), row in zip(jobs, _map(pool, jobs, "capacity", self.progress))}
-            jobs = [(b, c, self.spec_at(r), r) for b, c in pairs for r in self._rates(caps.get((b.name, c)))]
-            rows = _map(pool, jobs, "sweep", self.progress)
+        jobs = [(b, c, cap_spec, None) for b in self.backends for c in self.curves]
+        return {(b.name, c): row for (b, c, *_), row in zip(jobs, _map(pool, jobs, "capacity", self.progress))}
+
+    def points(self, caps: dict, pool=None) -> list[dict]:
+        """A row per (backend, curve, rate): ``rates``, or ``loads`` times the capacity in ``caps``."""
+        jobs = [(b, c, self.spec_at(r), r) for b in self.backends for c in self.curves
+                for r in self._rates(_throughput(caps.get((b.name, c))))]
+        return _map(pool, jobs, "sweep", self.progress)
+
+    def frame(self, rows: list[dict], caps: dict) -> pd.DataFrame:
+        """The sweep's table: ``rows`` with each curve's capacity and each point's load."""
         df = pd.DataFrame(rows)
-        df["capacity_rps"] = [caps.get((m, curve_of(s, bs, mbs)), math.nan)
+        df["capacity_rps"] = [_throughput(caps.get((m, curve_of(s, bs, mbs))), math.nan)
                               for m, s, bs, mbs in zip(df["model"], df["system"], df["max_bs"], df["mbs"])]
         df["load"] = df["rate"] / df["capacity_rps"]
         df["mbs"] = df["mbs"].astype("Int64")
@@ -156,6 +167,10 @@ class Sweep:
             return self.spec
         check_range("span_s", self.span_s, 0.0, None, kind=float)
         return replace(self.spec, n_requests=max(self.spec.n_requests, math.ceil(rate * self.span_s)))
+
+
+def _throughput(row, default=None):
+    return default if row is None else row["throughput_rps"]
 
 
 def curve_of(system, max_bs, mbs):
