@@ -65,8 +65,8 @@ CPU_FITS = {
 @dataclass
 class HostAndDevice:
     """A GPU's analytical cost model plus this engine's host time: an iteration takes the longer of
-    the two. Decode-only selective batches replay CUDA graphs (``model/cuda_graphs.py``); the rest,
-    the baseline's padded steps among them, run eagerly."""
+    the two. One-token steps replay CUDA graphs (``model/cuda_graphs.py``): ORCA's decodes and the
+    baseline's padded steps alike; prefills and chunks run eagerly."""
     device: AnalyticalCost
     n_layers: int
 
@@ -76,7 +76,7 @@ class HostAndDevice:
 
     def iteration(self, batch) -> IterationCost:
         dev = self.device.iteration(batch)
-        graphed = not batch.padded and all(q == 1 for q in batch.q_lens) and self.n_stages == 1
+        graphed = all(q == 1 for q in batch.q_lens) and self.n_stages == 1     # ``DecodeGraphs.takes``
         host = HOST_GRAPH_S if graphed else HOST_EAGER_S_PER_LAYER * self.n_layers
         share = host / len(dev.stages)
         return dev._replace(stages=tuple(max(t, share) for t in dev.stages))
