@@ -62,11 +62,13 @@ def _ragged_attention_kernel(
     work = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = tl.load(work_req_ptr + work)
-    block = tl.load(work_blk_ptr + work)
     q_start = tl.load(cu_q_ptr + req)
     q_len = tl.load(cu_q_ptr + req + 1) - q_start
     k_start = tl.load(cu_k_ptr + req)
     kv_len = tl.load(cu_k_ptr + req + 1) - k_start
+    # Programs start in work-map order; taking a request's blocks last first starts the long ones
+    # (late queries see the most keys) first, so the short ones fill the tail of the launch.
+    block = tl.cdiv(q_len * group, BLOCK_M) - 1 - tl.load(work_blk_ptr + work)
 
     offs_r = block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_m = offs_r // group                     # the query of each row
@@ -76,45 +78,82 @@ def _ragged_attention_kernel(
     mask_d = offs_d < head_size  # head sizes like 80 or 13 are padded to a power of two
     q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + heads[:, None] * stride_qh
                 + offs_d[None, :] * stride_qd, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-    if INTERPRETED:  # bf16 arithmetic is wrong in the interpreter, so all math is fp32 there
-        q = q.to(tl.float32)
+    if INTERPRETED:  # bf16 arithmetic is wrong in the interpreter, so all math is fp32 there; on a
+        q = q.to(tl.float32)  # GPU the dots take fp16/bf16 operands and accumulate in fp32
 
-    # Causal, aligned bottom-right: query m sees keys [0, kv_len - q_len + m].
-    last_key = kv_len - q_len + offs_m
-    # Keys past the block's last visible one are skipped, not just masked: prefill does half the work.
-    kv_end = tl.minimum(kv_len, kv_len - q_len + ((block + 1) * BLOCK_M - 1) // group + 1)
+    # Causal, aligned bottom-right: query m sees keys [0, kv_len - q_len + m]. Keys below every row's
+    # horizon come in whole blocks with no mask; only the blocks on the diagonal are masked, and keys
+    # past the block's last visible one are never loaded (prefill does half the square's work).
+    shift = kv_len - q_len
+    first_q = block * BLOCK_M // group
+    last_q = tl.minimum(((block + 1) * BLOCK_M - 1) // group, q_len - 1)
+    kv_full = (shift + first_q + 1) // BLOCK_N * BLOCK_N
+    kv_end = shift + last_q + 1
 
-    # Online softmax in base 2 (exp2 is the fast instruction): running max m_i, sum l_i, output acc.
+    # Online softmax in base 2 (exp2 is the fast instruction; log2(e) is folded into qk_scale):
+    # running max m_i, sum l_i, output acc.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(0, kv_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < kv_len
-        slots = tl.load(slot_ptr + k_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-        kt = tl.load(k_ptr + slots[None, :] * stride_kn + kv_head * stride_kh + offs_d[:, None] * stride_kd,
-                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        v = tl.load(v_ptr + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :] * stride_vd,
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    offs_n = tl.arange(0, BLOCK_N)
+    slots = tl.load(slot_ptr + k_start + offs_n, mask=offs_n < kv_len, other=0).to(tl.int64)
+    k_ptrs = k_ptr + kv_head * stride_kh + offs_d[:, None] * stride_kd
+    v_ptrs = v_ptr + kv_head * stride_vh + offs_d[None, :] * stride_vd
+    m_i, l_i, acc, slots = _attend_blocks(
+        q, k_ptrs, v_ptrs, slot_ptr + k_start, slots, m_i, l_i, acc, 0, kv_full, kv_len, shift + offs_m,
+        mask_d, stride_kn, stride_vn, qk_scale, DOT_PRECISION, BLOCK_N, False, INTERPRETED)
+    m_i, l_i, acc, slots = _attend_blocks(
+        q, k_ptrs, v_ptrs, slot_ptr + k_start, slots, m_i, l_i, acc, kv_full, kv_end, kv_len,
+        shift + offs_m, mask_d, stride_kn, stride_vn, qk_scale, DOT_PRECISION, BLOCK_N, True, INTERPRETED)
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + heads[:, None] * stride_oh
+             + offs_d[None, :] * stride_od, cast_rne(out, out_ptr.dtype.element_ty, INTERPRETED),
+             mask=mask_m[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _attend_blocks(q, k_ptrs, v_ptrs, slot_ptr, slots, m_i, l_i, acc, lo, hi, kv_len, last_key, mask_d,
+                   stride_kn, stride_vn, qk_scale, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+                   MASKED: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The online softmax over keys [lo, hi) in blocks of BLOCK_N, from ``slot_ptr[lo:]``'s slots
+    (``slots``: those of the block at ``lo``); returns the state and the slots of the block at ``hi``.
+    MASKED: the diagonal blocks, where key n is visible to row r only if n <= last_key[r] and n < kv_len.
+
+    The slots of the next block are loaded one step ahead, so a block's K/V addresses do not wait on
+    a load of the same step: Triton's pipeliner (num_stages 3) then prefetches K/V two blocks ahead
+    into shared memory; an address loaded in the same step kept it to one block, waited for at once.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        nxt = start_n + BLOCK_N + offs_n
+        next_slots = tl.load(slot_ptr + nxt, mask=nxt < kv_len, other=0).to(tl.int64)
+        if MASKED:
+            mask_n = start_n + offs_n < kv_len
+            kt = tl.load(k_ptrs + slots[None, :] * stride_kn, mask=mask_n[None, :] & mask_d[:, None],
+                         other=0.0)                                                   # [BLOCK_D, BLOCK_N]
+            v = tl.load(v_ptrs + slots[:, None] * stride_vn, mask=mask_n[:, None] & mask_d[None, :],
+                        other=0.0)                                                    # [BLOCK_N, BLOCK_D]
+        else:  # every key of the block exists and is visible to every row
+            kt = tl.load(k_ptrs + slots[None, :] * stride_kn, mask=mask_d[:, None], other=0.0)
+            v = tl.load(v_ptrs + slots[:, None] * stride_vn, mask=mask_d[None, :], other=0.0)
         if INTERPRETED:
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
-        visible = (offs_n[None, :] <= last_key[:, None]) & mask_n[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        # Key 0 is visible to every query and lies in the first block, so m_new is finite from
-        # the first iteration on and no -inf - -inf = NaN can appear.
+        if MASKED:
+            visible = (start_n + offs_n[None, :] <= last_key[:, None]) & mask_n[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        # Key 0 is visible to every row and lies in the first block, so m_new is finite from the
+        # first block on and no -inf - -inf = NaN can appear.
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + heads[:, None] * stride_oh
-             + offs_d[None, :] * stride_od, cast_rne(out, out_ptr.dtype.element_ty, INTERPRETED),
-             mask=mask_m[:, None] & mask_d[None, :])
+        slots = next_slots
+    return m_i, l_i, acc, slots
 
 
 @triton.jit
