@@ -115,6 +115,31 @@ def test_attention_strided_q_int64_slots_and_scale(poison):
                     scale=0.3)
 
 
+# Prompts through the ragged kernel alone: an odd prompt over several query and key blocks, a
+# two-token one, prefix-cached prompts (q_len < kv_len) whose cached keys span whole key blocks, and
+# a one-token request (decode=False sends it there too).
+PREFILL = ([37, 2, 21, 1], [37, 2, 50, 13])
+
+
+@pytest.mark.parametrize("cfg,heads,n_kv,head_size", [
+    (attention.PrefillConfig(16, 16, 1, 1), 2, 2, 64), (attention.PrefillConfig(32, 16, 1, 1), 4, 2, 80),
+    (attention.PrefillConfig(16, 32, 1, 1), 2, 1, 128)], ids=str)
+def test_prefill_tiles_against_float64(poison, cfg, heads, n_kv, head_size):
+    """The causal split at query and key blocks of equal and unequal sizes, grouped and not: key
+    blocks below every row of a query block run unmasked, those on its diagonal masked, and a
+    request's query blocks run last first."""
+    q, k_pool, v_pool, *rest = make_batch(*PREFILL, heads, head_size, torch.float32, seed=heads + head_size)
+    k_pool, v_pool = k_pool[:, :n_kv].contiguous(), v_pool[:, -n_kv:].contiguous()
+    args = (q, k_pool, v_pool, *rest)
+    group, scale = heads // n_kv, 1 / math.sqrt(head_size)
+    oracle = attention_oracle(q, k_pool.repeat_interleave(group, 1), v_pool.repeat_interleave(group, 1),
+                              *rest, scale)
+    plan = attention.triton_plan(*(t.tolist() for t in rest[1:]), DEVICE, decode=False)
+    out = attention.ragged_attention_triton(*args, scale, plan, prefill=cfg)
+    assert plan.n_decode == 0 and plan.prefill_reqs.tolist() == [0, 1, 2, 3]
+    assert_close_as_torch(out, ragged_attention(*args, backend="torch"), oracle, torch.float32)
+
+
 def check_attention(q_lens, kv_lens, head_size, dtype, batch=None, scale=None):
     args = batch or make_batch(q_lens, kv_lens, 2, head_size, dtype, seed=head_size)
     oracle = attention_oracle(*args, scale or 1 / math.sqrt(head_size))

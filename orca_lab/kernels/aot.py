@@ -140,10 +140,36 @@ def compile_launch(lc: Launch, arch: int) -> dict:
     md = compiled.metadata
     limit = SHARED_LIMITS.get(arch)
     row.update(shared=md.shared, shared_limit=limit, num_warps=md.num_warps, num_stages=md.num_stages,
-               cubin_bytes=len(compiled.asm["cubin"]), seconds=round(time.perf_counter() - t0, 3))
+               cubin_bytes=len(compiled.asm["cubin"]), in_flight=copies_in_flight(compiled.asm["ttgir"]),
+               **resources(compiled.asm["cubin"]), seconds=round(time.perf_counter() - t0, 3))
     if limit is not None and md.shared > limit:
         row["error"] = f"needs {md.shared} bytes of shared memory, {row['device']} allows {limit} per block"
     return row
+
+
+def copies_in_flight(ttgir: str) -> int:
+    """The most asynchronous copy groups a wait leaves in flight: how far ahead the software pipeline
+    (``num_stages``) loads a loop's tiles. 0: every copy is waited for before the next step's compute
+    starts, so its latency is not hidden (or the kernel copies nothing asynchronously)."""
+    return max((int(n) for n in re.findall(r"async_wait\b[^\n]*?\{num = (\d+)", ttgir)), default=0)
+
+
+def resources(cubin: bytes) -> dict:
+    """Registers per thread and stack bytes (where spilled registers go) from ``cuobjdump``, which
+    ships in Triton's wheel beside ptxas; empty where it does not."""
+    import subprocess
+    import tempfile
+
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.access(tool, os.X_OK):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return {"registers": int(found[1]), "stack_bytes": int(found[2])} if found else {}
 
 
 _JOBS: list = []
@@ -202,6 +228,8 @@ def main(argv=None) -> int:
         ok = [r for r in rows if r["arch"] == arch and "error" not in r]
         worst = max(ok, key=lambda r: r["shared"], default=None)
         peak = f"; most shared memory {worst['shared']} B ({worst['kernel']}, {worst['what']})" if worst else ""
+        spilled = sum(r.get("stack_bytes", 0) > 0 for r in ok)
+        peak += f"; {spilled} spill registers to the stack" if spilled else ""
         print(f"{DEVICES.get(arch, arch)}: {len(ok)} of {len(launches)} launches compiled{peak}")
     for r in failed:
         print(f"FAILED {r['kernel']} [{r['what']}] for {r['device']}: {r['error']}")

@@ -27,6 +27,7 @@ so no layer reads anything back from the device. Launch configurations are chose
 """
 import math
 from contextlib import contextmanager
+from functools import lru_cache
 from dataclasses import dataclass, field, replace
 from itertools import product
 
@@ -439,18 +440,44 @@ def _prefill_shared(c: PrefillConfig, block_d: int, elem_bytes: int) -> int:
     return elem_bytes * block_d * (c.block_m + 2 * c.block_n * c.num_stages)
 
 
-def prefill_candidates(head_size: int, elem_bytes: int = 2) -> list[PrefillConfig]:
-    """What the GPU tuner times for the ragged kernel (the first one also serves untuned). Tiles
-    whose Q block and pipelined K/V blocks would not fit ``SHARED_LIMIT`` are left out (fp32 halves
-    what fits; checked against the compiler's figures for sm_80 and sm_90)."""
+# The ragged kernel's tiles per GPU generation, chosen from compiles for sm_90 and sm_80 (registers,
+# spills and the pipeline read from the cubins; speed is the tuner's to measure): the first serves
+# untuned (a CUDA graph captured before tuning), the rest are timed once per shape bucket. 128 query
+# rows over 8 warps and 3 stages (K/V prefetched two blocks ahead) first; 64 rows over 4 warps fit
+# two programs on one H100 SM; short query blocks waste fewer rows of short chunks. An A100 keeps
+# the dot operands in registers: 64-key blocks at 128 rows spill there, so its list starts narrower.
+# 128 x 128 tiles spill registers on both, and 3 stages of them need 224 KiB (A100: 163).
+PREFILL_TABLE = {
+    90: (PrefillConfig(128, 64, 8, 3), PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 64, 8, 4),
+         PrefillConfig(128, 32, 8, 3), PrefillConfig(64, 32, 4, 3), PrefillConfig(32, 64, 4, 3),
+         PrefillConfig(16, 64, 4, 3)),
+    80: (PrefillConfig(128, 32, 8, 3), PrefillConfig(64, 64, 8, 3), PrefillConfig(64, 32, 4, 3),
+         PrefillConfig(32, 64, 4, 3), PrefillConfig(16, 64, 4, 3)),
+}
+WIDE_HEAD_PREFILL = (PrefillConfig(32, 32, 4, 2), PrefillConfig(16, 32, 4, 2), PrefillConfig(64, 32, 8, 1))
+
+
+def prefill_candidates(head_size: int, elem_bytes: int = 2, arch: int | None = None) -> list[PrefillConfig]:
+    """What the GPU tuner times for the ragged kernel on compute capability ``arch`` (90 for an H100
+    or H200 and later, 80 for the rest), the first one also serving untuned; ``arch=None``: every
+    configuration any GPU may launch (what ``aot`` compiles). Tiles whose Q block and pipelined K/V
+    blocks would not fit ``SHARED_LIMIT`` are left out (fp32 halves what fits; checked against the
+    compiler's figures for sm_80 and sm_90)."""
     block_d = next_pow2(head_size, 16)
     if block_d > 128:
-        cands = [PrefillConfig(32, 32, 4, 2), PrefillConfig(16, 32, 4, 2), PrefillConfig(64, 32, 8, 1)]
+        cands = WIDE_HEAD_PREFILL
+    elif arch is None:
+        cands = tuple(dict.fromkeys(PREFILL_TABLE[90] + PREFILL_TABLE[80]))
     else:
-        cands = [PrefillConfig(64, 64, 4, 2), PrefillConfig(128, 64, 8, 2), PrefillConfig(128, 32, 4, 3),
-                 PrefillConfig(64, 32, 4, 3), PrefillConfig(128, 128, 8, 2), PrefillConfig(32, 64, 4, 2),
-                 PrefillConfig(16, 64, 4, 2)]   # short chunks: fewer wasted query rows
+        cands = PREFILL_TABLE[90 if arch >= 90 else 80]
     return [c for c in cands if _prefill_shared(c, block_d, elem_bytes) <= SHARED_LIMIT] or [PrefillConfig(16, 16, 4, 1)]
+
+
+@lru_cache(maxsize=None)
+def compute_capability(device_index: int) -> int:
+    """``sm_XY`` as the integer XY, asked of the driver once per device."""
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return 10 * major + minor
 
 
 def decode_candidates(head_size: int, n_heads: int, group: int = 1) -> list[DecodeConfig]:
@@ -572,8 +599,9 @@ def _launch_prefill(q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, scale, plan, p
             INTERPRETED=not on_gpu, num_warps=c.num_warps, num_stages=c.num_stages)
 
     if cfg is None:
-        key = ("prefill", H, n_kv, D, q.dtype, precision, bucket(plan.max_q), bucket(plan.n_prefill_tokens))
-        cands = prefill_candidates(D, q.dtype.itemsize) if on_gpu else [INTERPRETER_PREFILL]
+        arch = compute_capability(q.device.index) if on_gpu else None
+        key = ("prefill", arch, H, n_kv, D, q.dtype, precision, bucket(plan.max_q), bucket(plan.n_prefill_tokens))
+        cands = prefill_candidates(D, q.dtype.itemsize, arch) if on_gpu else [INTERPRETER_PREFILL]
         cfg = _TUNER.choose(key, cands, launch, on_gpu)
     launch(cfg)
 
