@@ -75,6 +75,25 @@ def test_grouped_query_launches_compile_for_a100_and_h100(compiled):
         assert all(r["shared"] <= SHARED_LIMITS[arch] and "error" not in r for r in decode + prefill)
 
 
+def test_prefill_prefetches_kv_and_the_h100_default_does_not_spill(compiled):
+    """The ragged kernel's K/V tiles are copied into shared memory ahead of their step: at 3 stages or
+    more a wait leaves the next block's K and V copies in flight (the slots of a block are loaded a
+    step earlier; loaded in the same step, every copy was waited for at once). H100's default tile
+    at GPT-3's bf16 head size fits its registers (nothing spilled to the stack)."""
+    _, rows = compiled
+    default = prefill_candidates(128, 2, arch=90)[0]
+    for arch in (80, 90):
+        prefill = [r for r in rows if r["arch"] == arch and r["kernel"].endswith("_ragged_attention_kernel")
+                   and r["signature"]["q_ptr"] == "*bf16"]
+        staged = [r for r in prefill if r["num_stages"] >= 3]
+        assert staged and all(r["in_flight"] >= 2 for r in staged), [(r["what"], r["in_flight"]) for r in prefill]
+    h100 = [r for r in rows if r["arch"] == 90 and r["kernel"].endswith("_ragged_attention_kernel")
+            and r["signature"]["q_ptr"] == "*bf16" and r["constexprs"]["BLOCK_D"] == "128"
+            and (int(r["constexprs"]["BLOCK_M"]), int(r["constexprs"]["BLOCK_N"]), r["num_warps"],
+                 r["num_stages"]) == (default.block_m, default.block_n, default.num_warps, default.num_stages)]
+    assert h100 and all(r.get("stack_bytes", 0) == 0 for r in h100), h100
+
+
 @pytest.fixture(scope="module")
 def declared(tmp_path_factory):
     """Every declared launch (what ``--full`` compiles), typed, and whether CI's subset compiles it."""
