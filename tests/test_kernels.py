@@ -140,6 +140,19 @@ def test_prefill_tiles_against_float64(poison, cfg, heads, n_kv, head_size):
     assert_close_as_torch(out, ragged_attention(*args, backend="torch"), oracle, torch.float32)
 
 
+def test_prefill_tiles_per_gpu_generation():
+    """An H100 or H200 (and later) starts from 128 query rows over 8 warps with K/V prefetched two
+    blocks ahead; an A100 (and the other sm_8x) from its own list; ``aot`` declares both; fp32 keeps
+    only the tiles whose pipelined blocks fit the shared memory planned for."""
+    h100, a100 = (attention.prefill_candidates(128, 2, arch) for arch in (90, 80))
+    assert h100[0] == attention.PrefillConfig(128, 64, 8, 3) and a100[0] == attention.PrefillConfig(128, 32, 8, 3)
+    assert attention.prefill_candidates(128, 2, 100) == h100 and attention.prefill_candidates(128, 2, 86) == a100
+    assert attention.prefill_candidates(128, 2) == list(dict.fromkeys(h100 + a100))
+    fp32 = attention.prefill_candidates(128, 4, 90)
+    assert fp32 and set(fp32) < set(h100) and all(
+        4 * 128 * (c.block_m + 2 * c.block_n * c.num_stages) <= attention.SHARED_LIMIT for c in fp32)
+
+
 def check_attention(q_lens, kv_lens, head_size, dtype, batch=None, scale=None):
     args = batch or make_batch(q_lens, kv_lens, 2, head_size, dtype, seed=head_size)
     oracle = attention_oracle(*args, scale or 1 / math.sqrt(head_size))
@@ -409,6 +422,8 @@ def test_bench_smoke(tmp_path, capsys):
     result = json.loads(out.read_text())
     for field in ("device", "device_type", "torch", "triton", "interpreted", "peaks", "results"):
         assert field in result
+    # which launch configuration each attention timing ran (the interpreter's fixed ones here)
+    assert {t["kernel"] for t in result["tuned"]} == {"prefill", "decode"}
     kernels = {row["kernel"] for row in result["results"]}
     assert kernels == {"ragged_attention", "write_kv", "layer_norm", "bias_gelu"}
     impls = {row["impl"] for row in result["results"] if row["kernel"] == "ragged_attention"}

@@ -7,7 +7,9 @@ the keys it needs from the slot pool through ``slot_ids`` (slots need not be con
 
 - the *ragged* kernel, for requests with several new tokens (prompts): a grid over (query block of
   some request, head), with a small host-built map from program id to (request, query block); each
-  program runs FlashAttention's online softmax over its request's keys, block by block;
+  program runs FlashAttention's online softmax over its request's keys, block by block (fp16/bf16
+  dots accumulating in fp32, the key blocks below the causal diagonal unmasked, those above never
+  read, K/V prefetched into shared memory two blocks ahead);
 - the *decode* kernel, for requests with one new token: decoding is bound by the bandwidth of
   reading the context, so each program reads its request's K/V once for a group of heads with no
   wasted query rows, and long contexts are split over keys (FlashDecoding) with a second small
@@ -23,12 +25,13 @@ owns a K/V head and its group. ``n_kv_heads`` is read from the pools' shape, so 
 What the launches need from the host (offsets, the work map, which requests decode, the longest
 context) is worked out once per iteration from host arrays (``triton_plan``) and read by every layer,
 so no layer reads anything back from the device. Launch configurations are chosen per shape bucket
-(``_tuning``): timed once on a GPU, small and fixed in the interpreter.
+(``_tuning``) from a list per GPU generation (``PREFILL_TABLE``): timed once on a GPU, small and
+fixed in the interpreter.
 """
 import math
 from contextlib import contextmanager
-from functools import lru_cache
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from itertools import product
 
 import numpy as np
@@ -88,8 +91,8 @@ def _ragged_attention_kernel(
     shift = kv_len - q_len
     first_q = block * BLOCK_M // group
     last_q = tl.minimum(((block + 1) * BLOCK_M - 1) // group, q_len - 1)
-    kv_full = (shift + first_q + 1) // BLOCK_N * BLOCK_N
-    kv_end = shift + last_q + 1
+    kv_full = (shift + first_q + 1) // BLOCK_N * BLOCK_N   # whole key blocks every row sees
+    kv_end = shift + last_q + 1                             # one past the last key any row sees
 
     # Online softmax in base 2 (exp2 is the fast instruction; log2(e) is folded into qk_scale):
     # running max m_i, sum l_i, output acc.
@@ -604,6 +607,13 @@ def _launch_prefill(q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, scale, plan, p
         cands = prefill_candidates(D, q.dtype.itemsize, arch) if on_gpu else [INTERPRETER_PREFILL]
         cfg = _TUNER.choose(key, cands, launch, on_gpu)
     launch(cfg)
+
+
+def tuned_launches() -> list[dict]:
+    """What the tuner chose in this process, per kernel and shape bucket: the configuration a measured
+    speed belongs to (``bench`` records it)."""
+    return [{"kernel": key[0], "bucket": [str(x) for x in key[1:]], "config": repr(cfg)}
+            for key, cfg in _TUNER.best.items()]
 
 
 def _launch_decode(q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, scale, plan, cfg):

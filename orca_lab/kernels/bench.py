@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from orca_lab.kernels import _backend  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 from orca_lab.kernels import bias_gelu, layer_norm, ragged_attention, write_kv
-from orca_lab.kernels.attention import causal_mask, ragged_attention_triton, triton_plan
+from orca_lab.kernels.attention import causal_mask, ragged_attention_triton, triton_plan, tuned_launches
 from orca_lab.environment import environment
 
 import triton  # noqa: E402
@@ -215,10 +215,13 @@ def main(argv=None):
     device_name = env["cuda"] or f"{env['processor']} CPU ({env['cpu_count']} cores)"
     peaks, rows = run(mode, args.reps, device)
     print_table(peaks, rows, device_name)
+    tuned = tuned_launches()
+    for t in tuned:
+        print(f"tuned {t['kernel']} {' '.join(t['bucket'])}: {t['config']}")
     result = dict(device=device_name, device_type=device.type, torch=torch.__version__,
                   triton=triton.__version__, interpreted=device.type != "cuda", mode=mode,
                   cpu_threads=threads, environment=env,
-                  sizes=SIZES[mode], peaks=peaks, results=rows)
+                  sizes=SIZES[mode], peaks=peaks, results=rows, tuned=tuned)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
