@@ -225,7 +225,7 @@ def build_llms(args) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny", help="tiny on a CPU, gpt3-13b on a GPU")
+    p.add_argument("--model", "--preset", dest="preset", default="tiny", help="tiny on a CPU, gpt3-13b on a GPU")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
