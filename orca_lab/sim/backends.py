@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from orca_lab.config import EngineConfig, ModelConfig, check_range, model_config
 from orca_lab.engine.engine import Engine
 from orca_lab.engine.policies import PAGED, new_kv, new_scheduler
+from orca_lab.engine.policies import system as resolve_system
 from orca_lab.llm import LLM
 from orca_lab.sim.calibration import efficiency
 from orca_lab.sim.cost import AnalyticalCost, Efficiency
@@ -128,9 +129,9 @@ class RealBackend:
 
 def warm_up_batch(first, system: str) -> list[TraceItem]:
     """The untimed copy of a run's first batch ``first``: at t=0, two tokens each (one prefill and one
-    decode iteration); for the baseline ("ft"), every prompt cut to the batch's shortest, which is
-    all its first iteration feeds (the rest would be fed one token per iteration)."""
-    cut = min(len(t.prompt) for t in first) if system == "ft" else None
+    decode iteration); for a request-level system (the baseline), every prompt cut to the batch's
+    shortest, which is all its first iteration feeds (the rest would be fed one token per iteration)."""
+    cut = min(len(t.prompt) for t in first) if resolve_system(system).request_level else None
     return [TraceItem(0.0, tuple(t.prompt)[:cut], min(t.max_gen_tokens, 2)) for t in first]
 
 
