@@ -20,12 +20,15 @@ from orca_lab.engine.fields import check_text
 from orca_lab.engine.kv_manager import KVPool
 from orca_lab.engine.policies import system as resolve
 from orca_lab.engine.sampling_params import SamplingParams
+from orca_lab.kernels.attention import settle_tuning
+from orca_lab.model.cuda_graphs import BUCKETS as GRAPH_SIZES
 from orca_lab.model.cuda_graphs import decode_graphs_for
 from orca_lab.model.executor import LocalExecutor
 from orca_lab.model.families import checkpoint_config, from_pretrained, random_model
 from orca_lab.model.gpt import GPT
 from orca_lab.model.kv_sizing import rank_shares, size_kv_pool
 from orca_lab.tokenizer import default_tokenizer, load_tokenizer
+from orca_lab.workload import warm_up_traces
 
 
 def kv_slots_on_gpu(cfg: ModelConfig, ec: EngineConfig) -> int:
@@ -207,6 +210,21 @@ class LLM:
         if self._graphs:
             self._graphs.kv = kv
         return self._graphs or None
+
+    def warm_up(self) -> dict:
+        """Meet every shape a run will meet before one is timed, as vLLM does at start-up: Triton's JIT
+        and launch tuning at each prompt length bucket, a CUDA graph at each batch size up to
+        ``max_bs``, the libraries' first calls (``workload.warm_up_traces``). Then the tuner settles:
+        a shape met later borrows its nearest tuned neighbour's launch instead of timing mid-run. The
+        prefix cache is emptied after. Returns the lengths and batch sizes it ran."""
+        ec, cfg = self.engine_config, self.cfg
+        traces = warm_up_traces(ec.max_bs, cfg.max_seq_len, ec.n_slots, cfg.vocab_size, GRAPH_SIZES)
+        for trace in traces:
+            self.serve(trace)
+        self.reset_prefix_cache()
+        settle_tuning()
+        return {"prompt_lens": sorted({len(t[0].prompt) for t in traces if t[0].max_gen_tokens == 2}),
+                "batch_sizes": [len(t) for t in traces if t[0].max_gen_tokens == 3]}
 
     def serve(self, trace, system: str = "orca", mbs: int | None = None, progress: bool = False) -> RunResult:
         """Serve a trace (``orca_lab.workload``) with arrivals on the real clock."""

@@ -8,11 +8,13 @@
 #   bash scripts/gpu_check.sh --part 2       # on the GPU: the suite's CUDA tests, aot --full beside them
 #   bash scripts/gpu_check.sh                # both parts, one after the other
 #
-# The plan (PLAN below): predicted seconds on one H100, from the H200 run of 2026-11-26
-# (docs/results/gpu_h200: steps.txt) where a step ran there; a step's limit is its prediction with
+# The plan (PLAN below): predicted seconds on one H100, from the H200 run
+# (docs/results/gpu_h200: steps.txt, 2026-11-27); a step's limit is its prediction with
 # 10-45 s to spare, and never past what is left of its part (WINDOW_1, WINDOW_2: each within one call
 # of at most 10 minutes, together 12 minutes). A step cut by its limit exits 124; the others still run.
-# aot --full compiles on the CPU beside the tests (H200: cut at 200 s) and is cut with them.
+# aot --full compiles on the CPU beside the tests and is cut with them: it needs no GPU, and it is
+# 4,256 compiles (CI's subset, 118, took 104 s on 2 cores), so it prints and writes its rows as it
+# goes; a CPU machine with time runs it whole.
 #
 # Wheels: the GPU machine has torch, Triton, numpy, pandas, scipy, pytest, transformers... and no
 # package registry. `python3 scripts/gpu_check.py wheels` prints the pip command that downloads the
@@ -41,16 +43,16 @@ T0=$SECONDS
 
 # part  step       predicted limit   (predicted: where it comes from)
 PLAN="
-1     setup         20      30       the carried wheels installed first (~10 s), the kernel spec, environment.json
-1     fig9          70      95       H200: 50 s measured (gpt3-13b, bf16, 12 points) + 9 s simulated
-1     step_time     40      55       benchmarks/step_time.py at Figure 9's points, ORCA and FT, one model build
-1     fig10        155     190       the notebook's budget_s=140 (it sizes itself to end within it) + its start
-1     bench         20      30       H200: 17 s
-1     workers       25      40       H200: 24 s (12 requests on gpt2, in process and on a worker over NCCL)
-2     setup         20      30       as above, on a fresh machine
-2     tests        200     245       H200: 164 s for 413 tests on 8 workers, + test_cuda_safe (37 s alone)
+1     setup         20      30       the carried wheels installed first (H200: 5 s), the kernel spec, environment.json
+1     fig9          80      95       H200: 80 s (gpt3-13b, bf16, 12 points measured, then simulated)
+1     step_time     52      60       H200: 52 s, benchmarks/step_time.py at Figure 9's points, ORCA and FT, one model build
+1     fig10        125     160       H200: 115 s; the notebook's budget_s=140 (it sizes itself to end within it) + its start
+1     bench         27      30       H200: 27 s
+1     workers       45      70       H200: 12.7 s serving, cut at 40 s with the start (12 requests on gpt2, in process and on a worker over NCCL)
+2     setup         10      25       as above, on a fresh machine (H200: 6 s)
+2     tests        240     250       H200: 240 s for 434 tests on 8 workers, test_cuda_safe included
 "
-WINDOW_1=445      # part 1: its limits add up to 435 s
+WINDOW_1=445      # part 1: its limits add up to 445 s
 WINDOW_2=275      # part 2: 720 s, 12 minutes, in all
 export FIG10_BUDGET=140
 START=$([ "$PART" = 2 ] && echo "$WINDOW_1" || echo 0)     # where this run starts on the plan's clock

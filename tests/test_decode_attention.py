@@ -146,6 +146,20 @@ def test_tuner_times_each_candidate_once_and_skips_what_does_not_fit(monkeypatch
     assert tuner.choose("key", ["a", "b", "c"], launch, on_gpu=True) == "b" and len(launched) == n
 
 
+def test_a_settled_tuner_borrows_its_nearest_timed_bucket_and_times_nothing(monkeypatch):
+    """After a warm-up the tuner settles: a new bucket of a kernel and model shape already timed takes
+    the nearest timed bucket's choice without launching anything; another shape is still timed."""
+    import triton
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or 1.0)
+    tuner, launched = LaunchTuner(), []
+    tuner.best = {("p", 40, 16, 64): "short", ("p", 40, 1024, 4096): "long"}
+    tuner.settle()
+    assert tuner.choose(("p", 40, 32, 128), ["x", "y"], launched.append, on_gpu=True) == "short"
+    assert tuner.choose(("p", 40, 2048, 8192), ["x", "y"], launched.append, on_gpu=True) == "long"
+    assert launched == []
+    assert tuner.choose(("p", 12, 32, 128), ["x", "y"], launched.append, on_gpu=True) == "x" and launched
+
+
 def test_tf32_is_a_validated_engine_option():
     assert EngineConfig().tf32 is False and EngineConfig(tf32=True).tf32 is True
     with pytest.raises(ValueError, match="tf32='yes'"):

@@ -225,3 +225,28 @@ def test_cuda_graph_replay_gives_the_eager_tokens(tiny_llm):
     assert replayed.count(False) == 7 and replayed.count(True) == max(lens) + 7 - min(lens)
     result = llm.serve(paper_trace(4, rate=None, seed=1, scale=0.05, vocab_size=llm.cfg.vocab_size))
     assert all(0 <= it.start <= it.end for it in result.iterations)
+
+
+def test_warm_up_meets_every_graph_size_and_settles_the_tuner(small_gpt, monkeypatch):
+    """``LLM.warm_up`` (a GPU server and a measured sweep call it before their first request) runs a
+    one-token step at every graph size up to ``max_bs`` (here eagerly, through the graphs' static
+    buffers) and prompts of several lengths, then settles the launch tuner, and leaves the pool empty."""
+    from orca_lab.kernels import attention
+    monkeypatch.setattr(attention, "_TUNER", attention.LaunchTuner())
+    llm = LLM(gpt=copy.deepcopy(small_gpt), engine=EngineConfig(max_bs=6, n_slots=4096))
+    engine = llm.new_engine()
+    graphs = llm._graphs = DecodeGraphs(llm.model, engine.scheduler.kv, 6, capture=False)
+    engine.close()
+    sizes, real_run = set(), graphs.run
+
+    def run(batch):
+        sizes.add(padded_size(len(batch)))
+        return real_run(batch)
+    graphs.run = run
+    ran = llm.warm_up()
+    assert sizes == {1, 2, 4, 8} and ran["batch_sizes"] == [1, 2, 4, 6]
+    assert ran["prompt_lens"][:2] == [16, 64] and ran["prompt_lens"][-1] == llm.cfg.max_seq_len - 2
+    assert attention._TUNER.settled
+    engine = llm.new_engine()
+    assert engine.scheduler.kv.stats().free == 4096
+    engine.close()

@@ -490,10 +490,11 @@ def test_the_budget_plan_is_refused_when_even_the_least_sweep_does_not_fit_and_m
     assert sum(cost.iteration(chunk).stages) >= 12 * HOST_EAGER_S_PER_LAYER > sum(cost.iteration(padded).stages)
     assert cost.iteration(padded).stages == cost.iteration(decode).stages
     curves = [Curve("orca", 8), Curve("ft", 8, 8)]
-    with pytest.raises(ValueError, match=r"budget_s=20 is too small .* allowed budget_s >= \d+"):
-        BudgetedSweep(Real(), curves, TraceSpec(24, 0, 0.5), None, [0.5, 2.0], 20, model=h100, progress=False)
-    plan = BudgetedSweep(Real(), curves, TraceSpec(24, 0, 0.5), None, [0.25, 0.5, 1.0, 2.0], 30,
-                         model=h100, progress=False).plan     # 60 s fits as asked (both graphed), 30 s does not
+    with pytest.raises(ValueError, match=r"budget_s=40 is too small .* allowed budget_s >= \d+"):
+        BudgetedSweep(Real(), curves, TraceSpec(24, 0, 0.5), None, [0.5, 2.0], 40, model=h100, progress=False)
+    plan = BudgetedSweep(Real(), curves, TraceSpec(24, 0, 0.5), None, [0.25, 0.5, 1.0, 2.0], 60,
+                         model=h100, progress=False).plan     # 90 s fits as asked (both graphed), 60 s does not
+    # (a GPU's first curve pays 25 s of Triton's JIT and tuning: FIRST_WARM_S)
     assert plan.fits and plan.n_requests < 24 and plan.xs == [0.5, 2.0]
     assert plan.shrunk()[0] == f"n_requests 24 -> {plan.n_requests}" and "dropped [0.25, 1]" in plan.shrunk()[1]
     assert {c for c, _ in plan.runs} == {"orca(8)", "ft(8,8)"} and {x for _, x in plan.runs} == {None, 0.5, 2.0}

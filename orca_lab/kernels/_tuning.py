@@ -5,6 +5,12 @@ how long the loop over keys), so the choice is cached per *bucket* of shapes: ne
 it, and each bucket is timed only the first time it is seen (every candidate launched on the real
 arguments, which is safe because the attention kernels only read their inputs). Under Triton's
 interpreter timing says nothing, so the first candidate (a small fixed configuration) is used.
+
+Timing is for a warm-up, not for a served run: a bucket first met mid-run was timed inside it (on an
+H200, Figure 10's first ORCA curve ran 10x its predicted time, tuning and compiling as it met new
+lengths). So an engine warms its shapes up (``LLM.warm_up``) and then ``settle``s the tuner: past
+that, a bucket not yet seen borrows the choice of the nearest bucket timed for the same kernel and
+model shape, and only a shape with no such neighbour is still timed.
 """
 from __future__ import annotations
 
@@ -23,12 +29,20 @@ class LaunchTuner:
 
     def __init__(self):
         self.best: dict = {}
+        self.settled = False
+
+    def settle(self):
+        """From now on a new bucket borrows from its nearest timed neighbour rather than timing."""
+        self.settled = True
 
     def choose(self, key, candidates, launch, on_gpu: bool):
         got = self.best.get(key)
         if got is not None:
             return got
-        if not on_gpu or len(candidates) == 1:
+        near = self.nearest(key) if self.settled else None
+        if near is not None:
+            got = near
+        elif not on_gpu or len(candidates) == 1:
             got = candidates[0]
         elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return candidates[0]           # no timing inside a CUDA graph capture: warm up first
@@ -36,6 +50,17 @@ class LaunchTuner:
             got = _fastest(candidates, launch)
         self.best[key] = got
         return got
+
+    def nearest(self, key):
+        """The choice of the timed bucket closest to ``key`` (a key ends in its shape buckets, powers
+        of two, and begins with what must match: kernel, device, heads, head size, dtype), or None."""
+        kind, buckets = key[:-2], key[-2:]
+
+        def distance(other):
+            return sum(abs(int(a).bit_length() - int(b).bit_length()) for a, b in zip(other[-2:], buckets))
+
+        same = [k for k in self.best if k[:-2] == kind]
+        return self.best[min(same, key=distance)] if same else None
 
 
 def _fastest(candidates, launch):

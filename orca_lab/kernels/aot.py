@@ -179,14 +179,23 @@ def _compile_job(i: int) -> dict:
     return compile_launch(*_JOBS[i])
 
 
-def compile_all(launches, archs, jobs: int = 1) -> list[dict]:
-    """Every launch for every arch, in ``jobs`` forked processes (no GPU here, so forking is safe)."""
+def compile_all(launches, archs, jobs: int = 1, done=None) -> list[dict]:
+    """Every launch for every arch, in ``jobs`` forked processes (no GPU here, so forking is safe);
+    ``done(rows)`` after each compile, so a run cut short keeps what it finished."""
     _JOBS[:] = [(lc, arch) for arch in archs for lc in launches]
+    done = done or (lambda rows: None)
+    rows = []
     if jobs <= 1 or len(_JOBS) < 2:
-        return [_compile_job(i) for i in range(len(_JOBS))]
+        for i in range(len(_JOBS)):
+            rows.append(_compile_job(i))
+            done(rows)
+        return rows
     import multiprocessing as mp
     with mp.get_context("fork").Pool(jobs) as pool:
-        return pool.map(_compile_job, range(len(_JOBS)), chunksize=1)
+        for row in pool.imap(_compile_job, range(len(_JOBS)), chunksize=1):
+            rows.append(row)
+            done(rows)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -217,12 +226,17 @@ def main(argv=None) -> int:
                  "constexprs": {k: str(v) for k, v in lc.constexprs.items()}, "signature": lc.signature,
                  "divisible_by_16": [lc.kernel.arg_names[i] for (i,) in sorted(lc.attrs)], "ci": id(lc) in chosen}
                 for lc in declared]
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+        _write(args.json, rows)
         print(f"{len(declared)} distinct launches declared, {len(launches)} in CI's subset")
         return 0
-    rows = compile_all(launches, args.targets, args.jobs)
+    n_all = len(launches) * len(args.targets)
+
+    def progress(rows):      # every 100 compiles: a line, and the JSON so far (a cut run keeps them)
+        if len(rows) % 100 == 0 or len(rows) == n_all:
+            print(f"{len(rows)} of {n_all} compiles, {sum('error' in r for r in rows)} failed, "
+                  f"{time.perf_counter() - t0:.0f} s", flush=True)
+            _write(args.json, rows)
+    rows = compile_all(launches, args.targets, args.jobs, progress)
     failed = [r for r in rows if "error" in r]
     for arch in args.targets:
         ok = [r for r in rows if r["arch"] == arch and "error" not in r]
@@ -236,10 +250,14 @@ def main(argv=None) -> int:
     which = "all" if args.full else "CI's subset (--full: all)"
     print(f"{len(launches)} of {len(declared)} distinct launches ({which}) of {len(launched_kernels(modules))} "
           f"kernels, {len(rows)} compiles in {time.perf_counter() - t0:.1f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    _write(args.json, rows)
     return 1 if failed else 0
+
+
+def _write(path, rows):
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

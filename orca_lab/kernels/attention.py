@@ -609,6 +609,12 @@ def _launch_prefill(q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, scale, plan, p
     launch(cfg)
 
 
+def settle_tuning():
+    """Time no more launch configurations: a shape bucket not yet met borrows its nearest timed
+    neighbour's (``LaunchTuner.settle``). Called once an engine's warm-up has met its shapes."""
+    _TUNER.settle()
+
+
 def tuned_launches() -> list[dict]:
     """What the tuner chose in this process, per kernel and shape bucket: the configuration a measured
     speed belongs to (``bench`` records it)."""

@@ -102,6 +102,8 @@ def engine_main(recipe: EngineArgs, inbox, outbox, t0: float, history: int = 0):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         llm = recipe.build()
+        if llm.engine_config.device.startswith("cuda"):
+            llm.warm_up()        # graphs and tuned launches at every shape before the first request
         engine = llm.new_engine(recipe.system)
         if recipe.plugins is not None:
             plug_learner(engine, recipe.plugins, recipe.tensor_ranks)

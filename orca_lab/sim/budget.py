@@ -39,13 +39,16 @@ MIN_N = 4             # ... and the fewest, with MIN_LOADS loads, before the bud
 MIN_LOADS = 2         # loads kept at the least: one below saturation and one past it
 MARGIN = 0.85         # share of the budget the prediction may fill
 RUN_S = {"cpu": 0.05, "cuda": 0.3}    # per run: an engine built, the device synchronized, the row made
-WARM_S = {"cpu": 0.5, "cuda": 4.0}    # per curve: its warm-up (Triton's JIT, graph captures, a K/V pool)
+WARM_S = {"cpu": 0.5, "cuda": 4.0}    # per curve: its warm-up (graph captures, a K/V pool, LLM.warm_up)
+# ... and once, on a GPU: Triton's JIT and launch tuning. On the H200 (docs/results/gpu_h200,
+# 2026-11-27) they fell inside the first curve's capacity run: 27.2 s against the model's 2.7 s.
+FIRST_WARM_S = {"cpu": 0.0, "cuda": 25.0}
 AFTER_S = 10.0        # the cells after the sweep: tables, the headline, the HTML figure (plotly
                       # imported and drawn: 8 s on the loaded 2-core CPU)
 EXPORT_S = 5.0        # ... and each of PNG, SVG, PDF (a Chromium draws them)
 
-# This engine's host time per iteration on a GPU's host, from the H200 run (docs/results/gpu_h200,
-# 2026-11-26): an iteration run eagerly costs about 1 ms per layer (the baseline's padded steps: 42 ms
+# This engine's host time per iteration on a GPU's host, from the H200 run (docs/results/
+# gpu_h200_2026-11-26): an iteration run eagerly costs about 1 ms per layer (the baseline's padded steps: 42 ms
 # on gpt3-13b's 40 layers, 13.6 ms on gpt2's 12: 55 s for 4,047 steps); a decode iteration replayed
 # from a CUDA graph about 2 ms (ORCA on 13B: 8.2 ms a token, 6.2 of it the HBM floor). Launches are
 # asynchronous, so an iteration takes the longer of its host and device times.
@@ -214,7 +217,7 @@ class BudgetedSweep:
         self.after_s = after_sweep_s(formats)
         ec = real.describe()
         kind = "cpu" if ec["device"] == "cpu" else "cuda"
-        self.run_s, self.warm_s = RUN_S[kind], WARM_S[kind]
+        self.run_s, self.warm_s = RUN_S[kind], FIRST_WARM_S[kind] / max(1, len(self.curves)) + WARM_S[kind]
         cost, self.model_said = model or device_model(ec["preset"], ec["device"], ec["tensor_parallel"],
                                                       ec["pipeline_parallel"])
         self.sim = SimBackend(real.cfg, cost=cost, n_slots=real.n_slots)
