@@ -113,7 +113,8 @@ def _course_args(s):
     b.add_argument("--notebooks", default=None, help="execute the course notebooks of this folder instead "
                                                      "of the solved ones (OUT/solved, made from notebooks/ "
                                                      "and notebooks/solutions/)")
-    b.add_argument("--only", nargs="+", default=None, help="chapters whose name contains one of these")
+    b.add_argument("--only", nargs="+", default=None, help="only these chapters, each named by its number "
+                                                           "(11), first word (fig9) or whole name (kv_memory)")
     b.add_argument("--record", action="store_true",
                    help="write the measured run times to docs/results/course_runtimes.json")
 

@@ -2,6 +2,7 @@
 a learner notebook is cut after its first exercise, and each grader catches a wrong answer and says
 what differs (the right answers pass in the solved notebooks, tests/test_notebooks.py)."""
 import json
+import shutil
 
 import pytest
 
@@ -131,3 +132,32 @@ def test_the_prefix_grader_wants_full_blocks_short_of_the_last_token():
     with pytest.raises(grade.Mismatch, match="block i's parent is block i-1's name"):
         grade.check_block_hashes(lambda tokens, bs: [block_hash(None, tokens[i:i + bs])
                                                      for i in range(0, len(tokens) - bs + 1, bs)])
+
+
+def test_a_learners_copy_in_notebooks_is_not_a_chapter(tmp_path):
+    """A learner's copy beside the course (``02_mine.ipynb``: exercises, no solutions file) is no
+    chapter: ``strays`` names it, the site's chapters and the solved build leave it out."""
+    from orca_lab.course.chapters import chapters
+    nbs = tmp_path / "notebooks"
+    (nbs / "solutions").mkdir(parents=True)
+    for stem in ("02_request_level_batching", "13_capstone"):
+        shutil.copy(solve.NOTEBOOKS / f"{stem}.ipynb", nbs)
+    shutil.copy(solve.SOLUTIONS / "02_request_level_batching.py", nbs / "solutions")
+    shutil.copy(solve.NOTEBOOKS / "02_request_level_batching.ipynb", nbs / "02_mine.ipynb")
+    assert [c.stem for c in chapters(tmp_path)] == ["02_request_level_batching", "13_capstone"]
+    assert solve.strays(nbs) == [nbs / "02_mine.ipynb"]
+    assert [p.name for p in solve.build(tmp_path / "solved", folder=nbs)] == [
+        "02_request_level_batching.ipynb", "13_capstone.ipynb"]
+
+
+def test_only_picks_exactly_the_chapters_named():
+    """``--only 11`` is chapter 11, not also ``fig11_homogeneous``; a chapter is named by its number,
+    its first word or its whole name; a word naming none is refused, with the names."""
+    from orca_lab.course.chapters import chapters, select
+    chs = chapters()
+    assert [c.stem for c in select(chs, ["11"])] == ["11_after_orca"]
+    assert [c.stem for c in select(chs, ["fig9", "3", "02_", "kv_memory"])] == [
+        "02_request_level_batching", "03_iteration_level_scheduling", "fig9_engine", "kv_memory"]
+    assert select(chs, None) == chs
+    with pytest.raises(ValueError, match="--only: 'after' names no chapter; the chapters: 01_.*11_after_orca"):
+        select(chs, ["after"])

@@ -17,6 +17,7 @@ the figure test renders to HTML.
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,23 @@ def test_notebook_is_stored_clean(path):
             f"a cell with more than 30 lines of logic belongs in the package: {src[:80]}"
     if path.stem != "13_capstone":          # the capstone's exercise is the learner's whole package
         assert any("## Exercise" in "".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+
+
+def heading(nb) -> str:
+    """The notebook's title: its first ``# `` line."""
+    return next(ln[2:] for c in nb["cells"] if c["cell_type"] == "markdown"
+                for ln in "".join(c["source"]).splitlines() if ln.startswith("# "))
+
+
+def test_every_chapter_ends_with_a_link_to_the_next():
+    """01 -> 02 -> ... -> 13: each chapter's last cell ends with ``**Next:** [NN · title](file): ...``,
+    the next chapter's number, title and file; the last chapter has none."""
+    for here, there in zip(NOTEBOOKS, NOTEBOOKS[1:]):
+        last = load(here)["cells"][-1]
+        link = re.search(r"(?m)^\*\*Next:\*\* \[([^]]+)\]\(([^)]+)\)[^\n]*(\n[^\n]+)*\Z", "".join(last["source"]))
+        assert last["cell_type"] == "markdown" and link, f"{here.name} does not end with a **Next:** link"
+        assert link[2] == there.name and heading(load(there)).startswith(link[1]), (here.name, link[0])
+    assert not [c for c in load(NOTEBOOKS[-1])["cells"] if "**Next:**" in "".join(c["source"])]
 
 
 def test_every_chapter_has_exercises_the_learner_writes():
@@ -218,3 +236,15 @@ def test_every_figure_has_its_picture_in_html(nbval_run, path):
     html, _ = nbconvert.HTMLExporter().from_notebook_node(nb)
     pictures = html.count('src="data:image/png;base64,')
     assert pictures >= len(figures), f"{len(figures)} figures, {pictures} pictures in the HTML"
+
+
+@pytest.mark.timeout(NBVAL_S)
+def test_chapter_11_preempts_where_the_learners_victim_chooses(nbval_run):
+    """Section 4's pool is too small for every context at once: the paged and chunked runs preempt, so
+    ``use_victim`` (the next cell) really asks the learner's ``victim``, and says how often."""
+    nb = load(nbval_run[1] / "11_after_orca.ipynb")
+    said = {c.get("id"): "".join("".join(o.get("text", "")) for o in c.get("outputs", [])) for c in code_cells(nb)}
+    counts = dict(re.findall(r"^(paged|chunked) +iterations +\d+ +preemptions (\d+)", said["1d2f35d1"], re.M))
+    assert counts.keys() == {"paged", "chunked"} and all(int(n) > 0 for n in counts.values()), said["1d2f35d1"]
+    chosen = re.search(r"your victims: (\d+) preemptions", said["ex-victim-plug"])
+    assert chosen and int(chosen[1]) == sum(map(int, counts.values())), said["ex-victim-plug"]

@@ -10,6 +10,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+from orca_lab.course import solve
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -45,8 +47,25 @@ SMALL = {   # reproduce/README.md's CPU sizes for the two long ones
 
 
 def chapters(root: Path = ROOT) -> list[Chapter]:
-    out = [Chapter(f"notebooks/{p.name}") for p in sorted((root / "notebooks").glob("[0-9]*.ipynb"))]
+    out = [Chapter(f"notebooks/{p.name}") for p in solve.course(root / "notebooks")]
     found = {p.stem for p in (root / "reproduce").glob("*.ipynb")}
     order = [s for s in PAPER_ORDER if s in found] + sorted(found - set(PAPER_ORDER))
     out += [Chapter(f"reproduce/{s}.ipynb", SMALL.get(s, ())) for s in order]
     return out
+
+
+def select(chs: list[Chapter], only: list[str] | None) -> list[Chapter]:
+    """The chapters ``only`` names (``--only``), in their order; all when it names none. A word names a
+    chapter by its number (``11``, ``3``), its first word (``fig9``, ``02_``) or its whole name: ``11``
+    is ``11_after_orca``, never also ``fig11_homogeneous``."""
+    if not only:
+        return chs
+    words = {o: o.rstrip("_").zfill(2) if o.rstrip("_").isdigit() else o.rstrip("_") for o in only}
+    for o, w in words.items():
+        if not any(w in _names(c) for c in chs):
+            raise ValueError(f"--only: {o!r} names no chapter; the chapters: {', '.join(c.stem for c in chs)}")
+    return [c for c in chs if _names(c) & set(words.values())]
+
+
+def _names(c: Chapter) -> set[str]:
+    return {c.stem, c.stem.split("_")[0]}

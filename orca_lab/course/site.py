@@ -31,7 +31,8 @@ from pathlib import Path
 import nbformat
 
 from orca_lab.course import edition as editions
-from orca_lab.course.chapters import ROOT, Chapter, chapters
+from orca_lab.course import solve
+from orca_lab.course.chapters import ROOT, Chapter, chapters, select
 from orca_lab.course.figures import prepare
 
 RUNTIMES = ROOT / "docs" / "results" / "course_runtimes.json"
@@ -48,12 +49,14 @@ def build(out: Path | None = None, executed: Path | None = None, notebooks: Path
     the runs."""
     editions.check(edition)
     out = Path(out or OUT[edition]).resolve()
-    chs = [c for c in chapters() if not only or any(o in c.stem for o in only)]
+    chs = select(chapters(), only)
+    for p in solve.strays():            # a learner's copy beside the chapters: not the course's
+        log(f"skipped {p.relative_to(ROOT)}: it has exercises and no {solve.solution_file(p).relative_to(ROOT)}, "
+            "so it is none of the course's chapters")
     runs = None
     if executed is None:
         executed = out / "executed"
         if notebooks is None:           # the site shows the course solved: every figure drawn
-            from orca_lab.course import solve
             notebooks = out / "solved"
             solve.build(notebooks)
         runs = [_execute(c, notebooks, executed, out, log) for c in chs]

@@ -27,8 +27,22 @@ STUB = ("# YOUR CODE HERE", "raise NotImplementedError(")
 
 
 def course(folder: Path = NOTEBOOKS) -> list[Path]:
-    """The course's notebooks, in chapter order."""
-    return sorted(folder.glob("[0-9][0-9]_*.ipynb"))
+    """The course's notebooks, in chapter order: each ``NN_name.ipynb`` solved in ``solutions/``, or
+    with no exercise. Another one (a learner's copy, ``02_mine.ipynb``) is none of the course's."""
+    return [p for p in _numbered(folder) if _of_the_course(p)]
+
+
+def strays(folder: Path = NOTEBOOKS) -> list[Path]:
+    """The notebooks named like chapters that are none of the course's (``course``)."""
+    return [p for p in _numbered(folder) if not _of_the_course(p)]
+
+
+def _numbered(folder: Path) -> list[Path]:
+    return sorted(Path(folder).glob("[0-9][0-9]_*.ipynb"))
+
+
+def _of_the_course(notebook: Path) -> bool:
+    return solution_file(notebook).exists() or not exercises(load(notebook))
 
 
 def load(path: Path) -> dict:
@@ -63,7 +77,8 @@ def solutions(path: Path) -> dict[str, str]:
 
 
 def solution_file(notebook: Path) -> Path:
-    return SOLUTIONS / f"{Path(notebook).stem}.py"
+    """``solutions/<stem>.py`` beside the notebook (``SOLUTIONS`` for the course's own)."""
+    return Path(notebook).parent / SOLUTIONS.name / f"{Path(notebook).stem}.py"
 
 
 def solve(nb: dict, answers: dict[str, str], name: str = "notebook") -> dict:
@@ -90,7 +105,7 @@ def solved(notebook: Path) -> dict:
     path = solution_file(notebook)
     if not path.exists():
         raise ValueError(f"{Path(notebook).name} has exercises {[ex for _, ex in exercises(nb)]} and no "
-                         f"solutions file: write {path.relative_to(ROOT)}, one '# %% exercise: <id>' section each")
+                         f"solutions file: write {path}, one '# %% exercise: <id>' section each")
     return solve(nb, solutions(path), Path(notebook).name)
 
 
@@ -106,11 +121,12 @@ def until_first_exercise(nb: dict) -> dict:
     return {**nb, "cells": cells[:last + 1]}
 
 
-def build(out: Path, names=None) -> list[Path]:
-    """Write the solved notebooks (all, or those whose stem is in ``names``) to ``out``."""
+def build(out: Path, names=None, folder: Path = NOTEBOOKS) -> list[Path]:
+    """Write the solved notebooks of the course in ``folder`` (all, or those whose stem is in
+    ``names``) to ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [p for p in course() if not names or p.stem in names]
+    paths = [p for p in course(folder) if not names or p.stem in names]
     for p in paths:
         dump(solved(p), out / p.name)
     return [out / p.name for p in paths]
