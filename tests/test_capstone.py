@@ -16,6 +16,7 @@ from orca_lab.course import ch11_after_orca as ch11
 from orca_lab.course import ch12_prefix_caching as ch12
 from orca_lab.course import harness, mine, plug, solve
 from orca_lab.engine.request import RequestState
+from orca_lab.engine.scheduler import RequestLevelScheduler
 from orca_lab.serving.engine_core import EngineArgs
 from orca_lab.workload import few_shot_trace, paper_trace
 
@@ -323,6 +324,15 @@ def test_the_block_graders_pass_the_right_one_and_name_each_wrong_one(check, cls
 def test_the_allocator_grader_names_the_last_run_at_other_seeds(seed):
     with pytest.raises(AssertionError, match="the last possible run .* never tried"):
         ch11.check_block_allocator(MissesTheLastRun, seed=seed)
+
+
+def test_the_batch_formation_grader_refuses_the_packages_own():
+    def wraps(waiting, kv, max_bs, max_seq_len):
+        sched = RequestLevelScheduler(kv, max_bs, max_seq_len)
+        sched.waiting = waiting
+        return sched.form_batch()
+    with pytest.raises(AssertionError, match="the package's own .*RequestLevelScheduler.form_batch"):
+        ch02.check_form_batch(wraps)
 
 
 def test_the_allocator_grader_refuses_its_own_reference():

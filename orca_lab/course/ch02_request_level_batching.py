@@ -108,8 +108,10 @@ def _formation_hint(expected, got, max_bs: int) -> str:
 
 def check_form_batch(form_batch, seed: int = 0):
     """``form_batch(waiting, kv, max_bs, max_seq_len) -> (batch, first_q_len)`` in the
-    baseline's scheduler (``plug.PluggedFormation``) against ``RequestLevelScheduler``, iteration by
+    baseline's scheduler (``PluggedFormation``) against ``RequestLevelScheduler``, iteration by
     iteration, on random traces and pools that hold fewer than ``max_bs`` reservations."""
+    refs = (RequestLevelScheduler.form_batch,)
+    refuse_package_code(form_batch, *refs)
     rng = random.Random(seed)
     for case in range(N_CASES):
         max_bs, max_seq_len = rng.randint(1, 4), 16
@@ -118,7 +120,7 @@ def check_form_batch(form_batch, seed: int = 0):
         label = f"case {case} (max_bs={max_bs}, n_slots={n_slots}, max_seq_len={max_seq_len}, (prompt, gen) {lens})"
         expected = drive(RequestLevelScheduler(KVSlotManager(n_slots), max_bs, max_seq_len), lens, label)
         got = run_case(drive, PluggedFormation(KVSlotManager(n_slots), max_bs, max_seq_len, None, form_batch), lens,
-                       label, label=label)
+                       label, label=label, references=refs)
         for i, (a, b) in enumerate(zip(expected[:-1], got[:-1])):
             if a != b:
                 differ(f"iteration {i} (the batch's request ids, this iteration's, new tokens each, slots reserved)",

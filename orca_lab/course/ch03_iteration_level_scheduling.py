@@ -131,7 +131,7 @@ def _select_hint(pool, n_rsrv, max_bs, n_slots, want, batch, n) -> str:
 
 def check_select(select, seed: int = 0):
     """The learner's ``select(pool, n_rsrv, max_bs, n_slots) -> (batch, n_rsrv)`` plugged into the
-    scheduler (``plug.PluggedSelect``), against ``OrcaScheduler`` on random traces: requests joining
+    scheduler (``PluggedSelect``), against ``OrcaScheduler`` on random traces: requests joining
     mid-run, a pool too small for all of them, one or two batches in flight. Each call is compared
     with the package's Select at the same point."""
     refuse_package_code(select, OrcaScheduler.select)

@@ -142,8 +142,6 @@ def use_slots(engine, manager_class):
     sched = engine.scheduler
     if sched.name != "orca":
         raise ValueError(f"use_slots takes an engine of system 'orca', not {sched.name!r}")
-    if sched.kv.n_reserved:
-        raise ValueError("use_slots takes a fresh engine: this one's slots are already reserved")
     sched.kv = PluggedSlots(manager_class(sched.kv.n_slots), as_tensor=sched.kv.k is not None)
     if getattr(engine.executor, "graphs", None) is not None:
         engine.executor.graphs = None
