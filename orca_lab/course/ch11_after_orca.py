@@ -192,7 +192,7 @@ def check_block_allocator(cls, seed: int = 0):
                                                       for x in blocks})
                 differ(f"take number {i} (step {j}: take({steps[j][1]}))", label, a, b,
                        _allocator_hint(a, b, held, freed, free))
-    correct(len(cases), "BlockManager's blocks")
+    correct(N_CASES, f"BlockManager's blocks, as do its {len(FIXED_STEPS)} fixed cases")
 
 
 class _Runs:
