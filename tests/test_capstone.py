@@ -10,8 +10,13 @@ import torch
 
 from orca_lab import LLM, EngineConfig
 from orca_lab.cli import main
-from orca_lab.course import grade_engine, mine, plug, solve
+from orca_lab.course import ch02_request_level_batching as ch02
+from orca_lab.course import ch03_iteration_level_scheduling as ch03
+from orca_lab.course import ch11_after_orca as ch11
+from orca_lab.course import ch12_prefix_caching as ch12
+from orca_lab.course import harness, mine, plug, solve
 from orca_lab.engine.request import RequestState
+from orca_lab.engine.scheduler import RequestLevelScheduler
 from orca_lab.serving.engine_core import EngineArgs
 from orca_lab.workload import few_shot_trace, paper_trace
 
@@ -73,11 +78,11 @@ def test_the_assembled_engine_gives_the_packages_tokens_and_schedule(package):
     pieces = mine.load(package)
     llm = LLM("tiny", seed=0, engine=EngineConfig(max_bs=3, n_slots=3 * 1024))
     trace = paper_trace(8, None, 0, scale=0.04, vocab_size=llm.cfg.vocab_size)
-    for system, expected in (("orca", ["SlotManager", "select", "flatten"]), ("ft", ["form_batch"])):
+    for system, expected in (("orca", ["select", "flatten", "SlotManager"]), ("ft", ["form_batch"])):
         reference = llm.serve(trace, system=system)
         engine = llm.new_engine(system)
         assert plug.assemble(engine, pieces) == expected
-        yours = plug.run_loop(engine, pieces["loop"], trace)
+        yours = ch03.run_loop(engine, pieces["loop"], trace)
         engine.close()
         assert [r.output for r in yours.requests] == [r.output for r in reference.requests]
         assert [it.rids for it in yours.iterations] == [it.rids for it in reference.iterations]
@@ -109,7 +114,7 @@ def test_a_loop_that_stops_early_is_caught(package):
     llm = LLM("tiny", seed=0, engine=EngineConfig(max_bs=2, n_slots=1024))
     engine = llm.new_engine("orca")
     with pytest.raises(AssertionError, match="your loop returned with work left"):
-        plug.run_loop(engine, lambda scheduler, executor, n_workers: None, paper_trace(2, None, 0, scale=0.04,
+        ch03.run_loop(engine, lambda scheduler, executor, n_workers: None, paper_trace(2, None, 0, scale=0.04,
                                                                                       vocab_size=257))
 
 
@@ -123,7 +128,7 @@ def test_the_server_runs_the_learners_pieces(package):
         got = client.completions.create(model="tiny", prompt="a prompt", max_tokens=6, temperature=0,
                                         extra_body={"ignore_eos": True}).choices[0].text
         plugged = [line for line in server.lines if "the engine runs your" in line]
-    assert plugged and "SlotManager, select, flatten, split_linear, all_reduce" in plugged[0]
+    assert plugged and "select, flatten, SlotManager, split_linear, all_reduce" in plugged[0]
     assert got == expected
 
 
@@ -190,22 +195,22 @@ WRONG = [(one_too_many, "more than max_bs"), (longest_prompt, "shortest prompt")
 
 
 def test_the_batch_formation_grader_passes_the_solution():
-    grade_engine.check_form_batch(right)
+    ch02.check_form_batch(right)
 
 
 @pytest.mark.parametrize("fn, hint", WRONG, ids=[h for _, h in WRONG])
 def test_the_batch_formation_grader_names_each_wrong_version(fn, hint):
     t0 = time.perf_counter()
     with pytest.raises(AssertionError, match=hint):
-        grade_engine.check_form_batch(fn)
+        ch02.check_form_batch(fn)
     assert time.perf_counter() - t0 < 30
 
 
 def test_a_formation_that_never_returns_stops_the_check_in_bounded_time(monkeypatch):
-    monkeypatch.setattr(grade_engine, "CASE_S", 0.5)
+    monkeypatch.setattr(harness, "CASE_S", 0.5)
     t0 = time.perf_counter()
-    with pytest.raises(grade_engine.Stuck, match="did not return within 0.5 s on case 0"):
-        grade_engine.check_form_batch(never_returns)
+    with pytest.raises(harness.Stuck, match="did not return within 0.5 s on case 0"):
+        ch02.check_form_batch(never_returns)
     assert time.perf_counter() - t0 < 5
 
 
@@ -213,7 +218,7 @@ def test_a_formation_that_raises_goes_through_as_the_learners_own_naming_the_cas
     def raises(waiting, kv, max_bs, max_seq_len):
         raise KeyError("oops")
     with pytest.raises(KeyError) as e:
-        grade_engine.check_form_batch(raises)
+        ch02.check_form_batch(raises)
     assert any(n.startswith("(raised by your code on case 0 ") for n in e.value.__notes__), e.value.__notes__
 
 
@@ -240,6 +245,19 @@ class TakesWithoutRemoving(Allocator):
 class Descending(Allocator):
     def take(self, n):
         return super().take(n)[::-1]
+
+
+class MissesTheLastRun(Allocator):
+    def take(self, n):
+        f = self.free_blocks
+        i = next((i for i in range(len(f) - n) if f[i + n - 1] - f[i] == n - 1), 0)    # not len(f) - n + 1
+        taken, f[i:i + n] = f[i:i + n], []
+        return taken
+
+
+class FreesTwice(Allocator):
+    def free(self, blocks):
+        self.free_blocks = sorted(self.free_blocks + list(blocks) + list(blocks))
 
 
 class LRU:
@@ -279,16 +297,18 @@ class UsedRaises(LRU):
         raise KeyError(block)
 
 
-GRADED = [(grade_engine.check_block_allocator, Allocator, None),
-          (grade_engine.check_block_allocator, LowestBlocks, "one run of n consecutive free blocks"),
-          (grade_engine.check_block_allocator, NeverFrees, "free\(blocks\) must give them back"),
-          (grade_engine.check_block_allocator, TakesWithoutRemoving, "a block handed out twice"),
-          (grade_engine.check_block_allocator, Descending, "in increasing order"),
-          (grade_engine.check_block_lru, LRU, None),
-          (grade_engine.check_block_lru, Stack, "evict the least recently freed block"),
-          (grade_engine.check_block_lru, UsedStays, "leaves the list"),
-          (grade_engine.check_block_lru, LenOffByOne, "len\(\) counts the free cached blocks"),
-          (grade_engine.check_block_lru, UsedRaises, "your used\(\) raised .*KeyError")]
+GRADED = [(ch11.check_block_allocator, Allocator, None),
+          (ch11.check_block_allocator, LowestBlocks, "one run of n consecutive free blocks"),
+          (ch11.check_block_allocator, NeverFrees, "free\(blocks\) must give them back"),
+          (ch11.check_block_allocator, TakesWithoutRemoving, "a block handed out twice"),
+          (ch11.check_block_allocator, Descending, "in increasing order"),
+          (ch11.check_block_allocator, MissesTheLastRun, "the last possible run .* never tried"),
+          (ch11.check_block_allocator, FreesTwice, "a double free: free\\(blocks\\)"),
+          (ch12.check_block_lru, LRU, None),
+          (ch12.check_block_lru, Stack, "evict the least recently freed block"),
+          (ch12.check_block_lru, UsedStays, "leaves the list"),
+          (ch12.check_block_lru, LenOffByOne, "len\(\) counts the free cached blocks"),
+          (ch12.check_block_lru, UsedRaises, "your used\(\) raised .*KeyError")]
 
 
 @pytest.mark.parametrize("check, cls, hint", GRADED, ids=[c.__name__ for _, c, _ in GRADED])
@@ -298,3 +318,23 @@ def test_the_block_graders_pass_the_right_one_and_name_each_wrong_one(check, cls
         return
     with pytest.raises(AssertionError, match=hint):
         check(cls)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_allocator_grader_names_the_last_run_at_other_seeds(seed):
+    with pytest.raises(AssertionError, match="the last possible run .* never tried"):
+        ch11.check_block_allocator(MissesTheLastRun, seed=seed)
+
+
+def test_the_batch_formation_grader_refuses_the_packages_own():
+    def wraps(waiting, kv, max_bs, max_seq_len):
+        sched = RequestLevelScheduler(kv, max_bs, max_seq_len)
+        sched.waiting = waiting
+        return sched.form_batch()
+    with pytest.raises(AssertionError, match="the package's own .*RequestLevelScheduler.form_batch"):
+        ch02.check_form_batch(wraps)
+
+
+def test_the_allocator_grader_refuses_its_own_reference():
+    with pytest.raises(AssertionError, match="own"):
+        ch11.check_block_allocator(ch11._Reference)

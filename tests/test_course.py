@@ -1,12 +1,20 @@
 """The course's machinery without a kernel: solutions merge into the learner's notebooks one for one,
 a learner notebook is cut after its first exercise, and each grader catches a wrong answer and says
 what differs (the right answers pass in the solved notebooks, tests/test_notebooks.py)."""
+import ast
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
-from orca_lab.course import grade, solve
+from orca_lab.course import ch02_request_level_batching as ch02
+from orca_lab.course import ch03_iteration_level_scheduling as ch03
+from orca_lab.course import ch04_selective_batching as ch04
+from orca_lab.course import ch05_kv_slot_manager as ch05
+from orca_lab.course import ch07_distributed_workers as ch07
+from orca_lab.course import ch12_prefix_caching as ch12
+from orca_lab.course import harness, solve
 from orca_lab.engine.prefix_cache import block_hash, chain_hashes
 from orca_lab.engine.request import RequestState
 
@@ -29,7 +37,7 @@ def test_solutions_merge_one_for_one(tmp_path):
 def test_a_function_exercise_is_cut_after_its_check():
     nb = solve.load(solve.NOTEBOOKS / "03_iteration_level_scheduling.ipynb")
     head = solve.until_first_exercise(nb)["cells"]
-    assert solve.exercise_id(head[-2]) == "select" and "grade.check_select(select)" in "".join(head[-1]["source"])
+    assert solve.exercise_id(head[-2]) == "select" and "ch03.check_select(select)" in "".join(head[-1]["source"])
 
 
 def test_build_writes_every_chapter_solved(tmp_path):
@@ -55,9 +63,9 @@ def skipping_select(pool, n_rsrv, max_bs, n_slots):
 
 
 def test_graders_say_what_differs():
-    with pytest.raises(grade.Mismatch, match="breaks \\(does not skip\\)"):
-        grade.check_select(skipping_select)
-    with pytest.raises(grade.Mismatch, match="cu_seqlens_k differs"):
+    with pytest.raises(harness.Mismatch, match="breaks \\(does not skip\\)"):
+        ch03.check_select(skipping_select)
+    with pytest.raises(harness.Mismatch, match="cu_seqlens_k differs"):
         def no_cache(reqs):            # forgets the cached tokens in cu_seqlens_k
             out = {"input_ids": [t for r in reqs for t in r.pending_tokens()],
                    "positions": [r.n_cached + i for r in reqs for i in range(len(r.pending_tokens()))],
@@ -69,18 +77,18 @@ def test_graders_say_what_differs():
                 out["cu_seqlens_k"].append(out["cu_seqlens_k"][-1] + len(r.pending_tokens()))
                 out["last_idx"].append(out["cu_seqlens_q"][-1] - 1)
             return out
-        grade.check_flatten(no_cache)
-    with pytest.raises(grade.Mismatch, match="the stages differs"):
-        grade.check_split_layers(lambda n, s: [(i * (n // s), (i + 1) * (n // s)) for i in range(s)])
-    with pytest.raises(grade.Mismatch, match="the finish iterations differs"):
-        grade.check_ft_finish(lambda p, g, max_bs: [max(g)] * len(g))
+        ch04.check_flatten(no_cache)
+    with pytest.raises(harness.Mismatch, match="the stages differs"):
+        ch07.check_split_layers(lambda n, s: [(i * (n // s), (i + 1) * (n // s)) for i in range(s)])
+    with pytest.raises(harness.Mismatch, match="the finish iterations differs"):
+        ch02.check_ft_finish(lambda p, g, max_bs: [max(g)] * len(g))
 
 
 def test_a_grader_lets_the_learners_not_implemented_through():
     def select(pool, n_rsrv, max_bs, n_slots):
         raise NotImplementedError("select")
     with pytest.raises(NotImplementedError, match="select"):
-        grade.check_select(select)
+        ch03.check_select(select)
 
 
 class LowestFirst:
@@ -103,8 +111,8 @@ class LowestFirst:
 
 
 def test_the_slot_grader_wants_contiguous_runs():
-    with pytest.raises(grade.Mismatch, match="one contiguous run"):
-        grade.check_slot_manager(LowestFirst)
+    with pytest.raises(harness.Mismatch, match="one contiguous run"):
+        ch05.check_slot_manager(LowestFirst)
 
 
 def cached_run(cache, tokens, block_size) -> int:
@@ -118,20 +126,42 @@ def cached_run(cache, tokens, block_size) -> int:
 
 
 def test_the_prefix_grader_wants_full_blocks_short_of_the_last_token():
-    with pytest.raises(grade.Mismatch, match="the last prompt token is always computed"):
-        grade.check_prefix_lookup(cached_run)                 # a prompt of whole blocks found all cached
-    with pytest.raises(grade.Mismatch, match="full blocks only"):
+    with pytest.raises(harness.Mismatch, match="the last prompt token is always computed"):
+        ch12.check_prefix_lookup(cached_run)                 # a prompt of whole blocks found all cached
+    with pytest.raises(harness.Mismatch, match="full blocks only"):
         def with_partial(cache, prompt, bs):                  # counts the last, partial block's tokens too
             n = cached_run(cache, prompt[:-1], bs)
             return n and len(prompt) - 1
-        grade.check_prefix_lookup(with_partial)
-    with pytest.raises(grade.Mismatch, match="stop at the first block"):
-        grade.check_prefix_lookup(lambda cache, prompt, bs: bs * sum(
+        ch12.check_prefix_lookup(with_partial)
+    with pytest.raises(harness.Mismatch, match="stop at the first block"):
+        ch12.check_prefix_lookup(lambda cache, prompt, bs: bs * sum(
             name in cache for name in chain_hashes(prompt, bs, (len(prompt) - 1) // bs)))
-    grade.check_prefix_lookup(lambda cache, prompt, bs: cached_run(cache, prompt[:-1], bs))
-    with pytest.raises(grade.Mismatch, match="block i's parent is block i-1's name"):
-        grade.check_block_hashes(lambda tokens, bs: [block_hash(None, tokens[i:i + bs])
-                                                     for i in range(0, len(tokens) - bs + 1, bs)])
+    ch12.check_prefix_lookup(lambda cache, prompt, bs: cached_run(cache, prompt[:-1], bs))
+    with pytest.raises(harness.Mismatch, match="block i's parent is block i-1's name"):
+        ch12.check_block_hashes(lambda tokens, bs: [block_hash(None, tokens[i:i + bs])
+                                                    for i in range(0, len(tokens) - bs + 1, bs)])
+
+
+def private_names_reached(course_dir: Path) -> list[str]:
+    """Each ``module: name`` where a module of ``course_dir`` imports a private name (or reads one off a
+    module it imported) from outside ``orca_lab.course``."""
+    found = []
+    for path in sorted(course_dir.glob("*.py")):
+        modules = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not (node.module or "").startswith("orca_lab.course"):
+                found += [f"{path.name}: {a.name}" for a in node.names if a.name.startswith("_")]
+                modules |= {a.asname or a.name for a in node.names}
+            elif isinstance(node, ast.Import):
+                modules |= {a.asname or a.name.split(".")[0] for a in node.names if not a.name.startswith("orca_lab.course")}
+        found += [f"{path.name}: {n.value.id}.{n.attr}" for n in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in modules
+                  and n.attr.startswith("_") and not n.attr.startswith("__")]
+    return found
+
+
+def test_the_course_reaches_the_engine_through_public_names_only():
+    assert private_names_reached(Path(__file__).parents[1] / "orca_lab" / "course") == []
 
 
 def test_a_learners_copy_in_notebooks_is_not_a_chapter(tmp_path):

@@ -162,7 +162,7 @@ def test_learner_outputs_come_from_the_reference_run_labelled_after_the_first_ex
 
     def notebook(answer):
         cells = [v4.new_code_cell("x0 = 1", id="a"), v4.new_code_cell(answer, id="ex", metadata={"tags": ["exercise:f"]}),
-                 v4.new_code_cell("grade.check_f(f)", id="g"), v4.new_code_cell("show(f)", id="b")]
+                 v4.new_code_cell("ch01.check_f(f)", id="g"), v4.new_code_cell("show(f)", id="b")]
         return v4.new_notebook(cells=cells)
 
     stub = '# YOUR CODE HERE\nraise NotImplementedError("f: the answer")'
@@ -173,7 +173,7 @@ def test_learner_outputs_come_from_the_reference_run_labelled_after_the_first_ex
     box, (a, ex, g, b) = nb.cells[1], [c for c in nb.cells if c.cell_type == "code"]
     assert a.outputs == ran.cells[0].outputs and ex.outputs == g.outputs == [] and ex.source == stub
     assert edition.REFERENCE in b.outputs[0].data["text/html"] and b.outputs[1:] == ran.cells[3].outputs
-    assert box.cell_type == "markdown" and "f: the answer" in box.source and "`grade.check_f`" in box.source
+    assert box.cell_type == "markdown" and "f: the answer" in box.source and "`ch01.check_f`" in box.source
     assert edition.make("instructor", notebook(stub), ran) is ran
     with pytest.raises(ValueError, match="edition: 'student' is not one of learner, instructor"):
         edition.make("student", ran, ran)

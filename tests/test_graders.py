@@ -12,7 +12,18 @@ import triton.language as tl
 
 from orca_lab import LLM, EngineConfig, SamplingParams
 from orca_lab.config import model_config
-from orca_lab.course import _references, bounded, grade, grade_engine, plug, solve
+from orca_lab.course import bounded, harness, plug, solve
+from orca_lab.course import ch01_generation_and_kv_cache as ch01
+from orca_lab.course import ch02_request_level_batching as ch02
+from orca_lab.course import ch03_iteration_level_scheduling as ch03
+from orca_lab.course import ch04_selective_batching as ch04
+from orca_lab.course import ch05_kv_slot_manager as ch05
+from orca_lab.course import ch06_triton_kernels as ch06
+from orca_lab.course import ch07_distributed_workers as ch07
+from orca_lab.course import ch08_pipelined_schedules as ch08
+from orca_lab.course import ch09_end_to_end as ch09
+from orca_lab.course import ch11_after_orca as ch11
+from orca_lab.course import ch12_prefix_caching as ch12
 from orca_lab.course.online_softmax import update
 from orca_lab.engine import policies
 from orca_lab.engine.engine import Engine
@@ -34,7 +45,7 @@ def short_bounds(monkeypatch):
     """The graders' time bounds at a few seconds here: a right answer's case takes milliseconds, and
     the tests of code that never returns then wait 3 s, not the 10-20 s a learner is given."""
     monkeypatch.setattr(bounded, "TIMEOUT_S", 3.0)
-    monkeypatch.setattr(grade_engine, "CASE_S", 3.0)
+    monkeypatch.setattr(harness, "CASE_S", 3.0)
 
 
 def solution(chapter: str, name: str, **names):
@@ -102,28 +113,30 @@ SELECTS = {
 @pytest.mark.parametrize("wrong", SELECTS)
 def test_select_grader_names_the_symptom(wrong):
     fn, hint = SELECTS[wrong]
-    with pytest.raises(grade.Mismatch, match=hint) as e:
-        grade.check_select(fn)
+    with pytest.raises(harness.Mismatch, match=hint) as e:
+        ch03.check_select(fn)
     assert "expected (the package's)" in str(e.value) and "got (yours)" in str(e.value) and "Select call" in str(e.value)
 
 
 def test_a_learner_exception_is_theirs_with_its_case():
     with pytest.raises(ValueError, match="mine") as e:
-        grade.check_select(raises)
+        ch03.check_select(raises)
     assert any("raised by your raises on case 0" in note for note in e.value.__notes__)
 
 
 def test_a_select_that_never_returns_is_stopped():
     t = time.monotonic()
     with pytest.raises(bounded.TooSlow, match="did not return within .* on case 0"):
-        grade.check_select(forever)
+        ch03.check_select(forever)
     assert time.monotonic() - t < 3 * bounded.TIMEOUT_S        # bounded; never a verdict on speed
 
 
 def test_the_by_hand_select_is_checked_against_the_package():
-    grade.check_first_select(["W"], 12, ["X", "Y"], 35)
-    with pytest.raises(grade.Mismatch, match="(?s)the second batch .* expected .*\\['X', 'Y'\\], 35"):
-        grade.check_first_select(["W"], 12, ["X", "Y", "Z"], 43)     # what a skipping select answers
+    ch03.check_first_select(["W"], 12, ["X", "Y"], 35)
+    for wrong in ((["W"], 12, ["X", "Y", "Z"], 43), (["W"], 12, ["X", "Y"], 47), (["W", "X"], 42, ["Y", "Z"], 13)):
+        with pytest.raises(harness.Mismatch, match="(?s)differs.*got \\(yours\\).*hint") as e:
+            ch03.check_first_select(*wrong)                          # the first: what a skipping select answers
+        assert "expected" not in str(e.value) and "35" not in str(e.value) and "['X', 'Y']" not in str(e.value)
 
 
 # -- 05: the slot manager --------------------------------------------------------------------------
@@ -188,8 +201,8 @@ SLOT_MANAGERS = {
 @pytest.mark.parametrize("wrong", SLOT_MANAGERS)
 def test_slot_grader_names_the_symptom(wrong):
     cls, hint = SLOT_MANAGERS[wrong]
-    with pytest.raises(grade.Mismatch, match=hint):
-        grade.check_slot_manager(cls)
+    with pytest.raises(harness.Mismatch, match=hint):
+        ch05.check_slot_manager(cls)
 
 
 # -- the other graders -----------------------------------------------------------------------------
@@ -205,16 +218,16 @@ def earliest_victim(running, req, chosen):
 
 
 OTHERS = {
-    "attention returns None": (grade.check_cached_attention, lambda *a: None, "return \\(out, k_cache, v_cache\\)"),
-    "the longest generation only": (grade.check_ft_iterations, lambda p, g: max(g), "shortest prompt's length"),
-    "one finish per batch": (grade.check_ft_finish, lambda p, g, bs: [max(g)], "one per request"),
-    "stages as a dict": (grade.check_split_layers, lambda n, s: {0: n}, "a list of \\(first, end\\) pairs"),
-    "median in seconds": (grade.check_median_norm_latency, seconds_median, "in milliseconds"),
-    "mean, not median": (grade.check_median_norm_latency,
+    "attention returns None": (ch01.check_cached_attention, lambda *a: None, "return \\(out, k_cache, v_cache\\)"),
+    "the longest generation only": (ch02.check_ft_iterations, lambda p, g: max(g), "shortest prompt's length"),
+    "one finish per batch": (ch02.check_ft_finish, lambda p, g, bs: [max(g)], "one per request"),
+    "stages as a dict": (ch07.check_split_layers, lambda n, s: {0: n}, "a list of \\(first, end\\) pairs"),
+    "median in seconds": (ch09.check_median_norm_latency, seconds_median, "in milliseconds"),
+    "mean, not median": (ch09.check_median_norm_latency,
                          lambda recs: statistics.mean((r.t_finish - r.arrival) / r.n_generated * 1e3 for r in recs),
                          "not the mean"),
-    "the earliest victim": (grade.check_victim, earliest_victim, "never one that arrived before req"),
-    "block slots from the table's order": (grade.check_block_slots, lambda t, n, bs: list(range(n)),
+    "the earliest victim": (ch11.check_victim, earliest_victim, "never one that arrived before req"),
+    "block slots from the table's order": (ch11.check_block_slots, lambda t, n, bs: list(range(n)),
                                            "block table\\[t // block_size\\]"),
 }
 
@@ -232,19 +245,19 @@ class Sub(KVSlotManager):
 
 
 PACKAGE = {
-    "KVSlotManager itself": (grade.check_slot_manager, KVSlotManager),
-    "a subclass of KVSlotManager": (grade.check_slot_manager, Sub),
-    "a wrapper of KVSlotManager": (grade.check_slot_manager, Wraps),
-    "split_layers itself": (grade.check_split_layers, split_layers),
-    "a wrapper of split_layers": (grade.check_split_layers, lambda n, s: split_layers(n, s)),
-    "the grader's ft reference": (grade.check_ft_finish, _references.ft_finish_iterations),
-    "a wrapper of the ft reference": (grade.check_ft_finish, lambda p, g, bs: _references.ft_finish_iterations(p, g, bs)),
+    "KVSlotManager itself": (ch05.check_slot_manager, KVSlotManager),
+    "a subclass of KVSlotManager": (ch05.check_slot_manager, Sub),
+    "a wrapper of KVSlotManager": (ch05.check_slot_manager, Wraps),
+    "split_layers itself": (ch07.check_split_layers, split_layers),
+    "a wrapper of split_layers": (ch07.check_split_layers, lambda n, s: split_layers(n, s)),
+    "the grader's ft reference": (ch02.check_ft_finish, ch02._ft_finish_iterations),
+    "a wrapper of the ft reference": (ch02.check_ft_finish, lambda p, g, bs: ch02._ft_finish_iterations(p, g, bs)),
     "ft_iterations on the baseline's scheduler": (
-        grade.check_ft_iterations, lambda p, g: max(_references.ft_finish_iterations(p, g, len(p)))),
-    "a wrapper of chain_hashes": (grade.check_block_hashes, lambda t, bs: chain_hashes(t, bs, len(t) // bs)),
-    "OrcaScheduler.select": (grade.check_select, OrcaScheduler.select),
-    "a select on OrcaScheduler": (grade.check_select, on_the_package),
-    "the package's online softmax step": (grade.check_online_softmax, update),
+        ch02.check_ft_iterations, lambda p, g: max(ch02._ft_finish_iterations(p, g, len(p)))),
+    "a wrapper of chain_hashes": (ch12.check_block_hashes, lambda t, bs: chain_hashes(t, bs, len(t) // bs)),
+    "OrcaScheduler.select": (ch03.check_select, OrcaScheduler.select),
+    "a select on OrcaScheduler": (ch03.check_select, on_the_package),
+    "the package's online softmax step": (ch06.check_online_softmax, update),
 }
 
 
@@ -256,26 +269,30 @@ def test_the_package_code_is_refused(name):
 
 
 def test_graders_do_not_export_their_references():
-    assert not hasattr(grade, "ft_finish_iterations")
-    assert all(name.startswith("check_") or name == "Mismatch" for name in grade.__all__)
-    for name in grade.__all__:        # none is the package's answer to an exercise under another name
-        assert getattr(grade, name).__module__ == grade.__name__
+    """No chapter module holds a public name a learner would call for an exercise's answer: the
+    graders' own answers are private (and refused, as the package's are)."""
+    exercises = {ex for path in solve.SOLUTIONS.glob("*.py") for ex in solve.solutions(path)} | set(plug.PIECES)
+    exercises |= {"ft_finish_iterations", "ft_iterations"}          # the grader's own answer, private
+    for module in plug.chapter_modules():
+        own = {n for n, v in vars(module).items()          # the package's own classes keep their names
+               if not n.startswith("_") and getattr(v, "__module__", "orca_lab.course").startswith("orca_lab.course")}
+        assert not own & exercises, module.__name__
 
 
 # -- the course's solutions pass -------------------------------------------------------------------
 SOLVED = {
-    "select": (grade.check_select, "03", "select", {}),
-    "slot_manager": (grade.check_slot_manager, "05", "SlotManager", {}),
-    "ft_iterations": (grade.check_ft_iterations, "02", "ft_iterations", {}),
-    "ft_finish_iterations": (grade.check_ft_finish, "02", "ft_finish_iterations", {}),
-    "stages": (grade.check_split_layers, "07", "stages", {}),
-    "median": (grade.check_median_norm_latency, "09", "norm_latency_median_ms", {}),
-    "block_slots": (grade.check_block_slots, "11", "block_slots", {}),
-    "victim": (grade.check_victim, "11", "victim", {}),
-    "block_hashes": (grade.check_block_hashes, "12", "block_hashes", {}),
-    "cached_prefix": (grade.check_prefix_lookup, "12", "cached_prefix", {}),
-    "flatten": (grade.check_flatten, "04", "flatten", {}),
-    "cached_attention": (grade.check_cached_attention, "01", "cached_attention", {"attention": _attention}),
+    "select": (ch03.check_select, "03", "select", {}),
+    "slot_manager": (ch05.check_slot_manager, "05", "SlotManager", {}),
+    "ft_iterations": (ch02.check_ft_iterations, "02", "ft_iterations", {}),
+    "ft_finish_iterations": (ch02.check_ft_finish, "02", "ft_finish_iterations", {}),
+    "stages": (ch07.check_split_layers, "07", "stages", {}),
+    "median": (ch09.check_median_norm_latency, "09", "norm_latency_median_ms", {}),
+    "block_slots": (ch11.check_block_slots, "11", "block_slots", {}),
+    "victim": (ch11.check_victim, "11", "victim", {}),
+    "block_hashes": (ch12.check_block_hashes, "12", "block_hashes", {}),
+    "cached_prefix": (ch12.check_prefix_lookup, "12", "cached_prefix", {}),
+    "flatten": (ch04.check_flatten, "04", "flatten", {}),
+    "cached_attention": (ch01.check_cached_attention, "01", "cached_attention", {"attention": _attention}),
 }
 
 
@@ -290,7 +307,7 @@ def test_the_solutions_pass(name, capsys):
 
 def test_the_by_hand_block_hash_is_allowed():
     """The exercise builds on the package's block_hash: calling it is not calling the answer."""
-    grade.check_block_hashes(lambda tokens, bs: [h for h in _chain(tokens, bs)])
+    ch12.check_block_hashes(lambda tokens, bs: [h for h in _chain(tokens, bs)])
 
 
 def _chain(tokens, bs):
@@ -300,7 +317,7 @@ def _chain(tokens, bs):
     return names
 
 
-# -- 12: the prefix cache's reference counts (grade_engine.check_block_refs) -------------------------
+# -- 12: the prefix cache's reference counts (ch12.check_block_refs) -------------------------
 class Refs:
     """A learner's BlockRefs, right; each wrong one below changes one thing."""
 
@@ -417,8 +434,8 @@ def test_the_refs_grader_names_the_symptom(wrong):
     cls, hint = WRONG_REFS[wrong]
     start = time.monotonic()
     with pytest.raises(AssertionError, match=hint):
-        grade_engine.check_block_refs(cls)
-    assert time.monotonic() - start < 2 * grade_engine.CASE_S + 30       # bounded, on a loaded machine
+        ch12.check_block_refs(cls)
+    assert time.monotonic() - start < 2 * harness.CASE_S + 30       # bounded, on a loaded machine
 
 
 class PackageRefs(BlockRefs):
@@ -445,12 +462,12 @@ class WrapsPackageLRU:
         return getattr(self.lru, name)
 
 
-@pytest.mark.parametrize("check, cls", [(grade_engine.check_block_refs, BlockRefs),
-                                        (grade_engine.check_block_refs, PackageRefs),
-                                        (grade_engine.check_block_refs, WrapsPackageRefs),
-                                        (grade_engine.check_block_lru, FreeCached),
-                                        (grade_engine.check_block_lru, PackageLRU),
-                                        (grade_engine.check_block_lru, WrapsPackageLRU)],
+@pytest.mark.parametrize("check, cls", [(ch12.check_block_refs, BlockRefs),
+                                        (ch12.check_block_refs, PackageRefs),
+                                        (ch12.check_block_refs, WrapsPackageRefs),
+                                        (ch12.check_block_lru, FreeCached),
+                                        (ch12.check_block_lru, PackageLRU),
+                                        (ch12.check_block_lru, WrapsPackageLRU)],
                          ids=lambda x: getattr(x, "__name__", ""))
 def test_the_refs_and_lru_graders_refuse_the_package_code(check, cls):
     with pytest.raises(bounded.PackageCode, match="the package's own"):
@@ -458,8 +475,8 @@ def test_the_refs_and_lru_graders_refuse_the_package_code(check, cls):
 
 
 def test_the_refs_grader_passes_a_right_one_and_the_solution(capsys):
-    grade_engine.check_block_refs(Refs)
-    grade_engine.check_block_refs(solution("12", "BlockRefs"))
+    ch12.check_block_refs(Refs)
+    ch12.check_block_refs(solution("12", "BlockRefs"))
     assert capsys.readouterr().out.count("correct:") == 2
 
 
@@ -467,7 +484,7 @@ def test_plugged_counts_take_over_the_blocks_an_earlier_engine_left_cached():
     """An LLM keeps its cache from one engine to the next: ``use_refs`` hands the cached blocks to the
     learner's counts, oldest first, and the second run finds what the package's second run finds."""
     from orca_lab import LLM, EngineConfig
-    from orca_lab.course.plug import use_refs
+    from orca_lab.course.ch12_prefix_caching import use_refs
     from orca_lab.workload import few_shot_trace
     cfg = EngineConfig(max_bs=2, n_slots=24 * 4, block_size=4, prefix_caching=True)
     trace = few_shot_trace(4, prefix_len=16, question_len=(2, 9), gen_len=(3, 6), vocab_size=257, seed=0)
@@ -526,7 +543,7 @@ def test_split_linear_grader_names_the_symptom(wrong):
     split_linear, all_reduce, hint = SPLITS[wrong]
     start = time.monotonic()
     with pytest.raises(AssertionError, match=hint):
-        grade_engine.check_split_linear(split_linear, all_reduce)
+        ch07.check_split_linear(split_linear, all_reduce)
     assert time.monotonic() - start < bounded.TIMEOUT_S + 10
 
 
@@ -535,19 +552,19 @@ def on_even_range(weight, bias, t, T, parallel):
     return (weight[:, lo:hi], None) if parallel == "row" else (weight[lo:hi], None if bias is None else bias[lo:hi])
 
 
-@pytest.mark.parametrize("split_linear", [grade_engine._package_shard,
-                                          lambda w, b, t, T, p: grade_engine._package_shard(w, b, t, T, p),
+@pytest.mark.parametrize("split_linear", [ch07._package_shard,
+                                          lambda w, b, t, T, p: ch07._package_shard(w, b, t, T, p),
                                           on_even_range],
                          ids=["the grader's reference", "a wrapper of it", "a split on the package's even_range"])
 def test_the_package_split_is_refused(split_linear):
     with pytest.raises(bounded.PackageCode, match="the package's own"):
-        grade_engine.check_split_linear(split_linear, _sum)
+        ch07.check_split_linear(split_linear, _sum)
 
 
 def test_the_split_linear_solution_passes_and_gives_the_package_tokens(capsys):
     split_linear = solution("07", "split_linear")
     all_reduce = solution("07", "all_reduce")
-    grade_engine.check_split_linear(split_linear, all_reduce)
+    ch07.check_split_linear(split_linear, all_reduce)
     assert capsys.readouterr().out.startswith("correct:")
     llm = LLM("tiny", seed=0, engine=EngineConfig(max_bs=4, n_slots=512))
     prompts = [[(7 * i + j) % 256 for j in range(3 + i)] for i in range(4)]
@@ -568,7 +585,7 @@ def test_a_rank_whose_all_reduce_raises_stops_the_engine_with_its_error():
     def broken(partials):
         raise ValueError("not yet")
 
-    engine = plug.use_split_linear(llm.new_engine(), _split(), broken, 2)
+    engine = ch07.use_split_linear(llm.new_engine(), _split(), broken, 2)
     engine.add_request([1, 2, 3], SamplingParams(max_gen_tokens=2))
     with pytest.raises(ValueError, match="not yet"):
         engine.run()
@@ -621,9 +638,9 @@ def test_budget_grader_names_the_symptom(wrong):
     fn, hint = BUDGETS[wrong]
     t = time.monotonic()
     with pytest.raises(AssertionError, match=hint) as e:
-        grade_engine.check_fill_budget(fn)
+        ch11.check_fill_budget(fn)
     assert time.monotonic() - t < bounded.TIMEOUT_S                   # bounded in calls, not by the clock
-    if isinstance(e.value, grade_engine.Mismatch):
+    if isinstance(e.value, harness.Mismatch):
         assert "expected (the package's)" in str(e.value) and "got (yours)" in str(e.value)
 
 
@@ -633,7 +650,7 @@ def test_a_budget_that_never_returns_is_stopped():
             pass
     t = time.monotonic()
     with pytest.raises(bounded.TooSlow, match="did not return within .* on case 0"):
-        grade_engine.check_fill_budget(forever)
+        ch11.check_fill_budget(forever)
     assert time.monotonic() - t < 3 * bounded.TIMEOUT_S
 
 
@@ -642,7 +659,7 @@ def test_a_budget_that_never_returns_is_stopped():
                          ids=["fill_budget itself", "the scheduler's", "a wrapper"])
 def test_the_packages_budget_is_refused(fn):
     with pytest.raises(bounded.PackageCode, match="the package's own"):
-        grade_engine.check_fill_budget(fn)
+        ch11.check_fill_budget(fn)
 
 
 def test_the_budget_solution_passes_and_runs_the_chunked_engine(capsys):
@@ -650,7 +667,7 @@ def test_the_budget_solution_passes_and_runs_the_chunked_engine(capsys):
     package's iterations, prompts in chunks; a different budget makes others, and a call the package
     never makes (a prompt fed whole past the budget) stops the engine naming it."""
     fill = solution("11", "fill_budget")
-    grade_engine.check_fill_budget(fill)
+    ch11.check_fill_budget(fill)
     assert capsys.readouterr().out.startswith("correct:")
 
     def engine(system="chunked"):
@@ -659,7 +676,7 @@ def test_the_budget_solution_passes_and_runs_the_chunked_engine(capsys):
                       SimExecutor(AnalyticalCost(cfg)), cfg.vocab_size, cfg.max_seq_len)
 
     def iterations(budget_fn=None):
-        e = engine() if budget_fn is None else plug.use_budget(engine(), budget_fn)
+        e = engine() if budget_fn is None else ch11.use_budget(engine(), budget_fn)
         e.add_requests([([1 + i] * p, SamplingParams(max_gen_tokens=g), 0.0)
                         for i, (p, g) in enumerate([(40, 5), (3, 9), (21, 4), (9, 6), (33, 3)])])
         return [(it.rids, it.q_lens) for it in e.run().iterations]
@@ -672,7 +689,7 @@ def test_the_budget_solution_passes_and_runs_the_chunked_engine(capsys):
     with pytest.raises(AssertionError, match="your fill_budget called run"):
         iterations(budget_with(whole=True))
     with pytest.raises(ValueError, match="use_budget takes an engine of system 'chunked'"):
-        plug.use_budget(engine("paged"), fill)
+        ch11.use_budget(engine("paged"), fill)
 
 
 # -- 03 and 08: Algorithm 1's loop ----------------------------------------------------------------
@@ -746,24 +763,24 @@ def engine_steps(scheduler, executor, n_workers):
 
 
 LOOPS = {
-    "never returns": (grade_engine.check_loop, forever, "(?s)did not return within.*hint: your loop never asked"),
-    "returns with work left": (grade_engine.check_loop, loop_with(turns=1), "returned with work left"),
-    "never hands tokens back": (grade_engine.check_loop, loop_with(hand_back=False),
+    "never returns": (ch03.check_loop, forever, "(?s)did not return within.*hint: your loop never asked"),
+    "returns with work left": (ch03.check_loop, loop_with(turns=1), "returned with work left"),
+    "never hands tokens back": (ch03.check_loop, loop_with(hand_back=False),
                                 "on_batch_return\\(done.batch, done.tokens, now\\) after its wait"),
-    "hands back after the next select": (grade_engine.check_loop, hands_back_late, "before the next select"),
-    "waits with nothing in flight": (grade_engine.check_loop, loop_with(wait_again=True), "with no batch in flight"),
-    "submits twice without waiting": (grade_engine.check_loop, loop_with(submit_twice=True),
+    "hands back after the next select": (ch03.check_loop, hands_back_late, "before the next select"),
+    "waits with nothing in flight": (ch03.check_loop, loop_with(wait_again=True), "with no batch in flight"),
+    "submits twice without waiting": (ch03.check_loop, loop_with(submit_twice=True),
                                       "more than n_workers=\\d batches in flight"),
-    "hands back other tokens": (grade_engine.check_loop, loop_with(zero_tokens=True), "the tokens the batch returned"),
-    "goes on after the work is done": (grade_engine.check_loop, loop_with(no_exit=True), "every request has finished"),
-    "catches the refusal": (grade_engine.check_loop, catches_the_refusal, "with no batch in flight"),
-    "one in flight with n_workers > 1": (grade_engine.check_in_flight, solution("03", "loop"),
+    "hands back other tokens": (ch03.check_loop, loop_with(zero_tokens=True), "the tokens the batch returned"),
+    "goes on after the work is done": (ch03.check_loop, loop_with(no_exit=True), "every request has finished"),
+    "catches the refusal": (ch03.check_loop, catches_the_refusal, "with no batch in flight"),
+    "one in flight with n_workers > 1": (ch08.check_in_flight, solution("03", "loop"),
                                          "n_workers=2: the pipeline bubble"),
-    "more than n_workers": (grade_engine.check_in_flight, in_flight_with(limit=lambda n: n + 1),
+    "more than n_workers": (ch08.check_in_flight, in_flight_with(limit=lambda n: n + 1),
                             "more than n_workers=\\d batches in flight"),
-    "at most two in flight": (grade_engine.check_in_flight, in_flight_with(limit=lambda n: min(n, 2)),
+    "at most two in flight": (ch08.check_in_flight, in_flight_with(limit=lambda n: min(n, 2)),
                               "fewer batches in flight than the package's"),
-    "returns when select finds none": (grade_engine.check_in_flight, in_flight_with(stop_on_none=True),
+    "returns when select finds none": (ch08.check_in_flight, in_flight_with(stop_on_none=True),
                                        "returned with work left"),
 }
 
@@ -771,7 +788,7 @@ LOOPS = {
 @pytest.mark.parametrize("wrong", LOOPS)
 def test_the_loop_graders_name_the_symptom(wrong, monkeypatch):
     check, loop, hint = LOOPS[wrong]
-    monkeypatch.setattr(grade_engine, "LOOP_S", 2.0)
+    monkeypatch.setattr(ch03, "LOOP_S", 2.0)
     t = time.monotonic()
     with pytest.raises(AssertionError, match=hint) as e:
         check(loop)
@@ -781,11 +798,11 @@ def test_the_loop_graders_name_the_symptom(wrong, monkeypatch):
 
 def test_a_loop_exception_is_the_learners_with_its_case():
     with pytest.raises(ValueError, match="mine") as e:
-        grade_engine.check_loop(raises)
+        ch03.check_loop(raises)
     assert any("raised by your raises on case 0" in note for note in e.value.__notes__)
 
 
-@pytest.mark.parametrize("check", [grade_engine.check_loop, grade_engine.check_in_flight])
+@pytest.mark.parametrize("check", [ch03.check_loop, ch08.check_in_flight])
 @pytest.mark.parametrize("loop", [Engine.run, engine_loop, engine_steps],
                          ids=["Engine.run", "a wrapper", "Engine.step"])
 def test_the_packages_loop_is_refused(check, loop):
@@ -793,14 +810,14 @@ def test_the_packages_loop_is_refused(check, loop):
         check(loop)
 
 
-@pytest.mark.parametrize("check, chapter", [(grade_engine.check_loop, "03"), (grade_engine.check_loop, "08"),
-                                            (grade_engine.check_in_flight, "08")])
+@pytest.mark.parametrize("check, chapter", [(ch03.check_loop, "03"), (ch03.check_loop, "08"),
+                                            (ch08.check_in_flight, "08")])
 def test_the_loop_solutions_pass(check, chapter, capsys):
     check(solution(chapter, "loop"))
     assert capsys.readouterr().out.startswith("correct:")
 
 
-# -- 06: the online softmax step (grade.check_online_softmax, in the kernel under the interpreter) ------
+# -- 06: the online softmax step (ch06.check_online_softmax, in the kernel under the interpreter) ------
 @triton.jit
 def step_without_rescaling(m, l, acc, s, v):
     """A step that forgets what the old maximum summed: right until a later block raises m."""
@@ -811,7 +828,7 @@ def step_without_rescaling(m, l, acc, s, v):
 
 def test_a_step_that_does_not_rescale_is_caught_with_its_hint():
     t = time.monotonic()
-    with pytest.raises(grade.Mismatch, match="rescale l and acc by exp\\(m_old - m_new\\)") as e:
-        grade.check_online_softmax(step_without_rescaling)
+    with pytest.raises(harness.Mismatch, match="rescale l and acc by exp\\(m_old - m_new\\)") as e:
+        ch06.check_online_softmax(step_without_rescaling)
     assert "expected (the package's)" in str(e.value) and "got (yours)" in str(e.value)
     assert time.monotonic() - t < 10 * bounded.TIMEOUT_S

@@ -1,5 +1,6 @@
-"""The course: graders for the learner's exercises (``grade``), the plug points their functions go
-into (``plug``, ``online_softmax``), the merge of the solutions kept apart from the learner notebooks
+"""The course: one module per chapter (``chNN_<notebook>.py``: its graders, hints and plug points,
+over ``harness`` and ``bounded``), the learner's pieces plugged all at once (``plug``), the kernel a
+learner's step goes into (``online_softmax``), the merge of the solutions kept apart from the learner notebooks
 (``solve``); and the course site: the notebooks, executed, and the docs, built into HTML with Sphinx, myst-nb and
 sphinx-book-theme, offline (``orca-lab course build``).
 

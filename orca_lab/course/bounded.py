@@ -1,5 +1,5 @@
 """Running a learner's code under a bound, and refusing the package's own code as the learner's:
-what every grader of the course (``grade.py`` and any new one) builds on.
+what every grader of the course (the chapter modules, ``chNN_*.py``, over ``harness``) builds on.
 
 - ``run_bounded(fn, *args, timeout_s=None, case="...", references=(), what=None, **kwargs)``:
   ``fn(*args, **kwargs)``'s result. Past ``timeout_s`` seconds (``TIMEOUT_S`` when None, read at the

@@ -23,7 +23,7 @@ import nbformat
 from orca_lab.course import solve
 
 EDITIONS = ("learner", "instructor")
-GRADER = re.compile(r"\b(grade(?:_engine)?\.check_\w+)\(|\bprint\(f?[\"']correct")   # grade.py's and grade_engine.py's
+GRADER = re.compile(r"\b((?:ch\d\d|harness)\.check_\w+)\(|\bprint\(f?[\"']correct")   # a chapter module's check_*
 TASK = re.compile(r"raise NotImplementedError\((['\"])(.*?)\1\)")
 REFERENCE = ('<p class="orca-reference">Output of the reference solution '
              '(<code>notebooks/solutions/</code>): your own code may print otherwise.</p>')

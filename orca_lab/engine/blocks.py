@@ -69,7 +69,7 @@ class BlockManager(KVSlotManager):
         need = self.blocks_to_grow(req, n_tokens)
         if not need:
             return
-        runs = self._take(need * self.block_size)
+        runs = self.take(need * self.block_size)
         self.n_reserved += need * self.block_size
         self._holders[req.rid] = req
         self._runs.setdefault(req.rid, []).extend(runs)

@@ -270,15 +270,10 @@ class Engine:
         batch = self.scheduler.select(now)
         ready = self.scheduler.take_delivered()
         if batch is not None:
-            batch.iteration, self._iteration = self._iteration, self._iteration + 1
-            self.executor.submit(batch)
-            self.n_scheduled += 1
-            batch.at_submit = self._kv_snapshot()
+            self.submit(batch)
         if self.n_scheduled and (self.n_scheduled == self.n_workers or batch is None):
-            done = self.executor.wait(None if batch is not None else self._wait_limit(timeout))
+            done = self.wait(None if batch is not None else self._wait_limit(timeout))
             if done is not None:
-                self.n_scheduled -= 1
-                self._record(done)
                 ready += self.scheduler.on_batch_return(done.batch, done.tokens, self.clock.now())
         elif batch is None and self._pending:
             self.clock.sleep_until(self._pending[0][0])      # idle until the next arrival
@@ -288,6 +283,23 @@ class Engine:
             if req.finished:
                 self.live.pop(req.rid, None)
         return ready
+
+    def submit(self, batch):
+        """Hand ``batch`` to the executor, numbered, with what the K/V held at its submit recorded
+        (``step`` does, and a learner's loop through the course's executor, notebook 03)."""
+        batch.iteration, self._iteration = self._iteration, self._iteration + 1
+        self.executor.submit(batch)
+        self.n_scheduled += 1
+        batch.at_submit = self._kv_snapshot()
+
+    def wait(self, timeout: float | None = None):
+        """The oldest batch in flight back from the executor (None past ``timeout``), its iteration
+        recorded; the caller hands its tokens to the scheduler."""
+        done = self.executor.wait(timeout)
+        if done is not None:
+            self.n_scheduled -= 1
+            self._record(done)
+        return done
 
     def _wait_limit(self, timeout: float | None) -> float | None:
         """How long an otherwise idle step waits for a batch: ``timeout``, the next arrival, or both."""

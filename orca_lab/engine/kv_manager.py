@@ -109,7 +109,7 @@ class KVSlotManager:
             raise RuntimeError(f"request {req.rid} already holds a K/V reservation")
         if not self.can_reserve(n):
             raise RuntimeError(f"cannot reserve {n} slots: {self.n_slots - self.n_reserved} left")
-        runs = self._take(n)
+        runs = self.take(n)
         req.slots = _slot_ids(runs, self.k is not None)
         self._runs[req.rid] = runs
         self._holders[req.rid] = req
@@ -121,7 +121,7 @@ class KVSlotManager:
         del self._holders[req.rid]
         self.n_used -= _held(req.n_cached, len(req.slots))
         for a, b in self._runs.pop(req.rid):
-            self._give(a, b)
+            self.give(a, b)
             self.n_reserved -= b - a
         req.slots = None
 
@@ -132,7 +132,9 @@ class KVSlotManager:
             self.n_used += _held(n_cached, len(req.slots)) - _held(req.n_cached, len(req.slots))
         req.n_cached = n_cached
 
-    def _take(self, n: int) -> list[tuple[int, int]]:
+    def take(self, n: int) -> list[tuple[int, int]]:
+        """``n`` free slots as runs ``[a, b)``, chosen as ``reserve`` says: every slot a manager hands out
+        comes from here and goes back through ``give`` (a learner's allocator plugs in there, notebook 11)."""
         for i, (a, b) in enumerate(self._spans):
             if b - a >= n:
                 self._shrink(i, n)
@@ -153,7 +155,7 @@ class KVSlotManager:
         else:
             self._spans[i][0] += n
 
-    def _give(self, a: int, b: int):
+    def give(self, a: int, b: int):
         """Put run ``[a, b)`` back, merged with the free runs it touches."""
         i = bisect.bisect_left(self._spans, [a, b])
         if i < len(self._spans) and self._spans[i][0] == b:     # touches the next free run

@@ -94,9 +94,9 @@ class PagedScheduler(OrcaScheduler):
             req.state = RequestState.RUNNING
         return Batch.selective(forming.batch, forming.q_lens)
 
-    def victims(self, running: list[Request], chosen: set[int]) -> "_Victims":
+    def victims(self, running: list[Request], chosen: set[int]) -> "Victims":
         """Who may be preempted during one ``select`` (a learner's choice plugs in here, notebook 11)."""
-        return _Victims(running, chosen)
+        return Victims(running, chosen)
 
     def _admit_waiting(self, req: Request):
         if self.waiting[0] is req:
@@ -114,7 +114,7 @@ class PagedScheduler(OrcaScheduler):
         hits = {r.rid: len(self.kv.lookup(r)) for r in waiting}
         return sorted(waiting, key=lambda r: (-hits[r.rid], arrival_order(r)))
 
-    def _make_room(self, req: Request, n_tokens: int, victims: "_Victims", preempted: set) -> bool:
+    def _make_room(self, req: Request, n_tokens: int, victims: "Victims", preempted: set) -> bool:
         """Preempt the latest arrivals after ``req`` holding blocks (not in flight, not in this batch)
         until ``req`` can grow to ``n_tokens``. None left: ``req`` preempts itself if it is the latest
         request holding blocks (vLLM's order); if a later one holds blocks it cannot give up now (in
@@ -142,7 +142,7 @@ class PagedScheduler(OrcaScheduler):
         self.n_preemptions += 1
 
 
-class _Victims:
+class Victims:
     """The requests that may give up their blocks for ``req``, latest arrival first: arrived after
     it, holding blocks, between iterations (not in flight) and not in the batch being formed.
     Within one ``select`` no request becomes a victim again once passed over (one in flight stays in

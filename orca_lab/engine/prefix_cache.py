@@ -230,7 +230,7 @@ class PrefixCachingBlockManager(BlockManager):
         """``n`` blocks: never-used ones first, then cached free ones, least recently freed first."""
         bs = self.block_size
         fresh = min(n, (self.n_slots - self.n_reserved) // bs - len(self.lru))
-        blocks = [s // bs for a, b in (self._take(fresh * bs) if fresh else []) for s in range(a, b, bs)]
+        blocks = [s // bs for a, b in (self.take(fresh * bs) if fresh else []) for s in range(a, b, bs)]
         while len(blocks) < n:
             b = self.refs.evict()
             del self.block_of[self.hash_of.pop(b)], self.key_of[b]
@@ -275,7 +275,7 @@ class PrefixCachingBlockManager(BlockManager):
         pad = self._pads.pop(req.rid, None)
         if pad is not None:                  # a padding row: its blocks go back to the pool
             for b in pad:
-                self._give(b * bs, (b + 1) * bs)
+                self.give(b * bs, (b + 1) * bs)
             self.n_reserved -= len(pad) * bs
             req.slots = None
             return
@@ -286,7 +286,7 @@ class PrefixCachingBlockManager(BlockManager):
             self.n_reserved -= bs
             self.n_used -= min(max(req.n_cached - index[b] * bs, 0), bs)
             if b not in self.hash_of:
-                self._give(b * bs, (b + 1) * bs)
+                self.give(b * bs, (b + 1) * bs)
         self._tables.pop(req.rid, None)
         req.slots = None
 

@@ -231,14 +231,23 @@ class RequestLevelScheduler(Scheduler):
             req.state = RequestState.RUNNING
         return batch
 
-    def _form_batch(self, now: float):
-        while self.waiting and len(self.active) < self.max_bs and self.kv.can_reserve(self.max_seq_len):
+    def form_batch(self) -> tuple[list[Request], int]:
+        """The next batch: requests taken from the head of ``waiting`` while it is under ``max_bs`` and
+        ``max_seq_len`` slots can be reserved for one more (and are), and its first iteration's new
+        tokens, the shortest prompt's length (a learner's plugs in here, notebook 02)."""
+        batch = []
+        while self.waiting and len(batch) < self.max_bs and self.kv.can_reserve(self.max_seq_len):
             req = self.waiting.popleft()
             self.kv.reserve(req, self.max_seq_len)
+            batch.append(req)
+        return batch, min((len(r.prompt) for r in batch), default=0)
+
+    def _form_batch(self, now: float):
+        batch, shortest = self.form_batch()
+        self.active = list(batch)
+        for req in self.active:
             req.t_scheduled = now
-            self.active.append(req)
         if self.active:
-            shortest = min(len(r.prompt) for r in self.active)
             self.n_positions = max(r.max_tokens for r in self.active) - 1   # FT's fixed step count
             self.micro = [_MicroBatch(self.active[i:i + self.mbs], 0, shortest)
                           for i in range(0, len(self.active), self.mbs)]

@@ -1,0 +1,45 @@
+"""Chapter 01, generation and the K/V cache: the graders of its exercise (attention over a cache
+that grows by the new tokens' K/V)."""
+from __future__ import annotations
+
+import torch
+
+from orca_lab import kernels
+from orca_lab.course.bounded import refuse_package_code, run_bounded
+from orca_lab.course.harness import N_CASES, correct, differ, read
+from orca_lab.kernels.attention import ragged_attention_ref, ragged_attention_torch
+
+
+def one_request(n: int, device="cpu") -> torch.Tensor:
+    """``cu_seqlens`` of a batch of one request with ``n`` rows."""
+    return torch.tensor([0, n], dtype=torch.int32, device=device)
+
+
+def _three_tensors(got):
+    out, k, v = got
+    return torch.as_tensor(out), torch.as_tensor(k), torch.as_tensor(v)
+
+
+def check_cached_attention(fn, seed: int = 0):
+    """``fn(q_new, k_cache, v_cache, k_new, v_new) -> (out, k_cache, v_cache)``: the new tokens'
+    attention over the cache and themselves, and the cache grown by their K/V; graded against
+    ``kernels.ragged_attention``'s reference for one request."""
+    refs = (kernels.ragged_attention, ragged_attention_ref, ragged_attention_torch)
+    refuse_package_code(fn, *refs)
+    g = torch.Generator().manual_seed(seed)
+    for case in range(N_CASES):
+        n_cached, n_new, d = case % 7, 1 + case % 3, 4 + 2 * (case % 5)
+        q, k_new, v_new = (torch.randn(n_new, d, generator=g) for _ in range(3))
+        k_cache, v_cache = (torch.randn(n_cached, d, generator=g) for _ in range(2))
+        label = f"case {case} ({n_cached} cached tokens, {n_new} new, d={d})"
+        got = run_bounded(fn, q, k_cache, v_cache, k_new, v_new, case=label, references=refs)
+        out, k_all, v_all = read("the answer", label, got, _three_tensors, "(out, k_cache, v_cache): three tensors")
+        k_ref, v_ref = torch.cat([k_cache, k_new]), torch.cat([v_cache, v_new])
+        ref = kernels.ragged_attention(q[:, None], k_ref[:, None], v_ref[:, None], torch.arange(len(k_ref)),
+                                       one_request(n_new), one_request(len(k_ref)), backend="torch")[:, 0]
+        if not torch.equal(k_all, k_ref) or not torch.equal(v_all, v_ref):
+            differ("the grown cache", label, f"k_cache then k_new: shape {tuple(k_ref.shape)}",
+                   f"shape {tuple(k_all.shape)}", "torch.cat([k_cache, k_new]): the old rows first")
+        if out.shape != ref.shape or not torch.allclose(out, ref, atol=1e-5):
+            differ("the output", label, ref, out, "each new query sees the cache and the new tokens up to itself")
+    correct(N_CASES, "orca_lab.kernels.ragged_attention (reference)")

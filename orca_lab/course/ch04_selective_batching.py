@@ -1,0 +1,96 @@
+"""Chapter 04, selective batching: the grader of the flattening of a batch into the model's flat
+metadata, and its plug point, ``use_flatten``."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from orca_lab.course.bounded import refuse_package_code, run_bounded
+from orca_lab.course.harness import N_CASES, Piece, correct, differ, ints, place_on, read, request
+from orca_lab.engine.batch import Batch, BatchTensors
+from orca_lab.engine.request import Request
+
+
+FLAT_FIELDS = ("input_ids", "positions", "slot_mapping", "kv_slot_ids", "cu_seqlens_q", "cu_seqlens_k", "last_idx")
+
+
+def random_requests(rng, g, b: int) -> list[Request]:
+    """``b`` requests part way through (some cached tokens, some new), slots scattered in a pool."""
+    reqs, pool = [], torch.randperm(400, generator=g)
+    for rid in range(b):
+        prompt, cached, generated = rng.randint(1, 9), None, rng.randint(0, 4)
+        req = request(rid, prompt, generated + 2)
+        req.output = [rng.randrange(256) for _ in range(generated)]
+        req.prompt = [rng.randrange(256) for _ in range(prompt)]
+        cached = rng.randint(0, prompt - 1) if generated == 0 else prompt + generated - 1
+        req.n_cached = cached
+        req.slots, pool = pool[:req.max_tokens], pool[req.max_tokens:]
+        reqs.append(req)
+    return reqs
+
+
+_FLAT_HINTS = {
+    "input_ids": "each request's new tokens (pending_tokens()), requests one after another",
+    "positions": "a new token's position counts the request's cached tokens before it: n_cached + i",
+    "slot_mapping": "where each new token's K/V is written: req.slots[n_cached:n_cached + new]",
+    "kv_slot_ids": "the whole context attention reads: req.slots[:n_cached + new], request after request",
+    "cu_seqlens_q": "0, then the running sum of each request's new tokens",
+    "cu_seqlens_k": "0, then the running sum of each request's context (cached + new tokens)",
+    "last_idx": "the row of each request's last new token: cu_seqlens_q[i + 1] - 1"}
+
+
+def check_flatten(flatten, seed: int = 0):
+    """``flatten(requests) -> {field: list}`` for the fields of ``BatchTensors``; graded against
+    ``Batch.selective(requests).tensors("cpu")`` on random batches of prompts and decodes."""
+    refs = (BatchTensors, Batch.tensors)
+    refuse_package_code(flatten, *refs)
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    for case in range(N_CASES):
+        reqs = random_requests(rng, g, rng.randint(1, 5))
+        bt = Batch.selective(reqs).tensors("cpu")
+        label = (f"case {case} (new tokens {[len(r.pending_tokens()) for r in reqs]}, "
+                 f"cached {[r.n_cached for r in reqs]}, slots {[r.slots[:6].tolist() for r in reqs]}...)")
+        got = read("the flat metadata", label, run_bounded(flatten, reqs, case=label, references=refs),
+                   lambda got: {name: ints(got[name]) if name in got else None for name in FLAT_FIELDS},
+                   f"a dict of lists of ints, keys {list(FLAT_FIELDS)}")
+        for name in FLAT_FIELDS:
+            if got[name] != getattr(bt, name).tolist():
+                differ(name, label, getattr(bt, name).tolist(), got[name], _FLAT_HINTS[name])
+    correct(N_CASES, "BatchTensors.build")
+
+
+def tensors_from(flat: dict, device) -> BatchTensors:
+    """The learner's flattening (notebook 04: a dict of lists) as the ``BatchTensors`` the model reads."""
+    host = {name: np.asarray(values, dtype=np.int64) for name, values in flat.items()}
+    cu = torch.from_numpy(np.stack([host["cu_seqlens_q"], host["cu_seqlens_k"]]).astype(np.int32)).to(device)
+    on = {name: torch.from_numpy(host[name]).to(device)
+          for name in ("input_ids", "positions", "slot_mapping", "kv_slot_ids", "last_idx")}
+    return BatchTensors(on["input_ids"], on["positions"], on["slot_mapping"], on["kv_slot_ids"], cu[0], cu[1],
+                        on["last_idx"], host["cu_seqlens_q"], host["cu_seqlens_k"],
+                        np.concatenate([host["slot_mapping"], host["kv_slot_ids"]]))
+
+
+def use_flatten(engine, flatten):
+    """Every batch ``engine`` (ORCA's, in this process) selects builds its iteration's tensors with the
+    learner's ``flatten(requests)`` in place of ``BatchTensors.build``."""
+    if engine.scheduler.name != "orca":
+        raise ValueError(f"use_flatten takes an engine of system 'orca', not {engine.scheduler.name!r}")
+    select = engine.scheduler.select
+
+    def select_flattened(now: float = 0.0):
+        batch = select(now)
+        if batch is not None:
+            batch.tensors = lambda device: tensors_from(flatten(batch.requests), device)
+        return batch
+
+    engine.scheduler.select = select_flattened
+    return engine
+
+
+def _reads_tensors(engine) -> bool:
+    return getattr(engine.scheduler.kv, "k", None) is not None      # the simulator reads none
+
+
+PIECES = (Piece("flatten", "04", "orca", check_flatten, use_flatten, place=place_on("orca", when=_reads_tensors)),)
