@@ -77,6 +77,9 @@ def serve(args):
         except OSError as e:
             raise ValueError(f"--chat-template {args.chat_template}: cannot read it ({e.strerror})") from None
     model = args.checkpoint or args.model or "tiny"
+    if args.plugins == "":           # --plugins alone: the package the notebooks wrote, from any folder
+        from orca_lab.course.mine import home
+        args.plugins = str(home())
     recipe = EngineArgs(model, args.seed, engine, args.system, args.threads, args.plugins, args.tensor_ranks,
                         args.stall_s)
     try:
@@ -219,9 +222,10 @@ def _serve_args(s):
     s.add_argument("--debug", action="store_true",
                    help=f"serve GET /debug/run: the records of the last {HISTORY:,} requests and iterations "
                         "(engine) and completions (HTTP); without it the server keeps none")
-    s.add_argument("--plugins", metavar="FOLDER_OR_MODULE", default=None,
-                   help="a course learner's package (my_orca/, written by the notebooks' %%%%exercise cells): "
-                        "the engine runs its pieces (Select, slot manager, ...) in place of the package's")
+    s.add_argument("--plugins", metavar="FOLDER_OR_MODULE", nargs="?", const="", default=None,
+                   help="a course learner's package (my_orca/, written by the notebooks' %%%%exercise cells; "
+                        "alone: the one they wrote, notebooks/my_orca or $ORCA_LAB_MY_ORCA): the engine runs its "
+                        "pieces (Select, slot manager, ...) in place of the package's, driven by their loop if any")
     s.add_argument("--tensor-ranks", type=int, default=1,
                    help="with --plugins: the model on this many tensor-parallel ranks (threads of the engine "
                         "process) cut by the learner's split_linear and added by their all_reduce (notebook 07)")

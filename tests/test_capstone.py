@@ -14,12 +14,13 @@ from orca_lab.course import ch02_request_level_batching as ch02
 from orca_lab.course import ch03_iteration_level_scheduling as ch03
 from orca_lab.course import ch11_after_orca as ch11
 from orca_lab.course import ch12_prefix_caching as ch12
-from orca_lab.course import harness, mine, plug, solve
+from orca_lab.course import arrivals, bounded, harness, mine, plug, regrade, solve
 from orca_lab.engine.request import RequestState
 from orca_lab.engine.scheduler import RequestLevelScheduler
 from orca_lab.serving.engine_core import EngineArgs
 from orca_lab.workload import few_shot_trace, paper_trace
 
+from tests.test_course import skipping_select
 from tests.test_graders import solution
 
 # the chapters' solutions, and what the notebook cells before them gave them to read
@@ -118,9 +119,17 @@ def test_a_loop_that_stops_early_is_caught(package):
                                                                                       vocab_size=257))
 
 
-def test_the_server_runs_the_learners_pieces(package):
+def test_the_server_runs_the_learners_pieces_and_loop(package, tmp_path):
+    """Their loop drives the server's engine: one request of 6 tokens, 6 batches it selected."""
     openai = pytest.importorskip("openai")
     from orca_lab.serving.launch import ServerProcess
+    marks = tmp_path / "batches"
+    (package / "zz_counting_loop.py").write_text(       # loaded last: this loop is the package's
+        "from .loop import loop as theirs\n\n\ndef loop(scheduler, executor, n_workers):\n"
+        "    class Counting:\n        def __getattr__(self, name):\n            return getattr(scheduler, name)\n\n"
+        "        def select(self, now):\n            batch = scheduler.select(now)\n"
+        f"            if batch is not None:\n                open({str(marks)!r}, 'a').write('batch\\n')\n"
+        "            return batch\n    theirs(Counting(), executor, n_workers)\n\n\n__all__ = ['loop']\n")
     llm = LLM("tiny", seed=0)
     expected = llm.complete(["a prompt"], 6, ignore_eos=True)[0].text
     with ServerProcess("--plugins", package, "--tensor-ranks", 2, "--max-bs", 2, "--n-slots", 2048) as server:
@@ -128,7 +137,8 @@ def test_the_server_runs_the_learners_pieces(package):
         got = client.completions.create(model="tiny", prompt="a prompt", max_tokens=6, temperature=0,
                                         extra_body={"ignore_eos": True}).choices[0].text
         plugged = [line for line in server.lines if "the engine runs your" in line]
-    assert plugged and "select, flatten, SlotManager, split_linear, all_reduce" in plugged[0]
+    assert marks.exists() and marks.read_text().splitlines() == ["batch"] * 6
+    assert plugged and "select, flatten, SlotManager, split_linear, all_reduce, loop" in plugged[0]
     assert got == expected
 
 
@@ -141,6 +151,84 @@ def test_tensor_ranks_are_refused_without_the_pieces_that_cut_the_model(tmp_path
     folder = write_package(tmp_path / "only_select", {"03_iteration_level_scheduling": ["select"]})
     with pytest.raises(ValueError, match="tensor_ranks=2: .* has no split_linear"):
         plug_learner(LLM("tiny", seed=0).new_engine(), str(folder), 2)
+
+
+# -- the capstone's check of the package: each piece re-graded, beside its chapter's saved verdict ------
+def test_the_capstone_names_each_piece_not_done_and_its_chapter(package, monkeypatch):
+    """A stub, a select that skips, a slot manager that never gives slots back, a victim that never
+    returns (bounded), and a right piece whose chapter's check never ran: each not done, named."""
+    monkeypatch.setattr(bounded, "TIMEOUT_S", 1.0)
+    pieces, saved = mine.load(package), dict.fromkeys(plug.PIECES, mine.PASSED)
+
+    def stub(requests):                  # the exercise cell as the notebook hands it out
+        raise NotImplementedError("flatten: the flat metadata of one iteration")
+
+    class Leaky(pieces["SlotManager"]):
+        def release(self, req):
+            pass
+
+    def never(running, req, chosen):
+        while True:
+            pass
+
+    saved["block_hashes"] = mine.NOT_GRADED
+    pieces.update(flatten=stub, select=skipping_select, SlotManager=Leaky, victim=never)
+    names = ("flatten", "select", "SlotManager", "victim", "block_hashes", "cached_prefix")
+    report = {p.name: p for p in regrade.regrade(pieces, saved, names)}
+    assert [n for n in names if not report[n].done] == list(names[:5])
+    assert "NotImplementedError" in report["flatten"].now and "TooSlow" in report["victim"].now
+    assert "NOT DONE (its chapter's grader: not graded)" in report["block_hashes"].line()
+    with pytest.raises(regrade.NotDone, match=r"select \(chapter 03\); SlotManager \(chapter 05\)"):
+        regrade.check(pieces, saved, names=names[1:3])
+
+
+def test_an_exercise_records_its_graders_verdict(tmp_path, monkeypatch):
+    """Saved "not graded" (an unsolved stub runs: it only defines), "failed" after a check that
+    raised, "passed" after one that ran through."""
+    from IPython.core.interactiveshell import InteractiveShell
+    monkeypatch.setenv(mine.ENV, str(tmp_path / "my_orca"))
+    monkeypatch.setattr(mine, "_saved", {})
+    ip = InteractiveShell.instance()
+    try:
+        ip.run_cell("%load_ext orca_lab.course.mine")
+        stub = 'def select(pool, n_rsrv, max_bs, n_slots):\n    raise NotImplementedError("select")\n'
+        ip.run_cell("%%exercise select\n" + stub)
+        assert mine.verdicts() == {"select": mine.NOT_GRADED}
+        assert not ip.run_cell("from orca_lab.course import ch03_iteration_level_scheduling as ch03\nch03.check_select(select)").success
+        assert mine.verdicts()["select"].startswith("failed: NotImplementedError")
+        ip.user_ns["RequestState"] = RequestState
+        answer = solve.solutions(solve.SOLUTIONS / "03_iteration_level_scheduling.py")["select"]
+        ip.run_cell("%%exercise select\n" + answer)
+        assert mine.verdicts() == {"select": mine.NOT_GRADED}
+        assert ip.run_cell("ch03.check_select(select)").success and mine.verdicts() == {"select": mine.PASSED}
+    finally:
+        InteractiveShell.clear_instance()
+
+
+def test_my_orca_has_one_home_whatever_the_working_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(mine.ENV, raising=False)
+    homes = set()
+    for folder in (tmp_path, solve.NOTEBOOKS, solve.NOTEBOOKS.parent):
+        monkeypatch.chdir(folder)
+        homes.add(mine.home())
+    assert homes == {solve.NOTEBOOKS / "my_orca"}
+    monkeypatch.setenv(mine.ENV, str(tmp_path / "elsewhere"))      # `--plugins` alone: that home
+    with pytest.raises(SystemExit):
+        main(["serve", "--plugins"])
+    assert f"plugins='{tmp_path / 'elsewhere'}'" in capsys.readouterr().err
+
+
+def test_the_learners_loop_serves_requests_as_they_arrive(package, tiny_llm):
+    """Poisson arrivals: each request is scheduled no earlier than it arrives, and every one is served."""
+    pieces = mine.load(package)
+    trace = paper_trace(6, 200.0, 0, scale=0.04, vocab_size=tiny_llm.cfg.vocab_size)
+    engine = tiny_llm.new_engine("orca")
+    plug.assemble(engine, pieces)
+    result = arrivals.run_arriving(engine, pieces["loop"], trace)
+    engine.close()
+    assert [r.n_generated for r in result.requests] == [it.max_gen_tokens for it in trace]
+    assert all(r.t_scheduled >= r.arrival for r in engine.requests)
+    assert max(r.arrival for r in result.requests) > 0
 
 
 # -- the batch formation grader: wrong versions, each caught with its hint ----------------------------

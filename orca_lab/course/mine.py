@@ -4,10 +4,18 @@ An exercise cell starts with the cell magic ``%%exercise <id>`` (``%load_ext orc
 registers it). The cell runs as any other; once it has run without raising, its source is saved as
 ``my_orca/<id>.py``, with the imports of the names it reads from the notebook (a module, the
 package's classes, an earlier exercise's function), so the file stands alone. The capstone
-(chapter 13) and ``orca-lab serve --plugins my_orca`` load the package and plug its pieces into the
+(chapter 13) and ``orca-lab serve --plugins`` load the package and plug its pieces into the
 engine (``plug.assemble``).
 
-Where: ``$ORCA_LAB_MY_ORCA`` if set, else ``./my_orca`` beside the notebooks.
+The grader's verdict is saved with the code, as the file's ``__verdict__``: "not graded" when the
+cell is saved (an unsolved stub runs: it only defines), then "passed" or "failed: <why>" once a
+cell that calls a grader (a function named ``check_...``) on the names the exercise defined has run
+(an IPython ``post_run_cell`` hook: the graders stay unaware of it). A stub, a failed grader and a
+grader not run yet all count as not done (``verdicts``; the capstone re-grades besides).
+
+Where (``home()``), whichever way the notebooks run (JupyterLab and nbconvert start the kernel in
+``notebooks/``, papermill where it was started): ``$ORCA_LAB_MY_ORCA`` if set, else ``my_orca/`` in
+the course's ``notebooks/`` folder of this checkout (``~/my_orca`` for a package installed without one).
 """
 from __future__ import annotations
 
@@ -17,17 +25,24 @@ import importlib.util
 import inspect
 import os
 import pkgutil
+import re
 import sys
 import types
 from pathlib import Path
 
+from orca_lab.course.solve import NOTEBOOKS
+
 ENV = "ORCA_LAB_MY_ORCA"
 HEADER = '"""Written by the exercise cell %%exercise {id} of the course ({source})."""\n'
+VERDICT = re.compile(r"^__verdict__ = .*$", re.M)     # the saved file's line holding its grader's verdict
+NOT_GRADED, PASSED = "not graded", "passed"
 
 
 def home() -> Path:
-    """The learner's package folder."""
-    return Path(os.environ.get(ENV) or "my_orca").resolve()
+    """The learner's package folder, the same from any working directory (module docstring)."""
+    if os.environ.get(ENV):
+        return Path(os.environ[ENV]).expanduser().resolve()
+    return (NOTEBOOKS if NOTEBOOKS.is_dir() else Path.home()) / "my_orca"
 
 
 def defined(tree: ast.Module) -> list[str]:
@@ -99,8 +114,8 @@ def module_source(ex: str, source: str, namespace: dict, folder: Path, origin: s
         if not any(n not in imports for n in free_names(ast.parse("\n\n".join(given + [source])))):
             break
     head = "\n".join(imports.values()) + ("\n\n" if imports else "") + "\n\n".join(given) + ("\n\n" if given else "")
-    return HEADER.format(id=ex, source=origin) + head + source.strip("\n") + "\n" + \
-        f"\n__all__ = {defined(ast.parse(source))!r}\n"
+    return HEADER.format(id=ex, source=origin) + f"__verdict__ = {NOT_GRADED!r}\n\n" + head + \
+        source.strip("\n") + "\n" + f"\n__all__ = {defined(ast.parse(source))!r}\n"
 
 
 def _notebooks(value) -> bool:
@@ -117,8 +132,39 @@ def save(ex: str, source: str, namespace: dict, folder: Path | None = None, orig
     return path
 
 
+def record(path: Path, verdict: str):
+    """Write ``verdict`` ("passed", "failed: ...") into the saved exercise file ``path``."""
+    text = path.read_text()
+    line = f"__verdict__ = {verdict!r}"
+    path.write_text(VERDICT.sub(lambda _: line, text, count=1) if VERDICT.search(text) else f"{line}\n{text}")
+
+
+def graded(source: str, names) -> bool:
+    """Whether the cell ``source`` calls a grader (``check_...``) on one of ``names``."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+    return any(isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", "")).startswith("check_")
+               and any(isinstance(a, ast.Name) and a.id in names for a in n.args) for n in ast.walk(tree))
+
+
+# the exercises saved in this kernel: a name the cell defined -> its file, whose verdict a grader cell sets
+_saved: dict[str, Path] = {}
+
+
+def _after_cell(result):
+    """IPython's ``post_run_cell``: a cell that graded saved exercises records its verdict in their files."""
+    source = result.info.raw_cell if result.info is not None else ""
+    error = result.error_before_exec or result.error_in_exec
+    why = PASSED if error is None else f"failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+    for path in {path for name, path in _saved.items() if path.exists() and graded(source, {name})}:
+        record(path, why)
+
+
 def exercise(line: str, cell: str):
-    """``%%exercise <id>``: run the cell in the notebook, then save it as ``my_orca/<id>.py``."""
+    """``%%exercise <id>``: run the cell in the notebook, then save it as ``my_orca/<id>.py``, not graded
+    yet (a grader cell run later, or this one, records its verdict)."""
     from IPython import get_ipython
     ip = get_ipython()
     ex = line.strip()
@@ -126,15 +172,22 @@ def exercise(line: str, cell: str):
         raise ValueError(f"%%exercise {line!r}: give the exercise's id, a Python name (e.g. %%exercise select)")
     filename = ip.compile.cache(cell)        # a traceback shows the cell's lines
     exec(ip.compile(cell, filename, "exec"), ip.user_ns)     # raising: an unfinished cell is not saved
-    if defined(ast.parse(cell)):
+    names = defined(ast.parse(cell))
+    if names:
         try:
-            save(ex, cell, ip.user_ns)
+            path = save(ex, cell, ip.user_ns)
         except NameError as e:       # the cell ran: only your package lacks it
             print(f"not saved into your package: {e}")
+            return
+        _saved.update(dict.fromkeys(names, path))
+        if graded(cell, names):      # the cell graded itself, and ran through
+            record(path, PASSED)
 
 
 def load_ipython_extension(ip):
     ip.register_magic_function(exercise, magic_kind="cell")
+    if _after_cell not in ip.events.callbacks["post_run_cell"]:
+        ip.events.register("post_run_cell", _after_cell)
 
 
 # -- loading it -------------------------------------------------------------------------------------
@@ -168,6 +221,20 @@ def load(where: str | Path | None = None) -> dict:
         module = importlib.import_module(f"{package.__name__}.{name}")
         pieces.update({n: getattr(module, n) for n in getattr(module, "__all__", ())})
     return pieces
+
+
+def verdicts(where: str | Path | None = None) -> dict:
+    """Each piece of the package at ``where`` (as ``load``) -> its grader's verdict when it was saved
+    ("passed", "failed: ...", "not graded")."""
+    where = resolve(where if where is not None else home())
+    folder = Path(where) if Path(where).is_dir() else Path(importlib.import_module(where).__path__[0])
+    out = {}
+    for path in sorted(p for p in folder.glob("*.py") if p.stem != "__init__"):
+        tree = ast.parse(path.read_text())
+        found = {t.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                 for t in node.targets if isinstance(t, ast.Name) and t.id in ("__all__", "__verdict__")}
+        out.update(dict.fromkeys(found.get("__all__", ()), found.get("__verdict__", NOT_GRADED)))
+    return out
 
 
 def _import_folder(path: Path) -> types.ModuleType:

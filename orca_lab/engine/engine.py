@@ -279,6 +279,11 @@ class Engine:
             self.clock.sleep_until(self._pending[0][0])      # idle until the next arrival
         elif batch is None and self.scheduler.has_work() and not ready:
             raise RuntimeError("no request can be scheduled and none is in flight")  # guarded by add()
+        return self.retire(ready)
+
+    def retire(self, ready: list) -> list:
+        """``ready`` (``(request, token)`` pairs), its finished requests no longer live: ``step``'s, or
+        those of a loop that calls the scheduler itself (a learner's, ``course/arrivals.py``)."""
         for req, _ in ready:
             if req.finished:
                 self.live.pop(req.rid, None)

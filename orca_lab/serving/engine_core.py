@@ -30,12 +30,12 @@ where the engine is stuck (``watchdog.py``); "progress", that it returned after 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import queue
 import signal
 import threading
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,8 +105,7 @@ def engine_main(recipe: EngineArgs, inbox, outbox, t0: float, history: int = 0):
         if llm.engine_config.device.startswith("cuda"):
             llm.warm_up()        # graphs and tuned launches at every shape before the first request
         engine = llm.new_engine(recipe.system)
-        if recipe.plugins is not None:
-            plug_learner(engine, recipe.plugins, recipe.tensor_ranks)
+        loop = None if recipe.plugins is None else plug_learner(engine, recipe.plugins, recipe.tensor_ranks)
     except (ValueError, TypeError) as e:        # bad settings (a model too big for the GPU): the same error
         outbox.send(("failed", e))
         return
@@ -116,12 +115,13 @@ def engine_main(recipe: EngineArgs, inbox, outbox, t0: float, history: int = 0):
     engine.clock.t0 = t0                       # one clock for both processes (perf_counter is system-wide)
     outbox.send(("ready", EngineInfo(llm.cfg, llm.engine_config, llm.tokenizer, llm.eos_token_ids)))
     outbox.send(("stats", engine.stats()))      # the gauges from the start (kv_slots_total)
-    EngineLoop(engine, inbox, outbox, history, recipe.stall_s, recipe.plugins).run()
+    EngineLoop(engine, inbox, outbox, history, recipe.stall_s, recipe.plugins, loop).run()
 
 
 def plug_learner(engine, plugins: str, tensor_ranks: int = 1):
     """The learner's pieces in place of the package's (``orca-lab serve --plugins``, course/plug.py);
-    ``tensor_ranks`` above 1: the model on that many ranks cut by their ``split_linear``."""
+    ``tensor_ranks`` above 1: the model on that many ranks cut by their ``split_linear``. Returns their
+    ``loop`` (notebooks 03, 08), which then drives the engine, or None."""
     from orca_lab.course.mine import load
     from orca_lab.course.plug import assemble
     pieces = load(plugins)
@@ -129,7 +129,10 @@ def plug_learner(engine, plugins: str, tensor_ranks: int = 1):
     if not plugged:
         raise ValueError(f"plugins={plugins!r}: none of its pieces ({', '.join(sorted(pieces)) or 'none'}) "
                          f"plugs into system {engine.scheduler.name!r}")
-    print(f"orca-lab serve: the engine runs your {', '.join(plugged)} (from {plugins})", flush=True)
+    loop = pieces.get("loop")
+    print(f"orca-lab serve: the engine runs your {', '.join(plugged + ['loop'] * (loop is not None))} "
+          f"(from {plugins})", flush=True)
+    return loop
 
 
 class EngineLoop:
@@ -137,11 +140,12 @@ class EngineLoop:
     requests and iterations it keeps for /debug/run (``HISTORY`` with ``--debug``, up to twice as
     many); 0 keeps none once delivered, so a server's memory does not grow with what it served.
     ``stall_s``: the watchdog's bound on one turn (None: no watchdog); ``plugins``: the learner's
-    pieces it names first when the engine is stuck in them."""
+    pieces it names first when the engine is stuck in them; ``loop``: the learner's loop, which then
+    drives the engine in place of ``Engine.step`` (``run``)."""
 
     def __init__(self, engine, inbox, outbox, history: int = HISTORY, stall_s: float | None = STALL_S,
-                 plugins: str | None = None):
-        self.engine, self.outbox, self.history = engine, outbox, history
+                 plugins: str | None = None, loop=None):
+        self.engine, self.outbox, self.history, self.loop = engine, outbox, history, loop
         self._sending = threading.Lock()          # the watchdog's thread sends too
         self.watchdog = None if stall_s is None else Watchdog(self._send, stall_s, plugins_folder(plugins))
         self.messages: queue.SimpleQueue = queue.SimpleQueue()
@@ -163,18 +167,17 @@ class EngineLoop:
     def run(self):
         engine = self.engine
         try:
+            if self.loop is not None:
+                self._run_learners()
+                return
             while True:
                 msgs = self._take(block=not engine.has_work())
-                if any(m[0] == "stop" for m in msgs):
-                    self._stop(msgs)
+                if self._stopping(msgs):
                     return
-                with self.watchdog.turn() if self.watchdog else nullcontext():
-                    for m in msgs:
-                        self.handle(m)
+                with self._turn():
+                    self._handle_all(msgs)
                     if engine.has_work():
                         self.turn()
-                    elif msgs:
-                        self._send(("stats", engine.stats()))
         except BaseException as e:
             # the client learns the kind of failure only; the traceback, with the server's files,
             # goes to the server's log, as multiprocessing prints it when the process exits (code 1)
@@ -182,6 +185,46 @@ class EngineLoop:
             raise
         finally:
             engine.close()
+
+    def _run_learners(self):
+        """The learner's loop as the engine's: the endpoint's messages come in at each ``has_work`` it
+        calls, a watchdog's turn runs from one to the next, and tokens go out as batches return
+        (``course/arrivals.py``). It returns once told to stop; earlier, it is an error."""
+        from orca_lab.course.arrivals import Arriving
+        from orca_lab.course.ch03_iteration_level_scheduling import run_loop
+        turns, stopped = contextlib.ExitStack(), []
+
+        def admit(wait: bool):
+            turns.close()
+            msgs = [] if stopped else self._take(block=wait)
+            if stopped or self._stopping(msgs):
+                stopped.append(True)
+                return
+            turns.enter_context(self._turn())
+            self._handle_all(msgs)
+
+        scheduler = Arriving(self.engine, admit, lambda: not stopped, self._deliver)
+        with turns:
+            run_loop(self.engine, lambda _, executor, n_workers: self.loop(scheduler, executor, n_workers), [])
+        if not stopped:
+            raise RuntimeError("your loop returned while the server runs: loop while scheduler.has_work() "
+                               "(it waits for requests)")
+
+    def _turn(self):
+        return self.watchdog.turn() if self.watchdog else contextlib.nullcontext()
+
+    def _stopping(self, msgs) -> bool:
+        """Told to stop: every request ends ("abort") and the loop returns."""
+        if any(m[0] == "stop" for m in msgs):
+            self._stop(msgs)
+            return True
+        return False
+
+    def _handle_all(self, msgs):
+        for m in msgs:
+            self.handle(m)
+        if msgs and not self.engine.has_work():
+            self._send(("stats", self.engine.stats()))
 
     def handle(self, msg):
         """One message of the endpoint's (add, abort, call), between two iterations."""
