@@ -9,6 +9,7 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
+from orca_lab.course.guards import guarded
 from orca_lab.course.tensor_ranks import LearnerShards, TensorRanks
 from orca_lab.engine.batch import Batch, BatchTensors
 from orca_lab.engine.policies import PAGED, _Victims
@@ -277,7 +278,7 @@ def run_loop(engine, loop, trace):
     start = engine.clock.now()
     for it in trace:
         engine.add_request(list(it.prompt), it.sampling_params(), arrival=start)
-    loop(engine.scheduler, _Recorded(engine), engine.n_workers)
+    guarded({"loop": loop})["loop"](engine.scheduler, _Recorded(engine), engine.n_workers)
     if engine.has_work():
         raise AssertionError(f"your loop returned with work left: {engine.scheduler.n_waiting} requests "
                              f"waiting, {engine.n_scheduled} batches in flight")
@@ -328,12 +329,13 @@ PIECES = {"form_batch": ("02", "the baseline (ft)"), "select": ("03", "orca"), "
           "BlockLRU": ("12", "prefix caching"), "BlockRefs": ("12", "prefix caching")}
 
 
-def assemble(engine, pieces: dict, tensor_ranks: int = 1) -> list[str]:
+def assemble(engine, pieces: dict, tensor_ranks: int = 1, bound_s: float | None = None) -> list[str]:
     """Plug every piece of ``pieces`` (``mine.load()``) that ``engine`` (fresh) has a place for; the
     names plugged, in order. The slot manager goes in first: the learner's ``select`` reserves from it.
     ``tensor_ranks`` above 1 runs the model on that many tensor-parallel ranks cut by the learner's split
-    (refused, a ``ValueError``, without their ``split_linear`` and ``all_reduce``)."""
-    system, plugged = engine.scheduler.name, []
+    (refused, a ``ValueError``, without their ``split_linear`` and ``all_reduce``). Each piece runs
+    bounded by ``bound_s`` a call and checked (``guards.py``): a fault stops the engine naming it."""
+    pieces, system, plugged = guarded(pieces, bound_s), engine.scheduler.name, []
     model = getattr(engine.scheduler.kv, "k", None) is not None     # a model reads the batch's tensors
 
     def plug(names, use):

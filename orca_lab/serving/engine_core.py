@@ -104,7 +104,7 @@ def engine_main(recipe: EngineArgs, inbox, outbox, t0: float, history: int = 0):
         llm = recipe.build()
         engine = llm.new_engine(recipe.system)
         if recipe.plugins is not None:
-            plug_learner(engine, recipe.plugins, recipe.tensor_ranks)
+            plug_learner(engine, recipe.plugins, recipe.tensor_ranks, recipe.stall_s)
     except (ValueError, TypeError) as e:        # bad settings (a model too big for the GPU): the same error
         outbox.send(("failed", e))
         return
@@ -117,13 +117,15 @@ def engine_main(recipe: EngineArgs, inbox, outbox, t0: float, history: int = 0):
     EngineLoop(engine, inbox, outbox, history, recipe.stall_s, recipe.plugins).run()
 
 
-def plug_learner(engine, plugins: str, tensor_ranks: int = 1):
+def plug_learner(engine, plugins: str, tensor_ranks: int = 1, bound_s: float | None = None):
     """The learner's pieces in place of the package's (``orca-lab serve --plugins``, course/plug.py);
-    ``tensor_ranks`` above 1: the model on that many ranks cut by their ``split_linear``."""
+    ``tensor_ranks`` above 1: the model on that many ranks cut by their ``split_linear``. Each call into
+    a piece is bounded by ``bound_s`` (the watchdog's ``stall_s``) and checked (course/guards.py): a
+    piece at fault stops the engine, and the server, naming it."""
     from orca_lab.course.mine import load
     from orca_lab.course.plug import assemble
     pieces = load(plugins)
-    plugged = assemble(engine, pieces, tensor_ranks)
+    plugged = assemble(engine, pieces, tensor_ranks, bound_s)
     if not plugged:
         raise ValueError(f"plugins={plugins!r}: none of its pieces ({', '.join(sorted(pieces)) or 'none'}) "
                          f"plugs into system {engine.scheduler.name!r}")
@@ -139,7 +141,7 @@ class EngineLoop:
 
     def __init__(self, engine, inbox, outbox, history: int = HISTORY, stall_s: float | None = STALL_S,
                  plugins: str | None = None):
-        self.engine, self.outbox, self.history = engine, outbox, history
+        self.engine, self.outbox, self.history, self.plugins = engine, outbox, history, plugins
         self._sending = threading.Lock()          # the watchdog's thread sends too
         self.watchdog = None if stall_s is None else Watchdog(self._send, stall_s, plugins_folder(plugins))
         self.messages: queue.SimpleQueue = queue.SimpleQueue()
@@ -174,12 +176,21 @@ class EngineLoop:
                     elif msgs:
                         self._send(("stats", engine.stats()))
         except BaseException as e:
-            # the client learns the kind of failure only; the traceback, with the server's files,
-            # goes to the server's log, as multiprocessing prints it when the process exits (code 1)
-            self._send(("failed", f"the engine failed ({type(e).__name__}); the server's log has the traceback"))
+            # the client learns the kind of failure only (a learner's piece at fault: which, and why);
+            # the traceback, with the server's files, goes to the server's log, as multiprocessing
+            # prints it when the process exits (code 1)
+            self._send(("failed", self._failure(e)))
             raise
         finally:
             engine.close()
+
+    def _failure(self, e: BaseException) -> str:
+        said = f"the engine failed ({type(e).__name__}); the server's log has the traceback"
+        if self.plugins is not None:
+            from orca_lab.course.guards import PieceFault
+            if isinstance(e, PieceFault):
+                said = f"the engine failed: {e}"
+        return said
 
     def handle(self, msg):
         """One message of the endpoint's (add, abort, call), between two iterations."""
