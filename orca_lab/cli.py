@@ -218,7 +218,8 @@ def _serve_args(s):
                    help="a Jinja chat template for /v1/chat/completions (default: the tokenizer's own, if any)")
     s.add_argument("--stall-s", type=float, default=STALL_S,
                    help="an iteration that has not returned after this many seconds is a stuck engine: "
-                        "/health and /v1/models answer 503 and the log names where it is stuck")
+                        "/health and /v1/models answer 503 and the log names where it is stuck; with --plugins, "
+                        "a call into a learner's piece longer than this stops the engine, naming it")
     s.add_argument("--debug", action="store_true",
                    help=f"serve GET /debug/run: the records of the last {HISTORY:,} requests and iterations "
                         "(engine) and completions (HTTP); without it the server keeps none")

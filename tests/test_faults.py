@@ -169,24 +169,5 @@ def test_the_watchdog_names_where_a_turn_is_stuck_and_when_it_returns(tmp_path):
     assert said[1:] == [("progress",)]
 
 
-def test_a_learners_select_that_never_returns_is_named_and_health_says_503(tmp_path):
-    (tmp_path / "hang.py").write_text(
-        '__all__ = ["select"]\n\n\ndef select(*args, **kwargs):\n    while True:\n        pass\n')
-    s = ServerProcess("--plugins", tmp_path, "--stall-s", "1", "--drain-s", "0").start()
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            pool.submit(httpx.post, s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=3)
-            assert wait_for(lambda: httpx.get(s.url + "/health").status_code == 503, timeout=30)
-        why = httpx.get(s.url + "/health").json()["error"]["message"]
-        assert f"your select ({tmp_path / 'hang.py'}:" in why and "a piece plugged with --plugins" in why, why
-        assert httpx.get(s.url + "/v1/models").status_code == 503
-        r = httpx.post(s.url + "/v1/completions", json={"prompt": "b", "max_tokens": 1}, timeout=10)
-        assert r.status_code == 503 and "your select" in r.json()["error"]["message"]   # never served: refused
-        assert wait_for(lambda: "the engine is stuck" in s.output)          # the operator's log says it too
-        assert s.stop(timeout=20) < 20
-    finally:
-        s.kill()
-
-
 def _completion(req):
     return Completion(req.prompt, req.output, None, req.finish_reason, error=req.error)

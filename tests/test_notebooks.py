@@ -88,6 +88,14 @@ def heading(nb) -> str:
                 for ln in "".join(c["source"]).splitlines() if ln.startswith("# "))
 
 
+def test_every_cell_has_its_own_id():
+    """The site pairs a learner's cell with its executed twin by id (a cell added without one broke
+    the learner edition's build)."""
+    for path in solve.course():
+        ids = [c.get("id") for c in json.loads(path.read_text())["cells"]]
+        assert all(ids) and len(set(ids)) == len(ids), path.name
+
+
 def test_every_chapter_ends_with_a_link_to_the_next():
     """01 -> 02 -> ... -> 13: each chapter's last cell ends with ``**Next:** [NN · title](file): ...``,
     the next chapter's number, title and file; the last chapter has none."""

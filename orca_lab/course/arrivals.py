@@ -78,7 +78,7 @@ def run_arriving(engine, loop, trace):
     """Serve ``trace`` at its arrival times with the learner's ``loop`` driving ``engine``: its ``RunResult``."""
     arrivals = TraceArrivals(engine, trace)
     scheduler = Arriving(engine, arrivals.admit, arrivals.more)
-    result = run_loop(engine, lambda _, executor, n_workers: loop(scheduler, executor, n_workers), [])
+    result = run_loop(engine, loop, [], scheduler)
     if arrivals.more():
         raise AssertionError(f"your loop returned with {len(arrivals.pending)} requests of the trace still to "
                              "arrive: loop while scheduler.has_work() (it waits for them)")

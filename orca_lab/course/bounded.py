@@ -100,8 +100,13 @@ def refuse_package_code(learner_obj, *references):
                                   f"{_where(codes[f.__code__])} ({f.__name__}): write your own")
 
 
+def interrupt(ident: int, exc=_Stopped):
+    """Raise ``exc`` in thread ``ident`` at its next bytecode; None cancels one not raised yet."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), None if exc is None else ctypes.py_object(exc))
+
+
 def _stop(thread: threading.Thread):
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Stopped))
+    interrupt(thread.ident)
     thread.join(1.0)
 
 

@@ -15,6 +15,7 @@ import pkgutil
 import re
 
 from orca_lab import course
+from orca_lab.course.guards import guarded
 
 CHAPTER = re.compile(r"ch\d\d_\w+")
 
@@ -30,12 +31,13 @@ def chapter_modules() -> list:
 PIECES = {piece.name: piece for module in chapter_modules() for piece in getattr(module, "PIECES", ())}
 
 
-def assemble(engine, pieces: dict, tensor_ranks: int = 1, **options) -> list[str]:
+def assemble(engine, pieces: dict, tensor_ranks: int = 1, bound_s: float | None = None, **options) -> list[str]:
     """Plug every piece of ``pieces`` (``mine.load()``) that ``engine`` (fresh) has a place for, in the
     chapters' order; the names plugged, in order. ``tensor_ranks`` (and ``options``) go to each piece's
     ``place``: above 1, the model runs on that many tensor-parallel ranks cut by the learner's split
-    (refused, a ``ValueError``, without their ``split_linear`` and ``all_reduce``)."""
-    plugged = []
+    (refused, a ``ValueError``, without their ``split_linear`` and ``all_reduce``). Each piece runs
+    bounded by ``bound_s`` a call and checked (``guards.py``): a fault stops the engine naming it."""
+    pieces, plugged = guarded(pieces, bound_s), []
     for piece in PIECES.values():
         names = piece.plugged or (piece.name,)
         if piece.place is None or names[0] in plugged:

@@ -105,7 +105,8 @@ def engine_main(recipe: EngineArgs, inbox, outbox, t0: float, history: int = 0):
         if llm.engine_config.device.startswith("cuda"):
             llm.warm_up()        # graphs and tuned launches at every shape before the first request
         engine = llm.new_engine(recipe.system)
-        loop = None if recipe.plugins is None else plug_learner(engine, recipe.plugins, recipe.tensor_ranks)
+        loop = None if recipe.plugins is None else plug_learner(engine, recipe.plugins, recipe.tensor_ranks,
+                                                                recipe.stall_s)
     except (ValueError, TypeError) as e:        # bad settings (a model too big for the GPU): the same error
         outbox.send(("failed", e))
         return
@@ -115,17 +116,19 @@ def engine_main(recipe: EngineArgs, inbox, outbox, t0: float, history: int = 0):
     engine.clock.t0 = t0                       # one clock for both processes (perf_counter is system-wide)
     outbox.send(("ready", EngineInfo(llm.cfg, llm.engine_config, llm.tokenizer, llm.eos_token_ids)))
     outbox.send(("stats", engine.stats()))      # the gauges from the start (kv_slots_total)
-    EngineLoop(engine, inbox, outbox, history, recipe.stall_s, recipe.plugins, loop).run()
+    EngineLoop(engine, inbox, outbox, history, recipe.stall_s, recipe.plugins, loop, recipe.stall_s).run()
 
 
-def plug_learner(engine, plugins: str, tensor_ranks: int = 1):
+def plug_learner(engine, plugins: str, tensor_ranks: int = 1, bound_s: float | None = None):
     """The learner's pieces in place of the package's (``orca-lab serve --plugins``, course/plug.py);
-    ``tensor_ranks`` above 1: the model on that many ranks cut by their ``split_linear``. Returns their
-    ``loop`` (notebooks 03, 08), which then drives the engine, or None."""
+    ``tensor_ranks`` above 1: the model on that many ranks cut by their ``split_linear``. Each call into
+    a piece is bounded by ``bound_s`` (the watchdog's ``stall_s``) and checked (course/guards.py): a
+    piece at fault stops the engine, and the server, naming it. Returns their ``loop`` (notebooks 03,
+    08), which then drives the engine (bounded likewise), or None."""
     from orca_lab.course.mine import load
     from orca_lab.course.plug import assemble
     pieces = load(plugins)
-    plugged = assemble(engine, pieces, tensor_ranks)
+    plugged = assemble(engine, pieces, tensor_ranks, bound_s)
     if not plugged:
         raise ValueError(f"plugins={plugins!r}: none of its pieces ({', '.join(sorted(pieces)) or 'none'}) "
                          f"plugs into system {engine.scheduler.name!r}")
@@ -144,8 +147,9 @@ class EngineLoop:
     drives the engine in place of ``Engine.step`` (``run``)."""
 
     def __init__(self, engine, inbox, outbox, history: int = HISTORY, stall_s: float | None = STALL_S,
-                 plugins: str | None = None, loop=None):
-        self.engine, self.outbox, self.history, self.loop = engine, outbox, history, loop
+                 plugins: str | None = None, loop=None, bound_s: float | None = None):
+        self.engine, self.outbox, self.history, self.plugins = engine, outbox, history, plugins
+        self.loop, self.bound_s = loop, bound_s
         self._sending = threading.Lock()          # the watchdog's thread sends too
         self.watchdog = None if stall_s is None else Watchdog(self._send, stall_s, plugins_folder(plugins))
         self.messages: queue.SimpleQueue = queue.SimpleQueue()
@@ -179,9 +183,10 @@ class EngineLoop:
                     if engine.has_work():
                         self.turn()
         except BaseException as e:
-            # the client learns the kind of failure only; the traceback, with the server's files,
-            # goes to the server's log, as multiprocessing prints it when the process exits (code 1)
-            self._send(("failed", f"the engine failed ({type(e).__name__}); the server's log has the traceback"))
+            # the client learns the kind of failure only (a learner's piece at fault: which, and why);
+            # the traceback, with the server's files, goes to the server's log, as multiprocessing
+            # prints it when the process exits (code 1)
+            self._send(("failed", self._failure(e)))
             raise
         finally:
             engine.close()
@@ -205,7 +210,7 @@ class EngineLoop:
 
         scheduler = Arriving(self.engine, admit, lambda: not stopped, self._deliver)
         with turns:
-            run_loop(self.engine, lambda _, executor, n_workers: self.loop(scheduler, executor, n_workers), [])
+            run_loop(self.engine, self.loop, [], scheduler, self.bound_s)
         if not stopped:
             raise RuntimeError("your loop returned while the server runs: loop while scheduler.has_work() "
                                "(it waits for requests)")
@@ -225,6 +230,14 @@ class EngineLoop:
             self.handle(m)
         if msgs and not self.engine.has_work():
             self._send(("stats", self.engine.stats()))
+
+    def _failure(self, e: BaseException) -> str:
+        said = f"the engine failed ({type(e).__name__}); the server's log has the traceback"
+        if self.plugins is not None:
+            from orca_lab.course.guards import PieceFault
+            if isinstance(e, PieceFault):
+                said = f"the engine failed: {e}"
+        return said
 
     def handle(self, msg):
         """One message of the endpoint's (add, abort, call), between two iterations."""

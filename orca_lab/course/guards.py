@@ -1,0 +1,422 @@
+"""The learner's pieces guarded where they run (the capstone's engine, ``orca-lab serve --plugins``):
+every call into their code bounded in time, and what the engine assumes of each piece checked as
+it goes. A grader tries a piece on chosen cases; here it runs on whatever the engine meets, so a
+bug the grader missed stops the engine naming the piece (``PieceFault``) instead of corrupting its
+state, which would give wrong text with 200 OK.
+
+``guarded(pieces, bound_s)`` (``plug.assemble`` calls it): the same pieces, each wrapped.
+
+- The bound. A call runs in the engine's own thread (no thread per call: the serving loop calls
+  pieces several times an iteration); one watcher thread for the process stops a call past its
+  deadline with an asynchronous exception (``bounded.interrupt``, as graders stop theirs), and the
+  call raises ``PieceFault`` "did not return within ...", naming the line it was stopped at. Where a
+  piece calls back into the package (the learner's ``loop`` driving the scheduler and executor),
+  the package's time does not count: the bound is on the learner's own code between two calls.
+- The checks, with the truth each wrapper keeps:
+  ``SlotManager`` (ch. 05): slots handed out are ``n`` distinct ids of the pool held by no other
+  request; ``n_reserved`` and ``can_reserve`` agree with what is held; once no request holds a slot,
+  every slot can be reserved again (a probe reservation, given back at once: a leak shows there).
+  ``select`` (ch. 03, Algorithm 1): at most ``max_bs`` requests, none twice, only waiting or
+  between-iteration ones, admitted while their ``max_tokens`` fit, earliest arrivals first: a
+  request is left out only after the batch is full or at the first that does not fit (break, never
+  skip), and the ``n_rsrv`` it returns counts what it admitted.
+  ``BlockAllocator`` (ch. 11): blocks taken are ``n`` distinct ids held by nobody; once none is
+  held, all can be taken again (probe). ``victim`` (ch. 11): a running request that arrived after
+  the one that needs room, holds blocks, is between iterations and not in the batch being formed.
+  Every other piece is bounded only (``fill_budget``'s calls are checked by ``plug.use_budget``).
+
+A ``PieceFault`` means the engine's shared state may be wrong: the caller stops. The capstone's
+cell fails with it; a server fails every request in flight with its message (HTTP 503), and exits
+1 as for any dead engine (``serving/engine_core.py``).
+"""
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+from orca_lab.course import bounded
+from orca_lab.course.bounded import _Stopped, describe, interrupt
+from orca_lab.engine.request import RequestState
+from orca_lab.engine.scheduler import arrival_order
+
+TICK_S = 0.05           # how often the watcher looks at the deadlines
+PACKAGE = str(Path(__file__).resolve().parents[1])        # orca_lab/: not the learner's code
+
+
+class PieceFault(AssertionError):
+    """A learner's piece broke what the engine needs of it (or never returned): ``piece`` names it."""
+
+    def __init__(self, piece: str, message: str):
+        super().__init__(message)
+        self.piece = piece
+
+
+# -- the bound -------------------------------------------------------------------------------------
+class _Call:
+    __slots__ = ("bound_s", "deadline", "fired")
+
+    def __init__(self, bound_s: float | None):
+        self.bound_s, self.fired = bound_s, False
+        self.deadline = None if bound_s is None else time.monotonic() + bound_s
+
+
+class _Watcher:
+    """The calls under way, a stack per thread (a piece calling back into the package, which calls
+    another piece); the top one of each past its deadline is stopped."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.stacks: dict[int, list[_Call]] = {}
+        self.thread: threading.Thread | None = None
+
+    def run(self, fn, bound_s, args, kwargs):
+        """``fn(*args, **kwargs)`` under ``bound_s`` (None: unbounded, the outer call's clock paused);
+        ``_Stopped`` if it ran past it."""
+        tid, call = threading.get_ident(), _Call(bound_s)
+        try:
+            with self.lock:
+                self.stacks.setdefault(tid, []).append(call)
+                if self.thread is None and bound_s is not None:
+                    self.thread = threading.Thread(target=self._watch, name="orca-piece-bound", daemon=True)
+                    self.thread.start()
+            value = fn(*args, **kwargs)
+        finally:
+            self._leave(tid, call)
+        if call.fired:              # it returned past its bound, before the stop landed
+            raise _Stopped
+        return value
+
+    def _leave(self, tid: int, call: _Call):
+        popped = False
+        while True:                 # a stop raised while leaving lands here: leave all the same
+            try:
+                if not popped:
+                    with self.lock:
+                        stack = self.stacks.get(tid, [])
+                        if stack and stack[-1] is call:
+                            stack.pop()
+                            if stack and stack[-1].bound_s is not None:      # the outer call's clock runs again
+                                stack[-1].deadline = time.monotonic() + stack[-1].bound_s
+                            if not stack:
+                                del self.stacks[tid]
+                    popped = True
+                if call.fired:
+                    _let_land()
+                return
+            except _Stopped:
+                continue
+
+    def _watch(self):
+        while True:
+            time.sleep(TICK_S)
+            now = time.monotonic()
+            with self.lock:
+                for tid, stack in self.stacks.items():
+                    top = stack[-1]
+                    if not top.fired and top.deadline is not None and now > top.deadline:
+                        top.fired = True
+                        interrupt(tid)
+
+
+_WATCHER = _Watcher()
+
+
+def _let_land():
+    """A stop fired at this thread and not raised yet is raised at its next instruction: here, not
+    later in the package. (Cancelling it instead, ``PyThreadState_SetAsyncExc(id, NULL)`` after it had
+    landed, left CPython 3.11 spinning in the next thread that ran with a profile function: a
+    grader's.)"""
+    for _ in range(64):
+        pass
+
+
+class Piece:
+    """One of the learner's pieces (a function, or a class and its methods): its calls bounded and
+    its faults named."""
+
+    def __init__(self, name: str, obj, bound_s: float | None = None):
+        self.name, self.obj, self.bound_s = name, obj, bound_s
+
+    def where(self, member: str | None = None) -> str:
+        """``name.member (file:line)`` of the learner's code."""
+        fn = getattr(self.obj, member, None) if member else self.obj
+        code = getattr(inspect.unwrap(fn), "__code__", None) if fn is not None else None
+        label = f"{self.name}.{member}" if member else self.name
+        return f"{label} ({code.co_filename}:{code.co_firstlineno})" if code else label
+
+    def fault(self, symptom: str, member: str | None = None) -> PieceFault:
+        return PieceFault(self.name, f"your {self.where(member)} {symptom}: the engine stops here "
+                          "(its state can no longer be trusted)")
+
+    def call(self, fn, *args, member: str | None = None, **kwargs):
+        bound_s = bounded.TIMEOUT_S if self.bound_s is None else self.bound_s
+        try:
+            return _WATCHER.run(fn, bound_s, args, kwargs)
+        except _Stopped as e:
+            raise self.fault(f"did not return within {bound_s:g} s{self._stopped_at(e)}", member) from None
+
+    def _stopped_at(self, e: BaseException) -> str:
+        """Where the learner's code was when stopped: its innermost frame outside this package."""
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(PACKAGE)]
+        return f" (stopped at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+    def bounded(self, fn, member: str | None = None):
+        return lambda *args, **kwargs: self.call(fn, *args, member=member, **kwargs)
+
+
+class _Guarded:
+    """A learner's object whose method calls are bounded; its other attributes read through."""
+    piece: Piece
+
+    def __init__(self, *args, **kwargs):
+        vars(self)["obj"] = self.piece.call(self.piece.obj, *args, member="__init__", **kwargs)
+
+    def __getattr__(self, name):
+        attr = getattr(self.obj, name)
+        return self.piece.bounded(attr, name) if callable(attr) else attr
+
+    def __setattr__(self, name, value):
+        setattr(self.obj, name, value)
+
+    def __len__(self):
+        return self.piece.call(len, self.obj, member="__len__")
+
+    def _set(self, **values):
+        vars(self).update(values)
+
+
+def _guarded_class(piece: Piece, base=_Guarded):
+    """A class standing for the learner's: made the same way (``cls(*args)``), its instances guarded."""
+    return type(describe(piece.obj), (base,), {"piece": piece})
+
+
+# -- the checks ------------------------------------------------------------------------------------
+class _Held:
+    """The truth a manager's wrapper keeps: which holder holds which ids."""
+
+    def __init__(self):
+        self.of: dict[int, list[int]] = {}      # holder -> ids
+        self.owner: dict[int, int] = {}         # id -> holder
+
+    def take(self, piece: Piece, member: str, holder: int, ids, n: int, n_ids: int, what: str):
+        """Record ``ids`` handed to ``holder``: ``n`` distinct ids of ``range(n_ids)`` no one holds."""
+        try:
+            ids = [int(i) for i in ids]
+        except (TypeError, ValueError):
+            raise piece.fault(f"returned {ids!r} for {n} {what}s, not a list of {what} ids", member) from None
+        if len(ids) != n or len(set(ids)) != n:
+            raise piece.fault(f"handed out {len(set(ids))} distinct {what}s ({len(ids)} ids) when {n} were asked "
+                              f"for: {ids[:8]}{'...' if len(ids) > 8 else ''}", member)
+        for i in ids:
+            if not 0 <= i < n_ids:
+                raise piece.fault(f"handed out {what} {i}, outside the pool's 0..{n_ids - 1}", member)
+            if i in self.owner:
+                raise piece.fault(f"handed out {what} {i} while {self.owner[i]} still holds it "
+                                  f"(given back twice, or never taken off the free list?)", member)
+        for i in ids:
+            self.owner[i] = holder
+        self.of.setdefault(holder, []).extend(ids)
+
+    def give(self, holder: int, ids=None) -> list[int]:
+        ids = self.of.pop(holder, []) if ids is None else [int(i) for i in ids]
+        for i in ids:
+            self.owner.pop(i, None)
+        return ids
+
+    @property
+    def n(self) -> int:
+        return len(self.owner)
+
+
+class _CheckedSlots(_Guarded):
+    """A ``SlotManager(n_slots)`` (notebook 05) checked against the slots each request holds."""
+
+    def __init__(self, n_slots: int):
+        super().__init__(n_slots)
+        self._set(n_slots_=n_slots, held=_Held())
+
+    def can_reserve(self, n: int) -> bool:
+        said = self.piece.call(self.obj.can_reserve, n, member="can_reserve")
+        free = self.n_slots_ - self.held.n
+        if bool(said) != (n <= free):
+            raise self.piece.fault(f"said {said} for {n} slots with {free} of {self.n_slots_} free", "can_reserve")
+        return said
+
+    def reserve(self, req, n: int):
+        self.piece.call(self.obj.reserve, req, n, member="reserve")
+        self.held.take(self.piece, "reserve", f"request {req.rid}", [] if req.slots is None else req.slots, n,
+                       self.n_slots_, "slot")
+        self._count("reserve")
+
+    def release(self, req):
+        self.piece.call(self.obj.release, req, member="release")
+        self.held.give(f"request {req.rid}")
+        self._count("release")
+        if not self.held.n:
+            self._drained()
+
+    def _count(self, member: str):
+        said = getattr(self.obj, "n_reserved", None)
+        if said != self.held.n:
+            raise self.piece.fault(f"left n_reserved={said} while requests hold {self.held.n} slots", member)
+
+    def _drained(self):
+        """No request holds a slot: every slot must be free again."""
+        probe = SimpleNamespace(rid=-1, slots=None, n_cached=0, max_tokens=self.n_slots_)
+        self.piece.call(self.obj.reserve, probe, self.n_slots_, member="reserve")
+        got = set(int(s) for s in ([] if probe.slots is None else probe.slots))
+        if got != set(range(self.n_slots_)):
+            raise self.piece.fault(f"does not give every slot back: with no request holding one, reserve("
+                                   f"{self.n_slots_}) found {len(got)} of them free", "release")
+        self.piece.call(self.obj.release, probe, member="release")
+
+
+class _CheckedAllocator(_Guarded):
+    """A ``BlockAllocator(n_blocks)`` (notebook 11) checked against the blocks it handed out."""
+
+    def __init__(self, n_blocks: int):
+        super().__init__(n_blocks)
+        self._set(n_blocks=n_blocks, held=_Held(), n_taken=0)
+
+    def take(self, n: int) -> list[int]:
+        blocks = self.piece.call(self.obj.take, n, member="take")
+        vars(self)["n_taken"] += 1
+        self.held.take(self.piece, "take", f"the take #{self.n_taken}", blocks, n, self.n_blocks, "block")
+        return blocks
+
+    def free(self, blocks):
+        blocks = list(blocks)
+        self.piece.call(self.obj.free, blocks, member="free")
+        self.held.give(None, blocks)
+        if not self.held.n:
+            self._drained()
+
+    def _drained(self):
+        blocks = list(self.piece.call(self.obj.take, self.n_blocks, member="take"))
+        if sorted(int(b) for b in blocks) != list(range(self.n_blocks)):
+            raise self.piece.fault(f"keeps the free list wrong: with no block held, take({self.n_blocks}) gave "
+                                   f"{len(blocks)} ids, {len(set(blocks))} distinct", "free")
+        self.piece.call(self.obj.free, blocks, member="free")
+
+
+def _checked_select(piece: Piece):
+    def select(pool, n_rsrv, max_bs, n_slots):
+        out = piece.call(piece.obj, pool, n_rsrv, max_bs, n_slots)
+        try:
+            batch, n_out = out
+            batch = list(batch)
+        except (TypeError, ValueError):
+            raise piece.fault(f"returned {out!r}, not (batch, n_rsrv)") from None
+        _check_algorithm_1(piece, pool, batch, n_rsrv, n_out, max_bs, n_slots)
+        return batch, n_out
+    return select
+
+
+def _check_algorithm_1(piece, pool, batch, n_rsrv, n_out, max_bs, n_slots):
+    """``batch`` is what Algorithm 1's Select takes of ``pool``: see the module's docstring."""
+    if len(batch) > max_bs:
+        raise piece.fault(f"chose {len(batch)} requests, more than max_bs={max_bs}")
+    ids = [r.rid for r in batch]
+    if len(set(ids)) != len(ids):
+        raise piece.fault(f"chose a request twice: {ids}")
+    eligible = sorted((r for r in pool if r.state in (RequestState.INITIATION, RequestState.INCREMENT)),
+                      key=arrival_order)
+    if not {r.rid for r in batch} <= {r.rid for r in eligible}:
+        bad = next(r for r in batch if r.rid not in {e.rid for e in eligible})
+        raise piece.fault(f"chose request {bad.rid} in state {bad.state.name}: only a request waiting "
+                          "(INITIATION) or between iterations (INCREMENT) can run")
+    chosen, n = set(ids), n_rsrv
+    for i, req in enumerate(eligible):
+        fits = req.state is not RequestState.INITIATION or n + req.max_tokens <= n_slots
+        if req.rid not in chosen:
+            later = [r.rid for r in eligible[i + 1:] if r.rid in chosen]
+            if later or (len(batch) < max_bs and fits):
+                why = f"chose request {later[0]}, which arrived after" if later else "stopped before"
+                raise piece.fault(f"{why} request {req.rid} ({'fits' if fits else 'does not fit'}: "
+                                  f"max_tokens {req.max_tokens}, {n_slots - n} slots free): Algorithm 1 takes the "
+                                  "earliest arrivals first and stops at max_bs or at the first that does not fit "
+                                  "(break, never skip)")
+            break
+        if not fits:
+            raise piece.fault(f"admitted request {req.rid} (max_tokens {req.max_tokens}) with {n_slots - n} slots free")
+        n += req.max_tokens if req.state is RequestState.INITIATION else 0
+    if n_out != n:
+        raise piece.fault(f"returned n_rsrv={n_out}; its batch makes it {n}")
+
+
+def _checked_victim(piece: Piece):
+    def victim(running, req, chosen):
+        v = piece.call(piece.obj, running, req, chosen)
+        if v is None:
+            return None
+        why = ("is not a running request" if not any(v is r for r in running) else
+               "arrived before it (or is it): only a later arrival gives way" if arrival_order(v) <= arrival_order(req)
+               else "holds no blocks" if v.slots is None else
+               "is in this iteration's batch" if v.rid in chosen else
+               f"is in flight (state {v.state.name})" if v.state is not RequestState.INCREMENT else None)
+        if why:
+            raise piece.fault(f"chose request {getattr(v, 'rid', v)} to give way to request {req.rid}, which {why}")
+        return v
+    return victim
+
+
+def _bounded_loop(piece: Piece):
+    """The learner's loop bounded between its calls into the scheduler and the executor; a fault of
+    another piece met there stops the run even if the loop catches it."""
+    faults = []
+
+    def between(fn):
+        def call(*args, **kwargs):
+            try:
+                return _WATCHER.run(fn, None, args, kwargs)
+            except PieceFault as e:
+                faults.append(e)
+                raise
+        return call
+
+    class Between:
+        def __init__(self, obj):
+            vars(self)["obj"] = obj
+
+        def __getattr__(self, name):
+            attr = getattr(self.obj, name)
+            return between(attr) if callable(attr) else attr
+
+    def loop(scheduler, executor, n_workers):
+        value = piece.call(piece.obj, Between(scheduler), Between(executor), n_workers)
+        if faults:
+            raise faults[0]
+        return value
+    return loop
+
+
+CHECKED = {"SlotManager": lambda p: _guarded_class(p, _CheckedSlots), "select": _checked_select,
+           "BlockAllocator": lambda p: _guarded_class(p, _CheckedAllocator), "victim": _checked_victim,
+           "loop": _bounded_loop}
+
+
+def guarded(pieces: dict, bound_s: float | None = None) -> dict:
+    """``pieces`` (``mine.load()``), each bounded by ``bound_s`` seconds a call (None:
+    ``bounded.TIMEOUT_S`` at the call) and checked as the module's docstring says."""
+    out = {}
+    for name, obj in pieces.items():
+        if getattr(obj, "guarded_piece", None) is not None:        # guarded already
+            out[name] = obj
+            continue
+        piece = Piece(name, obj, bound_s)
+        if name in CHECKED:
+            out[name] = CHECKED[name](piece)
+        elif inspect.isclass(obj):
+            out[name] = _guarded_class(piece)
+        else:
+            out[name] = piece.bounded(obj)
+        try:
+            out[name].guarded_piece = piece
+        except AttributeError:
+            pass
+    return out
+
