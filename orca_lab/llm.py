@@ -13,7 +13,7 @@ import torch
 from orca_lab.config import EngineConfig, ModelConfig, check_degrees, check_range, model_config, uses_workers
 from orca_lab.distributed.executor import WorkerExecutor
 from orca_lab.distributed.pool import attached
-from orca_lab.engine.beam_search import Beam, BeamSearch, BeamSearchParams, advance_all, pending
+from orca_lab.engine.beam_search import Beam, BeamSearch, BeamSearchParams, StepFailed, advance_all, pending
 from orca_lab.engine.engine import Engine, RunResult, eos_ids
 from orca_lab.engine.executor import split_layers
 from orca_lab.engine.fields import check_text
@@ -291,7 +291,7 @@ class LLM:
         searches = [BeamSearch(p, params, self.eos_token_ids) for p in ids]
         while seqs := pending(searches):
             steps = self.complete(seqs, 1, system, logprobs=params.logprobs, ignore_eos=True)
-            advance_all(searches, [c.logprobs[0].top for c in steps])
+            advance_all(searches, [c.logprobs[0].top if c.error is None else StepFailed(c.error) for c in steps])
         return [s.best(getattr(self.tokenizer, "decode", None)) for s in searches]
 
     def _run(self, prompts, max_gen_tokens, system, sampling_params, sampling):

@@ -18,6 +18,7 @@ import torch
 from server_helpers import metrics, wait_for
 
 from orca_lab import LLM, EngineConfig, RequestsFailed, SamplingParams
+from orca_lab.engine.beam_search import BeamSearchParams
 from orca_lab.distributed.pool import WorkerPool
 from orca_lab.llm import Completion
 from orca_lab.serving.launch import ServerProcess
@@ -72,6 +73,9 @@ def test_generate_names_the_prompt_that_failed_and_gives_the_others(poisoned):
         llm.generate(PROMPTS, N_GEN, ignore_eos=True)
     assert list(e.value.errors) == [1]
     assert [e.value.outputs[i] for i in (0, 2, 3, 4)] == [alone[tuple(p)] for p in GOOD]
+    bad, good = llm.beam_search([BAD, GOOD[0]], BeamSearchParams(beam_width=2, max_tokens=N_GEN, ignore_eos=True))
+    assert [b.finish_reason for b in bad] == ["error"] * 2 and "no token can be drawn" in bad[0].error
+    assert [b.finish_reason for b in good] == ["length"] * 2
 
 
 def test_a_request_that_fails_on_workers_fails_alone(poisoned):
@@ -145,9 +149,15 @@ def test_a_request_that_fails_over_http_fails_alone_and_the_server_goes_on(serve
         **body, "extra_body": {"ignore_eos": True, "return_tokens_as_token_ids": True}})
     for prompt, choice in zip(GOOD, good.choices):           # the server's engine went on unharmed
         assert [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens] == alone[tuple(prompt)]
+    if which == 0:          # beam search: the prompt whose beams reach the nan fails alone, with 200
+        beams = client.completions.create(prompt=[BAD, GOOD[0]], n=2, **{
+            **body, "extra_body": {"ignore_eos": True, "use_beam_search": True}})
+        assert [c.finish_reason for c in beams.choices] == ["error", "error", "length", "length"]
+        assert "nan" in beams.choices[0].model_extra["error"] and beams.choices[2].text
     assert httpx.get(s.url + "/health").status_code == 200
     m = metrics(s.url)
-    assert m['orca_lab_requests_total{status="error"}'] == 3 and wait_for(
+    failed = 3 + 2 * (which == 0)       # beam search: both live beams' step past the nan
+    assert m['orca_lab_requests_total{status="error"}'] == failed and wait_for(
         lambda: metrics(s.url)["orca_lab_kv_slots_reserved"] == 0)
 
 

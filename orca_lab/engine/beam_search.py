@@ -47,8 +47,9 @@ class Beam:
     tokens: tuple[int, ...]          # the prompt, then the tokens chosen (EOS never included)
     n_prompt: int
     cum_logprob: float = 0.0         # the chosen tokens' log-probabilities, summed
-    finish_reason: str | None = None  # "stop" (it chose EOS), "length" (max_tokens), None while it grows
+    finish_reason: str | None = None  # "stop" (it chose EOS), "length" (max_tokens), "error", None while it grows
     text: str | None = None          # the output's text, filled in by the driver that has a tokenizer
+    error: str | None = None         # why its search failed (finish_reason "error")
 
     @property
     def output(self) -> list[int]:
@@ -58,24 +59,37 @@ class Beam:
         return self.cum_logprob / len(self.tokens) ** length_penalty
 
 
+@dataclass(frozen=True)
+class StepFailed:
+    """A step of one beam that failed alone (its one-token request's error): that prompt's search
+    fails, with this reason, and every other search goes on."""
+    error: str
+
+
 class BeamSearch:
     """The search of one prompt: ``live`` beams to score, ``advance`` with their scores, ``best``."""
 
     def __init__(self, prompt, params: BeamSearchParams, eos_token_ids=()):
         """Its driver first has the engine check the longest beam it will send (``Engine.check_requests``
         of ``prompt`` with ``max_tokens``): a request too long for the model or its K/V is refused then."""
-        prompt = tuple(prompt)
+        self.prompt = prompt = tuple(prompt)
         self.params, self.steps = params, 0
         self.eos = frozenset(() if params.ignore_eos else eos_token_ids)
         self.live = [Beam(prompt, len(prompt))]
         self.finished: list[Beam] = []
+        self.error: str | None = None
 
     @property
     def done(self) -> bool:
-        return not self.live or self.steps == self.params.max_tokens
+        return self.error is not None or not self.live or self.steps == self.params.max_tokens
 
     def advance(self, tops):
-        """One step: ``tops[i]`` is ``[(token, logprob), ...]``, the most likely next tokens of ``live[i]``."""
+        """One step: ``tops[i]`` is ``[(token, logprob), ...]``, the most likely next tokens of ``live[i]``,
+        or ``StepFailed``: then the search fails."""
+        failed = next((t for t in tops if isinstance(t, StepFailed)), None)
+        if failed is not None:
+            self.error = failed.error
+            return
         candidates = []
         for beam, top in zip(self.live, tops, strict=True):
             for token, logprob in top:
@@ -90,7 +104,12 @@ class BeamSearch:
         self.steps += 1
 
     def best(self, decode=None) -> list[Beam]:
-        """The ``beam_width`` best beams, best first, with their text if ``decode`` is given."""
+        """The ``beam_width`` best beams, best first, with their text if ``decode`` is given; a failed
+        search gives ``beam_width`` empty beams that say why."""
+        if self.error is not None:
+            failed = Beam(self.prompt, len(self.prompt), finish_reason="error", error=self.error,
+                          text=None if decode is None else "")
+            return [failed] * self.params.beam_width
         ranked = sorted(self.finished + [dataclasses.replace(b, finish_reason="length") for b in self.live],
                         key=lambda b: -b.score(self.params.length_penalty))[:self.params.beam_width]
         return ranked if decode is None else [dataclasses.replace(b, text=decode(b.output)) for b in ranked]

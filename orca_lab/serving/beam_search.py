@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
-from orca_lab.engine.beam_search import BeamSearch, BeamSearchParams, advance_all, pending
+from orca_lab.engine.beam_search import BeamSearch, BeamSearchParams, StepFailed, advance_all, pending
 from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.serving.completions import events_of
 from orca_lab.serving.engine_client import HTTPError, Stream
@@ -52,7 +52,8 @@ async def beam_answer(state: ServerState, body: CompletionRequest, cid: str, pro
         advance_all(searches, await _step(state, seqs, params.logprobs))
     ids, best = body.return_token_ids, [s.best(state.pool.decode or (lambda _: "")) for s in searches]
     choices = [CompletionChoice(index=i * body.n + j, text=p.prompt_text + beam.text, finish_reason=beam.finish_reason,
-                                token_ids=beam.output if ids else None, prompt_token_ids=p.prompt if ids else None)
+                                token_ids=beam.output if ids else None, prompt_token_ids=p.prompt if ids else None,
+                                error=beam.error)
                for i, (p, beams) in enumerate(zip(prompts, best)) for j, beam in enumerate(beams)]
     prompt, completion = sum(len(p.prompt) for p in prompts), sum(len(b.output) for beams in best for b in beams)
     return CompletionResponse(id=cid, model=state.model_name, choices=choices,
@@ -69,6 +70,10 @@ async def _step(state: ServerState, seqs: list[tuple[int, ...]], k: int) -> list
     try:
         await state.pool.submit(streams)
         async for i, ev in events_of(streams):
+            if ev.finish_reason == "error":          # this beam's step failed alone: its prompt's search fails
+                tops[i] = StepFailed(ev.error)
+                left.discard(i)
+                continue
             if ev.error is not None:                 # the engine died: no answer, not a partial one
                 raise HTTPError(503, ev.error)
             if ev.finish_reason == "abort":          # only the drain aborts a step the search still waits for
