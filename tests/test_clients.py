@@ -365,6 +365,16 @@ def test_bad_new_fields_get_a_400_naming_the_field(server, body, field, words):
     assert err["param"] == field and words in err["message"], err
 
 
+def test_a_number_too_long_for_json_names_its_field(server):
+    """Python reads no JSON integer of over 4,300 digits, so the body fails to parse; the 400 still
+    names the field and its range."""
+    raw = '{"prompt": "a", "max_tokens": ' + "9" * 5000 + "}"
+    r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "max_tokens", r.text
+    assert err["message"] == "max_tokens=99999999999... (5000 digits) is out of range: allowed [0, 1048576]"
+
+
 @pytest.mark.parametrize("route, body, param", [
     ("/v1/completions", {"prompt": [-1, 5], "echo": True}, "prompt"),          # echo decoded them: a 500
     ("/v1/completions", {"prompt": [[1], [5, 300]], "echo": True, "logprobs": 1}, "prompt"),

@@ -30,6 +30,7 @@ from orca_lab.serving.protocol import (
     ModelList,
     RunPage,
     error_body,
+    unreadable_number,
     validation_error,
 )
 from orca_lab.serving.state import HTTPRecord, ServerState
@@ -71,8 +72,11 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
 
     @app.exception_handler(StarletteHTTPException)
     async def _starlette_error(request, e: StarletteHTTPException):
-        """Starlette's own refusals (a body it cannot parse, an unknown path) in OpenAI's shape too."""
-        return JSONResponse(error_body(e.status_code, str(e.detail)), e.status_code, headers=e.headers)
+        """Starlette's own refusals (a body it cannot parse, an unknown path) in OpenAI's shape too; a
+        body unreadable for a number too long names that number's field."""
+        said = unreadable_number(await request.body()) if e.status_code == 400 else None
+        message, param = said or (str(e.detail), None)
+        return JSONResponse(error_body(e.status_code, message, param), e.status_code, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):

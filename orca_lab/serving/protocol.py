@@ -19,6 +19,8 @@ a field it does not know is refused too.
 from __future__ import annotations
 
 import json
+import re
+import sys
 import time
 from typing import Any, Literal
 
@@ -433,6 +435,22 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 def _sendable(text: str) -> str:
     return text if lone_surrogate(text) is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# a number of more digits than Python converts (4,300): the body parser says only that it failed
+LONG_NUMBER = re.compile(r'"([^"\\]{1,64})"\s*:\s*(-?\d{%d,})' % (sys.get_int_max_str_digits() + 1))
+
+
+def unreadable_number(raw: bytes) -> tuple[str, str | None] | None:
+    """``(message, param)`` for a body JSON could not read because of such a number: its field and,
+    for a field of the request, the allowed range; None if that was not why."""
+    found = LONG_NUMBER.search(raw.decode("utf-8", "replace"))
+    if found is None:
+        return None
+    key, digits = found.groups()
+    field = BY_HTTP.get(key)
+    allowed = f": allowed {field.range_text(http=True)}" if field is not None else ""
+    return f"{key}={digits[:11]}... ({len(digits.lstrip('-'))} digits) is out of range{allowed}", key
 
 
 def validation_error(errors: list[dict]) -> tuple[str, str | None]:
