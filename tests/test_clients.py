@@ -101,6 +101,22 @@ def test_logprobs_equal_log_softmax_of_the_models_logits_streamed_and_whole(clie
                 assert [x for p in parts for x in getattr(p.logprobs, key)] == getattr(c.logprobs, key)
 
 
+def test_chat_returns_token_ids_whole_and_streamed_as_vllm(client):
+    """vLLM's return_token_ids on chat: each choice's token_ids (the same the completion of the
+    rendered prompt gives), and the prompt's token ids once, beside the choices."""
+    kw = dict(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0, n=2,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    prompt = whole.model_extra["prompt_token_ids"]
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
+    assert [c.model_extra["token_ids"] for c in whole.choices] == [plain.model_extra["token_ids"]] * 2
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed = [t for ch in chunks for c in ch.choices if c.index == 0 for t in c.model_extra.get("token_ids") or []]
+    assert streamed == plain.model_extra["token_ids"] and chunks[0].model_extra["prompt_token_ids"] == prompt
+    assert "token_ids" not in client.chat.completions.create(**{**kw, "extra_body": {}}).choices[0].model_extra
+
+
 def test_echo_gives_the_prompts_logprobs_first_token_null(client, reference):
     prompt = random_prompts(1, 256, lo=12, hi=13, seed=8)[0]
     text = bytes(prompt).decode("utf-8", errors="replace")

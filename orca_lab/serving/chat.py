@@ -22,7 +22,7 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 # the completions fields a chat takes as they are (the checks are CompletionRequest's)
 SHARED = ("model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "stream",
           "stream_options", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
-          "min_tokens", "logit_bias", "user", "return_tokens_as_token_ids")
+          "min_tokens", "logit_bias", "user", "return_tokens_as_token_ids", "return_token_ids")
 
 
 class ChatMessage(BaseModel):
@@ -157,13 +157,24 @@ def check_template(template: str, where: str) -> str:
 
 def chat_response(completion: dict) -> dict:
     """A completions answer (``CompletionResponse`` as a dict, its logprobs already in the chat's
-    shape) as OpenAI's chat answer."""
+    shape) as OpenAI's chat answer. With ``return_token_ids``, as vLLM's chat gives them: each
+    choice's ``token_ids``, and the prompt's once, ``prompt_token_ids`` beside the choices."""
+    choices = completion["choices"]
     return {"id": "chat" + completion["id"], "object": "chat.completion", "created": completion["created"],
-            "model": completion["model"], "usage": completion["usage"],
+            "model": completion["model"], "usage": completion["usage"], **_prompt_ids(choices),
             "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
                          "logprobs": c["logprobs"], "finish_reason": c["finish_reason"],
-                         "matched_stop": c["matched_stop"], **({"error": c["error"]} if "error" in c else {})}
-                        for c in completion["choices"]]}
+                         "matched_stop": c["matched_stop"], **_own(c, "error", "token_ids")} for c in choices]}
+
+
+def _own(choice: dict, *keys) -> dict:
+    """Those of ``keys`` the choice carries (not None): left out of the answer otherwise."""
+    return {k: choice[k] for k in keys if choice.get(k) is not None}
+
+
+def _prompt_ids(choices: list) -> dict:
+    ids = next((c["prompt_token_ids"] for c in choices if c.get("prompt_token_ids") is not None), None)
+    return {} if ids is None else {"prompt_token_ids": ids}
 
 
 def chat_chunk(data: str, started: set) -> str:
@@ -182,9 +193,9 @@ def chat_chunk(data: str, started: set) -> str:
             started.add(c["index"])
             delta = {"role": "assistant", **delta}
         choices.append({"index": c["index"], "delta": delta, "logprobs": c["logprobs"], "finish_reason": c["finish_reason"],
-                        "matched_stop": c["matched_stop"]})
+                        "matched_stop": c["matched_stop"], **_own(c, "token_ids")})
     out = {"id": "chat" + chunk["id"], "object": "chat.completion.chunk", "created": chunk["created"],
-           "model": chunk["model"], "choices": choices, "usage": chunk.get("usage")}
+           "model": chunk["model"], **_prompt_ids(chunk["choices"]), "choices": choices, "usage": chunk.get("usage")}
     return f"data: {json.dumps(out)}\n\n"
 
 
