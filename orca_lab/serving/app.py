@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from orca_lab.engine.detokenizer import Detokenizer
 from orca_lab.engine.fields import http_error
@@ -74,7 +75,12 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
     async def _starlette_error(request, e: StarletteHTTPException):
         """Starlette's own refusals (a body it cannot parse, an unknown path) in OpenAI's shape too; a
         body unreadable for a number too long names that number's field."""
-        said = unreadable_number(await request.body()) if e.status_code == 400 else None
+        said = None
+        if e.status_code == 400:
+            try:
+                said = unreadable_number(await request.body())
+            except ClientDisconnect:             # the client left while sending it: nothing to read
+                pass
         message, param = said or (str(e.detail), None)
         return JSONResponse(error_body(e.status_code, message, param), e.status_code, headers=e.headers)
 
