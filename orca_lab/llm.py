@@ -218,13 +218,12 @@ class LLM:
         a shape met later borrows its nearest tuned neighbour's launch instead of timing mid-run. The
         prefix cache is emptied after. Returns the lengths and batch sizes it ran."""
         ec, cfg = self.engine_config, self.cfg
-        traces = warm_up_traces(ec.max_bs, cfg.max_seq_len, ec.n_slots, cfg.vocab_size, GRAPH_SIZES)
-        for trace in traces:
+        prompts, steps = warm_up_traces(ec.max_bs, cfg.max_seq_len, ec.n_slots, cfg.vocab_size, GRAPH_SIZES)
+        for trace in prompts + steps:
             self.serve(trace)
         self.reset_prefix_cache()
         settle_tuning()
-        return {"prompt_lens": sorted({len(t[0].prompt) for t in traces if t[0].max_gen_tokens == 2}),
-                "batch_sizes": [len(t) for t in traces if t[0].max_gen_tokens == 3]}
+        return {"prompt_lens": [len(t[0].prompt) for t in prompts], "batch_sizes": [len(t) for t in steps]}
 
     def serve(self, trace, system: str = "orca", mbs: int | None = None, progress: bool = False) -> RunResult:
         """Serve a trace (``orca_lab.workload``) with arrivals on the real clock."""

@@ -25,7 +25,7 @@ class NotDone(AssertionError):
 
 
 @dataclasses.dataclass
-class Piece:
+class Verdict:
     name: str
     chapter: str
     saved: str          # its chapter's verdict when it was saved ("passed", "failed: ...", "not graded", "missing")
@@ -53,7 +53,7 @@ def _verdict(grader, objects, what: str, chapter: str, timeout_s: float | None) 
     return PASSED
 
 
-def regrade(pieces: dict, saved: dict, names=tuple(PIECES), timeout_s: float | None = None) -> list[Piece]:
+def regrade(pieces: dict, saved: dict, names=tuple(PIECES), timeout_s: float | None = None) -> list[Verdict]:
     """Each of ``names``: its verdict when saved (``saved``: ``mine.verdicts()``) and its grader's now,
     run on ``pieces`` (``mine.load()``), bounded by ``timeout_s`` (default ``GRADE_S``) per grader."""
     runs, out = {}, []
@@ -61,15 +61,15 @@ def regrade(pieces: dict, saved: dict, names=tuple(PIECES), timeout_s: float | N
         piece = PIECES[name]
         chapter, grader, takes = piece.chapter, piece.check, piece.graded or (name,)
         if any(n not in pieces for n in takes):
-            out.append(Piece(name, chapter, saved.get(name, "missing"), "missing"))
+            out.append(Verdict(name, chapter, saved.get(name, "missing"), "missing"))
             continue
         if (grader, takes) not in runs:
             runs[grader, takes] = _verdict(grader, [pieces[n] for n in takes], " and ".join(takes), chapter, timeout_s)
-        out.append(Piece(name, chapter, saved.get(name, "missing"), runs[grader, takes]))
+        out.append(Verdict(name, chapter, saved.get(name, "missing"), runs[grader, takes]))
     return out
 
 
-def check(pieces: dict, saved: dict, **kwargs) -> list[Piece]:
+def check(pieces: dict, saved: dict, **kwargs) -> list[Verdict]:
     """``regrade``, printed piece by piece; ``NotDone`` naming each piece not done and its chapter."""
     report = regrade(pieces, saved, **kwargs)
     print("\n".join(p.line() for p in report))
