@@ -43,18 +43,18 @@ T0=$SECONDS
 
 # part  step       predicted limit   (predicted: where it comes from)
 PLAN="
-1     setup         20      30       the carried wheels installed first (H200: 5 s), the kernel spec, environment.json
+1     setup         20      25       the carried wheels installed first (H200: 5 s), the kernel spec, environment.json
 1     fig9          80      95       H200: 80 s (gpt3-13b, bf16, 12 points measured, then simulated)
 1     step_time     52      60       H200: 52 s, benchmarks/step_time.py at Figure 9's points, ORCA and FT, one model build
-1     fig10        125     160       H200: 115 s; the notebook's budget_s=140 (it sizes itself to end within it) + its start
-1     bench         27      30       H200: 27 s
+1     fig10        125     150       H200: 115 s at budget_s=140; now the notebook's budget_s=130 (it sizes itself to end within it) + its start
+1     bench         40      45       H200: 27 s, plus the fresh-prompt path's row and its 8 tiles compiled and timed (~2 s each)
 1     workers       45      70       H200: 12.7 s serving, cut at 40 s with the start (12 requests on gpt2, in process and on a worker over NCCL)
 2     setup         10      25       as above, on a fresh machine (H200: 6 s)
 2     tests        240     250       H200: 240 s for 434 tests on 8 workers, test_cuda_safe included
 "
 WINDOW_1=445      # part 1: its limits add up to 445 s
 WINDOW_2=275      # part 2: 720 s, 12 minutes, in all
-export FIG10_BUDGET=140
+export FIG10_BUDGET=130
 START=$([ "$PART" = 2 ] && echo "$WINDOW_1" || echo 0)     # where this run starts on the plan's clock
 
 if [ "$DRY" = 0 ] && ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then

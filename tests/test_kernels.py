@@ -140,6 +140,47 @@ def test_prefill_tiles_against_float64(poison, cfg, heads, n_kv, head_size):
     assert_close_as_torch(out, ragged_attention(*args, backend="torch"), oracle, torch.float32)
 
 
+@pytest.mark.parametrize("heads,n_kv,head_size", [(2, 2, 64), (4, 2, 80)], ids=str)
+def test_fresh_prompts_read_their_keys_from_the_step_not_the_pool(poison, heads, n_kv, head_size):
+    """Given the step's ``k, v`` (views of a fused [T, 3, n_kv, D] projection), the fresh prefill
+    requests (whole prompts: q_len == kv_len) read their keys there, contiguously, and the rest
+    (prefix-cached, decode) through their slots: the fresh ones' slots hold NaN here, and the output
+    is still the oracle's, at a head size that fills BLOCK_D (64) and one that does not (80)."""
+    q_lens, kv_lens = [37, 2, 21, 1, 5], [37, 2, 50, 13, 5]
+    q, k_pool, v_pool, slot_ids, cu_q, cu_k = make_batch(q_lens, kv_lens, heads, head_size, torch.float32,
+                                                         seed=head_size)
+    k_pool, v_pool = k_pool[:, :n_kv].contiguous(), v_pool[:, :n_kv].contiguous()
+    group, scale = heads // n_kv, 1 / math.sqrt(head_size)
+    oracle = attention_oracle(q, k_pool.repeat_interleave(group, 1), v_pool.repeat_interleave(group, 1),
+                              slot_ids, cu_q, cu_k, scale)
+    new = torch.cat([slot_ids[cu_k[b + 1] - q_lens[b]:cu_k[b + 1]] for b in range(len(q_lens))]).long()
+    proj = torch.randn(q.shape[0], 3, n_kv, head_size, device=DEVICE)
+    proj[:, 1], proj[:, 2] = k_pool[new], v_pool[new]
+    plan = attention.triton_plan(cu_q.tolist(), cu_k.tolist(), DEVICE)
+    assert plan.prefill_reqs.tolist() == [0, 1, 2, 4] and plan.fresh.tolist() == [True, True, False, True]
+    fresh_slots = torch.cat([slot_ids[cu_k[b]:cu_k[b + 1]] for b in (0, 1, 4)]).long()
+    k_pool[fresh_slots], v_pool[fresh_slots] = float("nan"), float("nan")
+    args = (q, k_pool, v_pool, slot_ids, cu_q, cu_k, scale, plan)
+    out = attention.ragged_attention_triton(*args, k=proj[:, 1], v=proj[:, 2])
+    err = (out.double().cpu() - oracle.cpu()).abs().max().item()
+    assert not out.isnan().any() and err < 1e-5, err
+    # without them every prefill reads its slots: the fresh prompts' rows read the NaN
+    rows = torch.cat([torch.arange(cu_q[b], cu_q[b + 1]) for b in (0, 1, 4)])
+    assert attention.ragged_attention_triton(*args)[rows].isnan().all()
+
+
+def test_a_plans_fresh_and_other_work_maps_split_its_whole_one():
+    """The fresh prefill requests and the others each get their own launch's work map; together they
+    hold every (request, query block) of the whole map, each once."""
+    plan = attention.triton_plan([0, 37, 39, 60, 61, 66], [0, 37, 39, 89, 102, 107], "cpu")
+    pairs = lambda w: sorted(map(tuple, w.t().tolist()))
+    for block_m, group in ((16, 1), (32, 4)):
+        whole = pairs(plan.work_map(block_m, group))
+        fresh, other = (pairs(plan.work_map(block_m, group, f)) for f in (True, False))
+        assert {r for r, _ in fresh} == {0, 1, 4} and {r for r, _ in other} == {2}
+        assert sorted(fresh + other) == whole
+
+
 def test_prefill_tiles_per_gpu_generation():
     """An H100 or H200 (and later) starts from 128 query rows over 8 warps with K/V prefetched two
     blocks ahead; an A100 (and the other sm_8x) from its own list; ``aot`` declares both; fp32 keeps
@@ -148,6 +189,10 @@ def test_prefill_tiles_per_gpu_generation():
     assert h100[0] == attention.PrefillConfig(128, 64, 8, 3) and a100[0] == attention.PrefillConfig(128, 32, 8, 3)
     assert attention.prefill_candidates(128, 2, 100) == h100 and attention.prefill_candidates(128, 2, 86) == a100
     assert attention.prefill_candidates(128, 2) == list(dict.fromkeys(h100 + a100))
+    # fresh prompts (keys read contiguously) may also take sm_90's 128 x 128 tile; fp32's is too big
+    wide = attention.PrefillConfig(128, 128, 8, 2)
+    assert attention.prefill_candidates(128, 2, 90, fresh=True) == [*h100, wide] and wide not in a100
+    assert wide not in attention.prefill_candidates(128, 4, 90, fresh=True)
     fp32 = attention.prefill_candidates(128, 4, 90)
     assert fp32 and set(fp32) < set(h100) and all(
         4 * 128 * (c.block_m + 2 * c.block_n * c.num_stages) <= attention.SHARED_LIMIT for c in fp32)
@@ -427,7 +472,7 @@ def test_bench_smoke(tmp_path, capsys):
     kernels = {row["kernel"] for row in result["results"]}
     assert kernels == {"ragged_attention", "write_kv", "layer_norm", "bias_gelu"}
     impls = {row["impl"] for row in result["results"] if row["kernel"] == "ragged_attention"}
-    assert impls == {"triton", "triton-ragged", "sdpa-loop", "padded-ft"}
+    assert impls == {"triton", "triton-slots", "triton-ragged", "sdpa-loop", "padded-ft"}
     for row in result["results"]:
         assert row["time_ms"] > 0 and row["floor_ms"] > 0 and row["sizes"]
     printed = capsys.readouterr().out

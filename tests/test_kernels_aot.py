@@ -92,6 +92,11 @@ def test_prefill_prefetches_kv_and_the_h100_default_does_not_spill(compiled):
             and (int(r["constexprs"]["BLOCK_M"]), int(r["constexprs"]["BLOCK_N"]), r["num_warps"],
                  r["num_stages"]) == (default.block_m, default.block_n, default.num_warps, default.num_stages)]
     assert h100 and all(r.get("stack_bytes", 0) == 0 for r in h100), h100
+    # fresh prompts' keys are read contiguously, which leaves room for FlashAttention-2's 128 x 128 tile
+    wide = [r for r in rows if r["arch"] == 90 and r["kernel"].endswith("_ragged_attention_kernel")
+            and r["constexprs"]["FRESH"] == "True" and r["signature"]["q_ptr"] == "*bf16"
+            and (r["constexprs"]["BLOCK_M"], r["constexprs"]["BLOCK_N"]) == ("128", "128")]
+    assert wide and all(r.get("stack_bytes", 0) == 0 for r in wide), wide
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +115,11 @@ def test_every_prefill_candidate_at_gpt3_shapes_is_declared_and_ci_compiles_the_
     paper = [r for r in rows if r["what"].endswith("torch.bfloat16") and r["constexprs"]["BLOCK_D"] == "128"]
     seen = {(int(r["constexprs"]["BLOCK_M"]), int(r["constexprs"]["BLOCK_N"]), r["num_warps"], r["num_stages"])
             for r in paper}
-    assert seen == {(c.block_m, c.block_n, c.num_warps, c.num_stages) for c in prefill_candidates(128, 2)}
+    assert seen == {(c.block_m, c.block_n, c.num_warps, c.num_stages)
+                    for fresh in (False, True) for c in prefill_candidates(128, 2, fresh=fresh)}
+    # fresh prompts (keys read from the step's k, v) compile apart, and CI compiles some at GPT-3's shape
+    assert {r["constexprs"]["FRESH"] for r in paper} == {"False", "True"}
+    assert any(r["ci"] and r["constexprs"]["FRESH"] == "True" for r in paper)
     ci = [r for r in rows if r["ci"]]
     assert {r["what"].split(", ")[-1] for r in ci} == {"torch.float32", "torch.float16", "torch.bfloat16"}
     assert len(rows) > 10 * len(ci)

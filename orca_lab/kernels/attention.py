@@ -57,7 +57,7 @@ def _ragged_attention_kernel(
     stride_vn, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     qk_scale, head_size, group,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FRESH: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     # Which request and which of its query blocks this program owns, and which K/V head. The block's
@@ -100,15 +100,22 @@ def _ragged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    slots = tl.load(slot_ptr + k_start + offs_n, mask=offs_n < kv_len, other=0).to(tl.int64)
     k_ptrs = k_ptr + kv_head * stride_kh + offs_d[:, None] * stride_kd
     v_ptrs = v_ptr + kv_head * stride_vh + offs_d[None, :] * stride_vd
-    m_i, l_i, acc, slots = _attend_blocks(
+    if FRESH:  # a fresh prompt's keys are its own new tokens: rows q_start.. of k and v, in order, so
+        # a block's K/V addresses are one scalar step from the first block's, with no slot ids to read
+        k_ptrs += q_start.to(tl.int64) * stride_kn + offs_n[None, :] * stride_kn
+        v_ptrs += q_start.to(tl.int64) * stride_vn + offs_n[:, None] * stride_vn
+        slots = offs_n
+    else:
+        slots = tl.load(slot_ptr + k_start + offs_n, mask=offs_n < kv_len, other=0).to(tl.int64)
+    m_i, l_i, acc, slots, k_ptrs, v_ptrs = _attend_blocks(
         q, k_ptrs, v_ptrs, slot_ptr + k_start, slots, m_i, l_i, acc, 0, kv_full, kv_len, shift + offs_m,
-        mask_d, stride_kn, stride_vn, qk_scale, DOT_PRECISION, BLOCK_N, False, INTERPRETED)
-    m_i, l_i, acc, slots = _attend_blocks(
+        mask_d, stride_kn, stride_vn, qk_scale, DOT_PRECISION, BLOCK_N, False, FRESH, EVEN_D, INTERPRETED)
+    m_i, l_i, acc, slots, k_ptrs, v_ptrs = _attend_blocks(
         q, k_ptrs, v_ptrs, slot_ptr + k_start, slots, m_i, l_i, acc, kv_full, kv_end, kv_len,
-        shift + offs_m, mask_d, stride_kn, stride_vn, qk_scale, DOT_PRECISION, BLOCK_N, True, INTERPRETED)
+        shift + offs_m, mask_d, stride_kn, stride_vn, qk_scale, DOT_PRECISION, BLOCK_N, True, FRESH, EVEN_D,
+        INTERPRETED)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + heads[:, None] * stride_oh
@@ -119,10 +126,13 @@ def _ragged_attention_kernel(
 @triton.jit
 def _attend_blocks(q, k_ptrs, v_ptrs, slot_ptr, slots, m_i, l_i, acc, lo, hi, kv_len, last_key, mask_d,
                    stride_kn, stride_vn, qk_scale, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-                   MASKED: tl.constexpr, INTERPRETED: tl.constexpr):
+                   MASKED: tl.constexpr, FRESH: tl.constexpr, EVEN_D: tl.constexpr, INTERPRETED: tl.constexpr):
     """The online softmax over keys [lo, hi) in blocks of BLOCK_N, from ``slot_ptr[lo:]``'s slots
     (``slots``: those of the block at ``lo``); returns the state and the slots of the block at ``hi``.
     MASKED: the diagonal blocks, where key n is visible to row r only if n <= last_key[r] and n < kv_len.
+    FRESH: the keys are contiguous and ``k_ptrs``/``v_ptrs`` point at block ``lo``'s rows (slots
+    unused): each step moves them one block on, and they are returned at block ``hi``.
+    EVEN_D: the head size fills BLOCK_D, so no load is masked along it.
 
     The slots of the next block are loaded one step ahead, so a block's K/V addresses do not wait on
     a load of the same step: Triton's pipeliner (num_stages 3) then prefetches K/V two blocks ahead
@@ -130,17 +140,27 @@ def _attend_blocks(q, k_ptrs, v_ptrs, slot_ptr, slots, m_i, l_i, acc, lo, hi, kv
     """
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        nxt = start_n + BLOCK_N + offs_n
-        next_slots = tl.load(slot_ptr + nxt, mask=nxt < kv_len, other=0).to(tl.int64)
-        if MASKED:
+        if FRESH:
+            k_at, v_at = k_ptrs, v_ptrs
+        else:
+            nxt = start_n + BLOCK_N + offs_n
+            next_slots = tl.load(slot_ptr + nxt, mask=nxt < kv_len, other=0).to(tl.int64)
+            k_at = k_ptrs + slots[None, :] * stride_kn
+            v_at = v_ptrs + slots[:, None] * stride_vn
+        if MASKED:  # keys past the request's own are another request's (or past the tensor): not read
             mask_n = start_n + offs_n < kv_len
-            kt = tl.load(k_ptrs + slots[None, :] * stride_kn, mask=mask_n[None, :] & mask_d[:, None],
-                         other=0.0)                                                   # [BLOCK_D, BLOCK_N]
-            v = tl.load(v_ptrs + slots[:, None] * stride_vn, mask=mask_n[:, None] & mask_d[None, :],
-                        other=0.0)                                                    # [BLOCK_N, BLOCK_D]
-        else:  # every key of the block exists and is visible to every row
-            kt = tl.load(k_ptrs + slots[None, :] * stride_kn, mask=mask_d[:, None], other=0.0)
-            v = tl.load(v_ptrs + slots[:, None] * stride_vn, mask=mask_d[None, :], other=0.0)
+            if EVEN_D:
+                kt = tl.load(k_at, mask=mask_n[None, :], other=0.0)                  # [BLOCK_D, BLOCK_N]
+                v = tl.load(v_at, mask=mask_n[:, None], other=0.0)                   # [BLOCK_N, BLOCK_D]
+            else:
+                kt = tl.load(k_at, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+                v = tl.load(v_at, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        elif EVEN_D:  # every key of the block exists and is visible to every row: no mask at all
+            kt = tl.load(k_at)
+            v = tl.load(v_at)
+        else:
+            kt = tl.load(k_at, mask=mask_d[:, None], other=0.0)
+            v = tl.load(v_at, mask=mask_d[None, :], other=0.0)
         if INTERPRETED:
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
@@ -156,8 +176,12 @@ def _attend_blocks(q, k_ptrs, v_ptrs, slot_ptr, slots, m_i, l_i, acc, lo, hi, kv
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-        slots = next_slots
-    return m_i, l_i, acc, slots
+        if FRESH:
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
+        else:
+            slots = next_slots
+    return m_i, l_i, acc, slots, k_ptrs, v_ptrs
 
 
 @triton.jit
@@ -458,21 +482,27 @@ PREFILL_TABLE = {
          PrefillConfig(32, 64, 4, 3), PrefillConfig(16, 64, 4, 3)),
 }
 WIDE_HEAD_PREFILL = (PrefillConfig(32, 32, 4, 2), PrefillConfig(16, 32, 4, 2), PrefillConfig(64, 32, 8, 1))
+# Fresh prompts read their keys contiguously (no slot ids, no int64 address per key), which frees
+# registers: on sm_90 the 128 x 128 tile FlashAttention-2 uses fits them (254 at 8 warps, no spill;
+# through the slot ids it spills 184 bytes), so the tuner times it beside the rest.
+FRESH_PREFILL = {90: (PrefillConfig(128, 128, 8, 2),)}
 
 
-def prefill_candidates(head_size: int, elem_bytes: int = 2, arch: int | None = None) -> list[PrefillConfig]:
+def prefill_candidates(head_size: int, elem_bytes: int = 2, arch: int | None = None,
+                       fresh: bool = False) -> list[PrefillConfig]:
     """What the GPU tuner times for the ragged kernel on compute capability ``arch`` (90 for an H100
     or H200 and later, 80 for the rest), the first one also serving untuned; ``arch=None``: every
-    configuration any GPU may launch (what ``aot`` compiles). Tiles whose Q block and pipelined K/V
-    blocks would not fit ``SHARED_LIMIT`` are left out (fp32 halves what fits; checked against the
-    compiler's figures for sm_80 and sm_90)."""
+    configuration any GPU may launch (what ``aot`` compiles); ``fresh``: for fresh prompts (keys read
+    contiguously, ``FRESH_PREFILL`` added). Tiles whose Q block and pipelined K/V blocks would not fit
+    ``SHARED_LIMIT`` are left out (fp32 halves what fits; checked against the compiler's figures for
+    sm_80 and sm_90)."""
     block_d = next_pow2(head_size, 16)
+    gens = (90, 80) if arch is None else (90 if arch >= 90 else 80,)
     if block_d > 128:
         cands = WIDE_HEAD_PREFILL
-    elif arch is None:
-        cands = tuple(dict.fromkeys(PREFILL_TABLE[90] + PREFILL_TABLE[80]))
     else:
-        cands = PREFILL_TABLE[90 if arch >= 90 else 80]
+        cands = tuple(dict.fromkeys(c for g in gens for c in PREFILL_TABLE[g] + FRESH_PREFILL.get(g, ())
+                                    if fresh or c not in FRESH_PREFILL.get(g, ())))
     return [c for c in cands if _prefill_shared(c, block_d, elem_bytes) <= SHARED_LIMIT] or [PrefillConfig(16, 16, 4, 1)]
 
 
@@ -528,9 +558,12 @@ class TritonPlan:
     """What the Triton launches of one iteration need from the host, built once from host offsets
     and read by every layer: which requests the ragged kernel takes (several new tokens) and which
     the decode kernel takes (one), the longest decode context (it sizes the split grid), and the
-    ragged kernel's work map per query-block size (made on first use, then cached)."""
+    ragged kernel's work map per query-block size (made on first use, then cached). A *fresh*
+    prefill request has no earlier keys (a whole prompt, or a first chunk): its keys are its own new
+    tokens, which the ragged kernel can read contiguously from the step's ``k, v``."""
     cu_q: np.ndarray                 # [B + 1] host offsets of the new tokens
     prefill_reqs: np.ndarray         # requests with more than one new token
+    fresh: np.ndarray                # per prefill request: True if its keys are all new (q_len == kv_len)
     max_q: int                       # their longest query
     n_prefill_tokens: int
     decode_reqs: torch.Tensor | None  # [n_decode] int32 on the device: requests with one new token
@@ -539,17 +572,19 @@ class TritonPlan:
     device: torch.device
     works: dict = field(default_factory=dict)
 
-    def work_map(self, block_m: int, group: int = 1) -> torch.Tensor:
+    def work_map(self, block_m: int, group: int = 1, fresh: bool | None = None) -> torch.Tensor:
         """Program id -> (request, query block): the per-request grids concatenated into one launch.
-        A block holds ``block_m`` (query, head) rows of a K/V head's ``group`` query heads."""
-        work = self.works.get((block_m, group))
+        A block holds ``block_m`` (query, head) rows of a K/V head's ``group`` query heads. ``fresh``:
+        only the fresh prefill requests (True) or only the others (False); None: all of them."""
+        work = self.works.get((block_m, group, fresh))
         if work is None:
-            q_lens = np.diff(self.cu_q)[self.prefill_reqs]
+            reqs = self.prefill_reqs if fresh is None else self.prefill_reqs[self.fresh == fresh]
+            q_lens = np.diff(self.cu_q)[reqs]
             n_blocks = -(-(q_lens * group) // block_m)
-            req = np.repeat(self.prefill_reqs, n_blocks)
+            req = np.repeat(reqs, n_blocks)
             blk = np.arange(req.size) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
             work = torch.from_numpy(np.stack([req, blk]).astype(np.int32))
-            work = self.works[block_m, group] = work.to(self.device, non_blocking=True)
+            work = self.works[block_m, group, fresh] = work.to(self.device, non_blocking=True)
         return work
 
 
@@ -564,8 +599,8 @@ def triton_plan(cu_q, cu_k, device, *, decode: bool = True, max_kv: int | None =
     decode_reqs = torch.from_numpy(dec.astype(np.int32)).to(device, non_blocking=True) if dec.size else None
     if max_kv is None:
         max_kv = int(np.diff(cu_k)[dec].max(initial=0))
-    return TritonPlan(cu_q, pre, int(q_lens[pre].max(initial=0)), int(q_lens[pre].sum()), decode_reqs,
-                      int(dec.size), max_kv, torch.device(device))
+    return TritonPlan(cu_q, pre, q_lens[pre] == np.diff(cu_k)[pre], int(q_lens[pre].max(initial=0)),
+                      int(q_lens[pre].sum()), decode_reqs, int(dec.size), max_kv, torch.device(device))
 
 
 # ------------------------------------------------------------------------------------ launchers
@@ -574,37 +609,47 @@ _TUNER = LaunchTuner()
 
 def ragged_attention_triton(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale,
                             plan: TritonPlan, *, tf32: bool = False, prefill: PrefillConfig | None = None,
-                            decode: DecodeConfig | None = None):
+                            decode: DecodeConfig | None = None, k=None, v=None):
     """Both kernels over one batch, no checks and no reads from the device (``plan`` holds what the
-    host needs). ``prefill``/``decode`` force a launch configuration (tests); else it is tuned."""
+    host needs). ``prefill``/``decode`` force a launch configuration (tests); else it is tuned.
+    ``k, v``: the new tokens' keys and values ``[T, n_kv_heads, D]`` (already written to the pools):
+    the fresh prefill requests read theirs there, contiguous, not through their slot ids."""
     out = torch.empty_like(q)
     if plan.prefill_reqs.size:
-        _launch_prefill(q, k_pool, v_pool, out, slot_ids, cu_seqlens_q, cu_seqlens_k, scale, plan,
-                        _dot_precision(q.dtype, tf32), prefill)
+        direct = k is not None and k.dtype == k_pool.dtype and plan.fresh.any()
+        parts = ((True, k, v), (False, k_pool, v_pool)) if direct else ((None, k_pool, v_pool),)
+        for fresh, keys, values in parts:
+            if fresh is None or (plan.fresh == fresh).any():
+                _launch_prefill(q, keys, values, out, slot_ids, cu_seqlens_q, cu_seqlens_k, scale, plan,
+                                _dot_precision(q.dtype, tf32), prefill, fresh)
     if plan.n_decode:
         _launch_decode(q, k_pool, v_pool, out, slot_ids, cu_seqlens_q, cu_seqlens_k, scale, plan, decode)
     return out
 
 
-def _launch_prefill(q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, scale, plan, precision, cfg):
+def _launch_prefill(q, keys, values, out, slot_ids, cu_q, cu_k, scale, plan, precision, cfg, fresh):
+    """The ragged kernel over ``plan``'s prefill requests (``fresh``: see ``TritonPlan.work_map``);
+    ``keys, values``: the pools, or for the fresh ones the step's own ``k, v``."""
     H, D = q.shape[1:]
-    n_kv = k_pool.shape[1]
+    n_kv = keys.shape[1]
     on_gpu = q.is_cuda
+    block_d = next_pow2(D, 16)  # the GPU compiler wants tl.dot dimensions >= 16
 
     def launch(c: PrefillConfig):
-        work = plan.work_map(c.block_m, H // n_kv)
+        work = plan.work_map(c.block_m, H // n_kv, fresh)
         _ragged_attention_kernel[(work.shape[1], n_kv)](
-            q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, work[0], work[1],
-            *q.stride(), *k_pool.stride(), *v_pool.stride(), *out.stride(),
+            q, keys, values, out, slot_ids, cu_q, cu_k, work[0], work[1],
+            *q.stride(), *keys.stride(), *values.stride(), *out.stride(),
             scale * math.log2(math.e), D, H // n_kv,
-            DOT_PRECISION=precision, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-            BLOCK_D=next_pow2(D, 16),  # the GPU compiler wants tl.dot dimensions >= 16
-            INTERPRETED=not on_gpu, num_warps=c.num_warps, num_stages=c.num_stages)
+            DOT_PRECISION=precision, FRESH=bool(fresh), EVEN_D=D == block_d, BLOCK_M=c.block_m,
+            BLOCK_N=c.block_n, BLOCK_D=block_d, INTERPRETED=not on_gpu, num_warps=c.num_warps,
+            num_stages=c.num_stages)
 
     if cfg is None:
         arch = compute_capability(q.device.index) if on_gpu else None
-        key = ("prefill", arch, H, n_kv, D, q.dtype, precision, bucket(plan.max_q), bucket(plan.n_prefill_tokens))
-        cands = prefill_candidates(D, q.dtype.itemsize, arch) if on_gpu else [INTERPRETER_PREFILL]
+        key = ("prefill", bool(fresh), arch, H, n_kv, D, q.dtype, precision, bucket(plan.max_q),
+               bucket(plan.n_prefill_tokens))
+        cands = prefill_candidates(D, q.dtype.itemsize, arch, bool(fresh)) if on_gpu else [INTERPRETER_PREFILL]
         cfg = _TUNER.choose(key, cands, launch, on_gpu)
     launch(cfg)
 
@@ -781,14 +826,22 @@ def _shape_launches(dtype, heads, n_kv, d, *, every=False, ends=False, family=""
                    **strides("stride_q", "thd", q), **strides("stride_k", "nhd", pool),
                    **strides("stride_v", "nhd", pool), **strides("stride_o", "thd", q))
     shape = (f"{heads} heads" if n_kv == heads else f"{heads} heads over {n_kv} K/V heads") + f" of {d}, {dtype}"
-    cands = prefill_candidates(d, dtype.itemsize)
-    widest = max(cands, key=lambda c: _prefill_shared(c, bd, dtype.itemsize))
-    for c, prec in product(cands, sorted({_dot_precision(dtype, False), _dot_precision(dtype, True)})):
-        yield launch(_ragged_attention_kernel, f"prefill {c}, {prec}, {shape}", **tensors,
-                     work_req_ptr=i32, work_blk_ptr=i32, qk_scale=0.125, head_size=d, group=group,
-                     DOT_PRECISION=prec, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=bd,
-                     INTERPRETED=False, num_warps=c.num_warps, num_stages=c.num_stages,
-                     quick=every or ends and c in (cands[0], widest), family=family)
+    precisions = sorted({_dot_precision(dtype, False), _dot_precision(dtype, True)})
+    new = meta(64, 3, n_kv, d, dtype=dtype)[:, 1]     # fresh prompts' keys: a fused projection's view
+    for fresh in (False, True):
+        cands = prefill_candidates(d, dtype.itemsize, fresh=fresh)
+        widest = max(cands, key=lambda c: _prefill_shared(c, bd, dtype.itemsize))
+        keys = {**strides("stride_k", "nhd", new), **strides("stride_v", "nhd", new)} if fresh else {}
+        for c, prec in product(cands, precisions):
+            ends_of = c in (cands[0], widest, *FRESH_PREFILL[90])
+            yield launch(_ragged_attention_kernel, f"prefill {'fresh ' if fresh else ''}{c}, {prec}, {shape}",
+                         **{**tensors, **keys}, work_req_ptr=i32, work_blk_ptr=i32, qk_scale=0.125,
+                         head_size=d, group=group, DOT_PRECISION=prec, FRESH=fresh, EVEN_D=d == bd,
+                         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=bd, INTERPRETED=False,
+                         num_warps=c.num_warps, num_stages=c.num_stages,
+                         quick=every and ends_of if fresh else every or ends and ends_of,  # fresh: GPT-3's only
+                         # the 128 x 128 tile is its own family: CI checks that it does not spill
+                         family=family + (" fresh" if fresh else "") + (" 128x128" if c in FRESH_PREFILL[90] else ""))
     cands = decode_candidates(d, heads, group)
     widest = max(cands, key=lambda c: (c.block_h * c.block_n, c.num_stages))
     part = meta(9, dtype=torch.float32)

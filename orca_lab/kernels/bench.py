@@ -5,8 +5,9 @@
 For each kernel: time, achieved GB/s and TFLOP/s, and the roofline floor ``max(bytes / bandwidth,
 FLOPs / matmul rate)`` with both peaks measured in the same run (a large copy, a large matmul).
 Attention is timed as the engine runs it (``triton``: the decode kernel for one-token requests,
-the ragged kernel for the rest, with the iteration's plan built before timing as the engine builds
-it once per iteration), with the ragged kernel alone (``triton-ragged``), the FasterTransformer way
+the ragged kernel for the rest, fresh prompts reading the step's own keys contiguously, with the
+iteration's plan built before timing as the engine builds it once per iteration), with every key
+read through its slot id (``triton-slots``), with the ragged kernel alone (``triton-ragged``), the FasterTransformer way
 (requests padded to ``[B, L, H, D]``, one dense masked SDPA) and as a per-request SDPA loop (the torch
 backend), in a decode phase (many requests, one new token each, long contexts) and a prefill phase
 (whole prompts). The first call of each is untimed: it compiles, and on a GPU tunes the launch.
@@ -79,7 +80,9 @@ def measure_peaks(device, dtype, size, reps):
 
 # ------------------------------------------------------------------------------------ attention
 def attention_case(q_lens, kv_lens, heads, head_size, dtype, device):
-    """A ragged batch in a shuffled slot pool, plus the same batch padded as FasterTransformer keeps it."""
+    """A ragged batch in a shuffled slot pool; the step's new keys and values as the engine has them
+    (views of a fused ``[T, 3, H, D]`` projection, equal to the last ``q_len`` keys of each request);
+    and the same batch padded as FasterTransformer keeps it."""
     n_keys = sum(kv_lens)
     q = torch.randn(sum(q_lens), heads, head_size, device=device, dtype=dtype)
     k_pool, v_pool = (torch.randn(n_keys, heads, head_size, device=device, dtype=dtype) for _ in range(2))
@@ -87,7 +90,10 @@ def attention_case(q_lens, kv_lens, heads, head_size, dtype, device):
     cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
                                    device=device)
     args = (q, k_pool, v_pool, slot_ids, cu(q_lens), cu(kv_lens))
-    return args, padded_case(args, q_lens, kv_lens)
+    ends = torch.tensor(kv_lens).cumsum(0).tolist()
+    new = torch.cat([slot_ids[end - lq:end] for lq, end in zip(q_lens, ends)]).long()
+    proj = torch.stack([q, k_pool[new], v_pool[new]], dim=1)
+    return args, (proj[:, 1], proj[:, 2]), padded_case(args, q_lens, kv_lens)
 
 
 def padded_case(args, q_lens, kv_lens):
@@ -118,13 +124,15 @@ def attention_cost(q_lens, kv_lens, heads, head_size, elem):
 
 def bench_attention(phase, q_lens, kv_lens, size, dtype, device):
     H, D = size["heads"], size["head_size"]
-    args, (qp, kp, vp, mask) = attention_case(q_lens, kv_lens, H, D, dtype, device)
+    args, new, (qp, kp, vp, mask) = attention_case(q_lens, kv_lens, H, D, dtype, device)
+    step = dict(zip("kv", new))
     cu_q, cu_k = (args[i].tolist() for i in (4, 5))
     plans = {decode: triton_plan(cu_q, cu_k, device, decode=decode) for decode in (True, False)}
     scale = 1 / math.sqrt(D)
-    impls = {
-        "triton": lambda: ragged_attention_triton(*args, scale, plans[True]),
-        "triton-ragged": lambda: ragged_attention_triton(*args, scale, plans[False]),
+    impls = {   # triton: as the engine calls it (fresh prompts read the step's k, v contiguously)
+        "triton": lambda: ragged_attention_triton(*args, scale, plans[True], **step),
+        "triton-slots": lambda: ragged_attention_triton(*args, scale, plans[True]),   # every key by slot id
+        "triton-ragged": lambda: ragged_attention_triton(*args, scale, plans[False], **step),
         "sdpa-loop": lambda: ragged_attention(*args, backend="torch"),
         "padded-ft": lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask),
     }

@@ -121,7 +121,7 @@ class GPT(nn.Module):
             kernels.write_kv(k, v, k_pool, v_pool, bt.slot_mapping, backend=backend, check=False)
             if triton:
                 return ragged_attention_triton(q, k_pool, v_pool, bt.kv_slot_ids, bt.cu_seqlens_q,
-                                               bt.cu_seqlens_k, scale, plan, tf32=self.tf32)
+                                               bt.cu_seqlens_k, scale, plan, tf32=self.tf32, k=k, v=v)
             return ragged_attention_torch(q, k_pool, v_pool, plan, scale, k, v)
         return attend
 
