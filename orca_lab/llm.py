@@ -76,7 +76,8 @@ class LLM:
     ``eos_token_id``: the EOS (default: the tokenizer's), or a list of ids each of which ends a request
     that does not ignore EOS (``eos_token_ids``).
     ``kv_pool``: another LLM's ``kv_pool`` to write into instead of allocating one: its n_slots, shape,
-    dtype and device must be this LLM's (on a GPU, ``n_slots=None`` takes the pool's, sizing nothing).
+    dtype and device must be this LLM's (on a GPU, ``n_slots=None`` takes the pool's, sizing nothing),
+    without prefix caching (a borrower's writes drop the lender's cache, ``KVMemory.lend_kv``).
     The LLMs take turns: an engine of one closes the other's when it is done, and is refused while
     it still has requests.
     """
@@ -347,6 +348,8 @@ def _check_lent_pool(pool: KVPool, cfg: ModelConfig, ec: EngineConfig) -> int:
     if uses_workers(ec):
         raise ValueError("kv_pool: with tensor_parallel x pipeline_parallel > 1 the workers hold the K/V; "
                          "a pool in this process cannot be lent to them")
+    if ec.prefix_caching:       # the lender's cached blocks hold K/V of its weights, maybe not these
+        raise ValueError("kv_pool: a borrowed pool keeps no prefix cache; use prefix_caching=False")
     n_layers, _, n_heads, head_dim = pool.k.shape
     fields = [("n_slots", pool.n_slots, pool.n_slots if ec.n_slots is None else ec.n_slots),
               ("n_layers", n_layers, cfg.n_layers), ("n_kv_heads", n_heads, cfg.n_kv_heads),

@@ -137,3 +137,9 @@ def test_two_llms_over_one_lent_pool_write_the_same_tensors_and_take_turns(llm, 
 def test_a_lent_pool_of_another_shape_is_refused_naming_the_field(llm, field, pool):
     with pytest.raises(ValueError, match=rf"kv_pool has {field}=.* but this LLM needs {field}="):
         LLM(gpt=llm.model, engine=llm.engine_config, kv_pool=pool(llm.cfg))
+
+
+def test_a_lent_pool_is_refused_to_an_llm_that_caches_prefixes(llm):
+    """The lender's cached blocks hold K/V of its weights: a borrower does not read them."""
+    with pytest.raises(ValueError, match="borrowed pool keeps no prefix cache; use prefix_caching=False"):
+        LLM(gpt=llm.model, engine=llm.engine_config.replace(prefix_caching=True), kv_pool=llm.kv_pool)
