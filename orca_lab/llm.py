@@ -75,18 +75,25 @@ class LLM:
     when the engine's device, dtype or kernels differ from its own, shared otherwise).
     ``eos_token_id``: the EOS (default: the tokenizer's), or a list of ids each of which ends a request
     that does not ignore EOS (``eos_token_ids``).
+    ``kv_pool``: another LLM's ``kv_pool`` to write into instead of allocating one: its n_slots, shape,
+    dtype and device must be this LLM's (on a GPU, ``n_slots=None`` takes the pool's, sizing nothing),
+    without prefix caching (a borrower's writes drop the lender's cache, ``KVMemory.lend_kv``).
+    The LLMs take turns: an engine of one closes the other's when it is done, and is refused while
+    it still has requests.
     """
 
     def __init__(self, model: str | ModelConfig = "tiny", seed: int = 0, engine: EngineConfig | None = None,
                  tokenizer=None, *, gpt: GPT | None = None, checkpoint=None,
-                 eos_token_id: int | list[int] | None = None):
+                 eos_token_id: int | list[int] | None = None, kv_pool: KVPool | None = None):
         self.engine_config = engine or EngineConfig()
         ec = self.engine_config
         cfg = gpt.cfg if gpt is not None else model_config(model)
         check_degrees(cfg, ec)
         if ec.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={ec.device!r} but no CUDA device is available: use device='cpu'")
-        if ec.device.startswith("cuda"):        # before any allocation: refuse what cannot fit
+        if kv_pool is not None:                 # its memory is taken already: nothing to size
+            ec = self.engine_config = ec.replace(n_slots=_check_lent_pool(kv_pool, cfg, ec))
+        elif ec.device.startswith("cuda"):      # before any allocation: refuse what cannot fit
             ec = self.engine_config = ec.replace(n_slots=kv_slots_on_gpu(cfg, ec))
         dtype = getattr(torch, ec.dtype)
         # Where the workers' weights come from: (checkpoint or None for random, seed). With workers, the
@@ -110,9 +117,9 @@ class LLM:
         self.eos_token_ids = eos_ids(eos)
         for t in self.eos_token_ids:
             check_range("eos_token_id", t, 0, self.cfg.vocab_size - 1)
-        self._kv_pool: KVPool | None = None   # allocated on the first engine, then lent to each
+        self._kv_pool = kv_pool               # allocated on the first engine (unless lent), then lent to each
         self._graphs = None                   # CUDA graphs over that pool, captured once
-        self._engine = None                   # weak reference to the engine holding the pool
+        self._engine = None                   # weak reference to the engine holding the workers' K/V
 
     @classmethod
     def from_pretrained(cls, path, engine: EngineConfig | None = None, tokenizer=None) -> "LLM":
@@ -154,9 +161,10 @@ class LLM:
         one that still has requests is not interrupted: this raises instead, naming it."""
         ec, cfg, entry = self.engine_config, self.cfg, resolve(system)
         entry.check(ec.prefix_caching, ec.schedule_policy, mbs, ec.max_bs)
-        self._take_pool_back()
         workers = uses_workers(ec)      # workers hold the K/V pools; the master keeps only the accounting
-        memory = attached(self) if workers else self._pool()
+        local = None if workers else self._pool()
+        self._take_pool_back(local)
+        memory = attached(self) if workers else local
         # the memory lends its prefix cache with it (``KVMemory``); None: workers of the engine's own
         kv = entry.new_kv(ec.n_slots, ec.block_size, pool=None if workers else memory, memory=memory,
                           prefix_caching=ec.prefix_caching)
@@ -167,20 +175,26 @@ class LLM:
         config = {"model": cfg.name, "system": system, "mbs": mbs, **vars(ec)}
         engine = Engine(scheduler, executor, cfg.vocab_size, cfg.max_seq_len, config, self.tokenizer,
                         self.eos_token_ids)
-        self._engine = weakref.ref(engine)
+        if local is not None:
+            local.engine = weakref.ref(engine)
+        else:
+            self._engine = weakref.ref(engine)
         return engine
 
-    def _take_pool_back(self):
-        """Close the engine holding the pool if it is done; refuse if it still serves requests."""
-        holder = self._engine() if self._engine is not None else None
+    def _take_pool_back(self, local: KVPool | None):
+        """Close the engine holding the K/V if it is done; refuse if it still serves requests. A local
+        pool records its engine itself: every LLM it is lent to sees the others' (``kv_pool=``)."""
+        ref = local.engine if local is not None else self._engine
+        holder = ref() if ref is not None else None
         if holder is None or holder.closed is not None:
             return
         if holder.has_work():
             s = holder.stats()
             raise RuntimeError(
-                f"another engine of this LLM still serves requests ({s.waiting} waiting, {s.running} running) "
-                "and holds its K/V pool: finish them (engine.run()) or close it (engine.close()) before "
-                "building a new engine (one engine per LLM, as in vLLM)")
+                f"another engine of this LLM (or of one sharing its K/V pool) still serves requests "
+                f"({s.waiting} waiting, {s.running} running) and holds its K/V pool: finish them "
+                "(engine.run()) or close it (engine.close()) before building a new engine (one engine "
+                "per LLM, as in vLLM)")
         holder.close("a newer engine of its LLM took over the K/V pool (one engine per LLM)")
 
     def _memory(self):
@@ -194,6 +208,15 @@ class LLM:
         memory = self._memory()
         if memory is not None:
             memory.reset_prefix_cache()
+
+    @property
+    def kv_pool(self) -> KVPool:
+        """This LLM's K/V pool (allocated now if no engine did yet), to lend another LLM of the same
+        shapes (``LLM(kv_pool=...)``); with workers there is none here: they hold the K/V."""
+        if uses_workers(self.engine_config):
+            raise ValueError("kv_pool: this LLM's K/V lives on its workers (tensor_parallel x "
+                             "pipeline_parallel > 1), not in this process")
+        return self._pool()
 
     def _pool(self) -> KVPool:
         if self._kv_pool is None:
@@ -317,6 +340,28 @@ class LLM:
         return prompt
 
 
+def _check_lent_pool(pool: KVPool, cfg: ModelConfig, ec: EngineConfig) -> int:
+    """The slots of ``pool``, lent to an LLM of ``cfg`` and ``ec``; a ValueError naming the first
+    field where they differ."""
+    if not isinstance(pool, KVPool):
+        raise TypeError(f"kv_pool must be a KVPool (another LLM's kv_pool), got {type(pool).__name__}")
+    if uses_workers(ec):
+        raise ValueError("kv_pool: with tensor_parallel x pipeline_parallel > 1 the workers hold the K/V; "
+                         "a pool in this process cannot be lent to them")
+    if ec.prefix_caching:       # the lender's cached blocks hold K/V of its weights, maybe not these
+        raise ValueError("kv_pool: a borrowed pool keeps no prefix cache; use prefix_caching=False")
+    n_layers, _, n_heads, head_dim = pool.k.shape
+    fields = [("n_slots", pool.n_slots, pool.n_slots if ec.n_slots is None else ec.n_slots),
+              ("n_layers", n_layers, cfg.n_layers), ("n_kv_heads", n_heads, cfg.n_kv_heads),
+              ("head_dim", head_dim, cfg.head_dim), ("dtype", pool.k.dtype, getattr(torch, ec.dtype)),
+              ("device", pool.k.device, _device(ec))]
+    for name, lent, own in fields:
+        if lent != own:
+            raise ValueError(f"kv_pool has {name}={lent} but this LLM needs {name}={own}: lend a pool "
+                             "of the same model shapes, dtype, device and n_slots")
+    return pool.n_slots
+
+
 def _as_list(prompts) -> list:
     return [prompts] if isinstance(prompts, str) else list(prompts)
 
@@ -359,10 +404,15 @@ def _backends(ec: EngineConfig) -> dict:
     return dict(attention_backend=ec.attention_backend, fused_ops_backend=ec.fused_ops_backend, tf32=ec.tf32)
 
 
+def _device(ec: EngineConfig) -> torch.device:
+    """The engine's device with its index ("cuda" -> cuda:0), as its tensors report it."""
+    return torch.empty(0, device=ec.device).device
+
+
 def _placed(gpt: GPT, ec: EngineConfig) -> GPT:
     """``gpt`` on the engine's device, dtype and kernels, the caller's model untouched: shared when
     nothing differs, a shallow copy sharing the weights when only the kernels do, else new tensors."""
-    device, dtype = torch.empty(0, device=ec.device).device, getattr(torch, ec.dtype)
+    device, dtype = _device(ec), getattr(torch, ec.dtype)
     state = gpt.state_dict()
     if any(t.device != device or t.dtype != dtype for t in state.values()):
         with torch.device("meta"):

@@ -48,7 +48,7 @@ def test_two_engines_of_one_llm_never_hold_two_pools(llm):
     that still serves requests is not interrupted, the new one is refused, naming why."""
     first = llm.new_engine()
     req = first.add_request([1, 2, 3], SamplingParams(max_gen_tokens=3))
-    with pytest.raises(RuntimeError, match=r"another engine of this LLM still serves requests \(1 waiting, 0 running\)"):
+    with pytest.raises(RuntimeError, match=r"another engine of this LLM \(or of one sharing its K/V pool\) still serves requests \(1 waiting, 0 running\)"):
         llm.new_engine("paged")
     first.step()
     with pytest.raises(RuntimeError, match=r"\(0 waiting, 1 running\).*engine.close\(\)"):
@@ -100,3 +100,46 @@ def test_consecutive_calls_on_a_gpu_allocate_no_new_pool(tiny_llm):
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - after_first < margin
     assert torch.cuda.max_memory_allocated() - after_first < margin
+
+
+def test_two_llms_over_one_lent_pool_write_the_same_tensors_and_take_turns(llm, tiny_llm):
+    """``LLM(kv_pool=...)``: the RealBackend's LLMs of each max_bs (one pool each took the GPU's
+    memory as many times over) write one pool, give the tokens each gave alone, and take turns."""
+    prompts = random_prompts(3, llm.cfg.vocab_size, 5, 30, seed=3)
+    expected = [tiny_llm.generate([p], max_gen_tokens=5)[0] for p in prompts]
+    other = LLM(gpt=tiny_llm.model, engine=llm.engine_config.replace(max_bs=2), kv_pool=llm.kv_pool)
+    assert other.kv_pool is llm.kv_pool and other.engine_config.n_slots == 2048
+    for system in ("orca", "ft", "paged"):
+        for each in (llm, other, llm):
+            engine = each.new_engine(system)
+            assert engine.scheduler.kv.k is llm.kv_pool.k and engine.scheduler.kv.v is llm.kv_pool.v
+            for p in prompts:
+                engine.add_request(p, SamplingParams(max_gen_tokens=5))
+            assert [list(r.output) for r in engine.run().requests] == expected, system
+    busy = other.new_engine()
+    busy.add_request([1, 2, 3], SamplingParams(max_gen_tokens=2))
+    with pytest.raises(RuntimeError, match=r"of one sharing its K/V pool\) still serves requests \(1 waiting"):
+        llm.new_engine()
+    busy.run()
+    llm.new_engine().close()
+    with pytest.raises(RuntimeError, match="a newer engine of its LLM took over the K/V pool"):
+        busy.add_request([1, 2], SamplingParams(max_gen_tokens=2))
+
+
+@pytest.mark.parametrize("field,pool", [
+    ("n_slots", lambda c: KVPool(1024, c.n_layers, c.n_kv_heads, c.head_dim)),
+    ("n_layers", lambda c: KVPool(2048, c.n_layers + 1, c.n_kv_heads, c.head_dim)),
+    ("n_kv_heads", lambda c: KVPool(2048, c.n_layers, c.n_kv_heads + 1, c.head_dim)),
+    ("head_dim", lambda c: KVPool(2048, c.n_layers, c.n_kv_heads, c.head_dim * 2)),
+    ("dtype", lambda c: KVPool(2048, c.n_layers, c.n_kv_heads, c.head_dim, dtype=torch.float64)),
+    ("device", lambda c: KVPool(2048, c.n_layers, c.n_kv_heads, c.head_dim, device="meta")),
+])
+def test_a_lent_pool_of_another_shape_is_refused_naming_the_field(llm, field, pool):
+    with pytest.raises(ValueError, match=rf"kv_pool has {field}=.* but this LLM needs {field}="):
+        LLM(gpt=llm.model, engine=llm.engine_config, kv_pool=pool(llm.cfg))
+
+
+def test_a_lent_pool_is_refused_to_an_llm_that_caches_prefixes(llm):
+    """The lender's cached blocks hold K/V of its weights: a borrower does not read them."""
+    with pytest.raises(ValueError, match="borrowed pool keeps no prefix cache; use prefix_caching=False"):
+        LLM(gpt=llm.model, engine=llm.engine_config.replace(prefix_caching=True), kv_pool=llm.kv_pool)

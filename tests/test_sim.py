@@ -450,6 +450,23 @@ def test_the_baselines_warm_up_is_two_iterations_of_the_timed_runs_first_shapes(
     assert backend.llm_for(2)._pool().k is pool and backend.llm_for(4) is not backend.llm_for(2)
 
 
+def test_a_real_backend_takes_the_engines_slots_and_lends_one_pool_to_every_max_bs():
+    """``n_slots`` None is ``EngineConfig``'s: 16384 on a CPU (on a GPU, what its free memory holds
+    beside the weights, as the simulator: a fixed 16384 put FT out of slots at batch 16 on an H200
+    with room for ~120k). Every max_bs's LLM writes the first LLM's pool: one each would have taken
+    the GPU's memory as many times over."""
+    from orca_lab.sim.backends import RealBackend
+    from orca_lab.workload import homogeneous_trace
+    backend = RealBackend("tiny", n_slots=None)
+    assert backend.n_slots == backend.describe()["n_slots"] == 16384
+    two, four = backend.llm_for(2), backend.llm_for(4)
+    assert two is not four and two.kv_pool is four.kv_pool is backend.llm.kv_pool
+    trace = homogeneous_trace(3, 8, 3, None, 0, backend.cfg.vocab_size)
+    runs = [backend.serve(Curve("ft", 2, 2), trace), backend.serve(Curve("orca", 4), trace)]
+    assert [[r.n_generated for r in run.requests] for run in runs] == [[3, 3, 3]] * 2
+    assert runs[0].config["n_slots"] == runs[1].config["n_slots"] == 16384
+
+
 def test_a_sweep_fitted_to_a_budget_shrinks_requests_then_the_costliest_loads_and_keeps_the_knee():
     """Synthetic costs: a run of n requests at load x takes n / min(x, 1) seconds (a light load's
     trace takes longest to arrive), a capacity run n. Requests shrink to the floor first, then the

@@ -62,7 +62,9 @@ class KVPool(KVMemory):
     """K and V memory ``[n_layers, n_slots, n_heads, head_dim]``, allocated once, here.
 
     Zeros, not empty: the OS maps every page now, not on the first K/V write of a request while the
-    engine serves (first touches would make the first runs slow and noisy)."""
+    engine serves (first touches would make the first runs slow and noisy). ``engine``: a weak
+    reference to the engine writing into it now, one at a time whichever LLM built it (``LLM.new_engine``)."""
+    engine = None
 
     def __init__(self, n_slots: int, n_layers: int, n_heads: int, head_dim: int, device="cpu",
                  dtype=torch.float32):

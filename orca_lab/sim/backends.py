@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orca_lab.config import EngineConfig, ModelConfig, check_range, model_config
+from orca_lab.config import EngineConfig, ModelConfig, check_range, model_config, uses_workers
 from orca_lab.engine.engine import Engine
 from orca_lab.engine.policies import PAGED, new_kv, new_scheduler
 from orca_lab.engine.policies import system as resolve_system
@@ -77,16 +77,23 @@ class RealBackend:
     a short untimed copy of it runs first (its first ``max_bs`` requests, two tokens each: one prefill
     and one decode iteration), so Triton's JIT and the first-call costs of the libraries stay out of
     the timed run; the device is synchronized before the run's clock starts. One LLM per ``max_bs``
-    serves every run of that size: its K/V pool is allocated, and its CUDA graphs captured, once."""
+    serves every run of that size: its CUDA graphs are captured once.
 
-    def __init__(self, preset: str = "tiny", seed: int = 0, n_slots: int = 16384, device: str = "cpu",
+    ``n_slots`` None: ``EngineConfig``'s, 16384 on a CPU, and on a GPU as many as its free memory
+    holds beside the weights (as the simulator's ``AnalyticalCost.n_slots``: the baseline's
+    out-of-memory points come from the memory, not from a fixed count). That one K/V pool, the
+    first LLM's, is lent to the LLM of every ``max_bs`` (runs are one at a time): a pool each
+    would take the memory as many times over."""
+
+    def __init__(self, preset: str = "tiny", seed: int = 0, n_slots: int | None = None, device: str = "cpu",
                  dtype: str = "float32", tensor_parallel: int = 1, pipeline_parallel: int = 1,
                  block_size: int = 16, max_num_batched_tokens: int = 512):
-        self._engine = EngineConfig(n_slots=n_slots, device=device, dtype=dtype, tensor_parallel=tensor_parallel,
-                                    pipeline_parallel=pipeline_parallel, block_size=block_size,
-                                    max_num_batched_tokens=max_num_batched_tokens)
-        self.llm = LLM(preset, seed=seed, engine=self._engine)
-        self.cfg, self.n_slots = self.llm.cfg, n_slots
+        engine = EngineConfig(n_slots=n_slots, device=device, dtype=dtype, tensor_parallel=tensor_parallel,
+                              pipeline_parallel=pipeline_parallel, block_size=block_size,
+                              max_num_batched_tokens=max_num_batched_tokens)
+        self.llm = LLM(preset, seed=seed, engine=engine)
+        self._engine = self.llm.engine_config       # n_slots as the LLM sized it, before its weights
+        self.cfg, self.n_slots = self.llm.cfg, self._engine.n_slots
         self._warm: set = set()
         self._llms: dict[int, LLM] = {}      # max_bs -> the LLM serving that size
 
@@ -113,7 +120,9 @@ class RealBackend:
         every shape, not only the first batch's (on an H200, Figure 10's first ORCA curve otherwise ran
         10x its predicted time, and its capacity came out below the baseline's)."""
         if max_bs not in self._llms:
-            llm = self._llms[max_bs] = LLM(gpt=self.llm.model, engine=self._engine.replace(max_bs=max_bs))
+            lent = None if uses_workers(self._engine) else self.llm.kv_pool    # workers hold their own
+            llm = self._llms[max_bs] = LLM(gpt=self.llm.model, engine=self._engine.replace(max_bs=max_bs),
+                                           kv_pool=lent)
             if self._engine.device.startswith("cuda"):
                 llm.warm_up()
         return self._llms[max_bs]
