@@ -160,6 +160,21 @@ def test_a_settled_tuner_borrows_its_nearest_timed_bucket_and_times_nothing(monk
     assert tuner.choose(("p", 12, 32, 128), ["x", "y"], launched.append, on_gpu=True) == "x" and launched
 
 
+def test_a_settled_tuner_lends_one_paths_choice_to_the_other(monkeypatch):
+    """A warm-up of whole prompts times the fresh path only; once settled, prompts that read earlier
+    keys too (a chunk, a prefix-cache hit) borrow its nearest choice rather than timing mid-run,
+    unless that choice is not one of theirs (the 128 x 128 tile is the fresh path's alone)."""
+    import triton
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or 1.0)
+    tuner, launched = LaunchTuner(), []
+    tuner.best = {("p", True, 40, 1024, 4096): "t64", ("p", True, 12, 1024, 4096): "t128"}
+    tuner.settle()
+    assert tuner.choose(("p", False, 40, 512, 512), ["t64", "t32"], launched.append, True,
+                        like=("p", True, 40, 512, 512)) == "t64" and launched == []
+    assert tuner.choose(("p", False, 12, 512, 512), ["t64", "t32"], launched.append, True,
+                        like=("p", True, 12, 512, 512)) == "t64" and launched
+
+
 def test_tf32_is_a_validated_engine_option():
     assert EngineConfig().tf32 is False and EngineConfig(tf32=True).tf32 is True
     with pytest.raises(ValueError, match="tf32='yes'"):

@@ -35,11 +35,14 @@ class LaunchTuner:
         """From now on a new bucket borrows from its nearest timed neighbour rather than timing."""
         self.settled = True
 
-    def choose(self, key, candidates, launch, on_gpu: bool):
+    def choose(self, key, candidates, launch, on_gpu: bool, like=None):
+        """``like``: the key of another path of the same kernel and shapes (a fresh prompt's, for
+        prompts that read earlier keys too), whose timed buckets lend a choice once settled when
+        ``key``'s own kind has none: a warm-up that met only one path times nothing mid-run."""
         got = self.best.get(key)
         if got is not None:
             return got
-        near = self.nearest(key) if self.settled else None
+        near = self.borrow(key, candidates, like) if self.settled else None
         if near is not None:
             got = near
         elif not on_gpu or len(candidates) == 1:
@@ -50,6 +53,14 @@ class LaunchTuner:
             got = _fastest(candidates, launch)
         self.best[key] = got
         return got
+
+    def borrow(self, key, candidates, like=None):
+        """The nearest timed choice of ``key``'s kind, else ``like``'s if it is among ``candidates``."""
+        near = self.nearest(key)
+        if near is None and like is not None:
+            near = self.nearest(like)
+            near = near if near in candidates else None
+        return near
 
     def nearest(self, key):
         """The choice of the timed bucket closest to ``key`` (a key ends in its shape buckets, powers

@@ -650,7 +650,7 @@ def _launch_prefill(q, keys, values, out, slot_ids, cu_q, cu_k, scale, plan, pre
         key = ("prefill", bool(fresh), arch, H, n_kv, D, q.dtype, precision, bucket(plan.max_q),
                bucket(plan.n_prefill_tokens))
         cands = prefill_candidates(D, q.dtype.itemsize, arch, bool(fresh)) if on_gpu else [INTERPRETER_PREFILL]
-        cfg = _TUNER.choose(key, cands, launch, on_gpu)
+        cfg = _TUNER.choose(key, cands, launch, on_gpu, like=(key[0], not fresh, *key[2:]))
     launch(cfg)
 
 
