@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orca_lab.config import EngineConfig, ModelConfig, check_range, model_config, uses_workers
+from orca_lab.config import CPU_SLOTS, EngineConfig, ModelConfig, check_range, model_config, uses_workers
 from orca_lab.engine.engine import Engine
 from orca_lab.engine.policies import PAGED, new_kv, new_scheduler
 from orca_lab.engine.policies import system as resolve_system
@@ -83,7 +83,8 @@ class RealBackend:
     holds beside the weights (as the simulator's ``AnalyticalCost.n_slots``: the baseline's
     out-of-memory points come from the memory, not from a fixed count). That one K/V pool, the
     first LLM's, is lent to the LLM of every ``max_bs`` (runs are one at a time): a pool each
-    would take the memory as many times over."""
+    would take the memory as many times over. Workers (``tensor_parallel x pipeline_parallel > 1``)
+    hold a pool per LLM that cannot be lent, so there ``n_slots`` None stays ``CPU_SLOTS`` a pool."""
 
     def __init__(self, preset: str = "tiny", seed: int = 0, n_slots: int | None = None, device: str = "cpu",
                  dtype: str = "float32", tensor_parallel: int = 1, pipeline_parallel: int = 1,
@@ -91,6 +92,8 @@ class RealBackend:
         engine = EngineConfig(n_slots=n_slots, device=device, dtype=dtype, tensor_parallel=tensor_parallel,
                               pipeline_parallel=pipeline_parallel, block_size=block_size,
                               max_num_batched_tokens=max_num_batched_tokens)
+        if engine.n_slots is None and uses_workers(engine):
+            engine = engine.replace(n_slots=CPU_SLOTS)
         self.llm = LLM(preset, seed=seed, engine=engine)
         self._engine = self.llm.engine_config       # n_slots as the LLM sized it, before its weights
         self.cfg, self.n_slots = self.llm.cfg, self._engine.n_slots
