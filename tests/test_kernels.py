@@ -360,6 +360,8 @@ ATTENTION_ERRORS = {
     "cu-device": (dict(cu_seqlens_k=torch.empty(3, dtype=torch.int32, device=META)), ValueError,
                   "cu_seqlens_k is on meta"),
     "scale-str": (dict(scale="0.1"), TypeError, "scale must be a float"),
+    "scale-zero": (dict(scale=0.0), ValueError, r"scale must be > 0 and finite .* got 0.0"),
+    "scale-negative": (dict(scale=-0.5), ValueError, r"scale must be > 0 and finite .* got -0.5"),
     "backend": (dict(backend="cuda"), ValueError, "backend='cuda' is not one of"),
 }
 

@@ -164,15 +164,15 @@ def _attend_blocks(q, k_ptrs, v_ptrs, slot_ptr, slots, m_i, l_i, acc, lo, hi, kv
         if INTERPRETED:
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION)    # unscaled: qk_scale > 0 commutes with max
         if MASKED:
             visible = (start_n + offs_n[None, :] <= last_key[:, None]) & mask_n[None, :]
             s = tl.where(visible, s, float("-inf"))
         # Key 0 is visible to every row and lies in the first block, so m_new is finite from the
         # first block on and no -inf - -inf = NaN can appear.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s * qk_scale - m_new[:, None])      # one fused multiply-add an element, not two ops
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -734,6 +734,8 @@ def _check_attention_args(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_
     check_same("len(cu_seqlens_k)", cu_seqlens_k.numel(), cu_seqlens_q.numel(), "length")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if scale is not None and not 0 < scale < math.inf:   # the ragged kernel scales after the row max
+        raise ValueError(f"scale must be > 0 and finite (or None: 1/sqrt(head size)), got {scale}")
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     _check_offsets("cu_seqlens_q", cu_q, q.shape[0], "T")
     _check_offsets("cu_seqlens_k", cu_k, slot_ids.numel(), "len(slot_ids)")
