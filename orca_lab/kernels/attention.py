@@ -9,7 +9,9 @@ the keys it needs from the slot pool through ``slot_ids`` (slots need not be con
   some request, head), with a small host-built map from program id to (request, query block); each
   program runs FlashAttention's online softmax over its request's keys, block by block (fp16/bf16
   dots accumulating in fp32, the key blocks below the causal diagonal unmasked, those above never
-  read, K/V prefetched into shared memory two blocks ahead);
+  read, K/V prefetched into shared memory two blocks ahead). A fresh prompt (no earlier keys) reads
+  its keys from the step's own ``k, v`` instead, contiguous, as a prefill kernel over a dense batch
+  does; a chunk or a prefix-cache hit reads them through its slots;
 - the *decode* kernel, for requests with one new token: decoding is bound by the bandwidth of
   reading the context, so each program reads its request's K/V once for a group of heads with no
   wasted query rows, and long contexts are split over keys (FlashDecoding) with a second small
