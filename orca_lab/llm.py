@@ -234,14 +234,16 @@ class LLM:
             self._graphs.kv = kv
         return self._graphs or None
 
-    def warm_up(self) -> dict:
+    def warm_up(self, longest: int | None = None) -> dict:
         """Meet every shape a run will meet before one is timed, as vLLM does at start-up: Triton's JIT
-        and launch tuning at each prompt length bucket, a CUDA graph at each batch size up to
-        ``max_bs``, the libraries' first calls (``workload.warm_up_traces``). Then the tuner settles:
-        a shape met later borrows its nearest tuned neighbour's launch instead of timing mid-run. The
-        prefix cache is emptied after. Returns the lengths and batch sizes it ran."""
+        and launch tuning at each prompt length bucket (up to ``longest`` tokens when no longer prompt
+        will come, else the model's longest), a CUDA graph at each batch size up to ``max_bs``, the
+        libraries' first calls (``workload.warm_up_traces``). Then the tuner settles: a shape met
+        later borrows its nearest tuned neighbour's launch instead of timing mid-run. The prefix cache
+        is emptied after. Returns the lengths and batch sizes it ran."""
         ec, cfg = self.engine_config, self.cfg
-        prompts, steps = warm_up_traces(ec.max_bs, cfg.max_seq_len, ec.n_slots, cfg.vocab_size, GRAPH_SIZES)
+        prompts, steps = warm_up_traces(ec.max_bs, cfg.max_seq_len, ec.n_slots, cfg.vocab_size, GRAPH_SIZES,
+                                        longest)
         for trace in prompts + steps:
             self.serve(trace)
         self.reset_prefix_cache()

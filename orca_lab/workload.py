@@ -321,12 +321,13 @@ def _items(rng, times, in_lens, gen_lens, vocab_size) -> list[TraceItem]:
 
 
 def warm_up_traces(max_bs: int, max_seq_len: int, n_slots: int, vocab_size: int,
-                   graph_sizes=()) -> tuple[list[list[TraceItem]], list[list[TraceItem]]]:
+                   graph_sizes=(), longest: int | None = None) -> tuple[list[list[TraceItem]], list[list[TraceItem]]]:
     """The shapes an engine meets, each in a short trace served before any timed run: a batch of up to
-    4 prompts of 16, 64, 256, 1,024... tokens and of the longest the model takes (as far as the K/V
-    pool allows), then one-token steps at each of ``graph_sizes`` up to ``max_bs`` (the batch sizes
-    CUDA graphs are captured at): ``(prompt traces, one-token-step traces)``. The prompts are random,
-    so a prefix cache skips none of them."""
+    4 prompts of 16, 64, 256, 1,024... tokens and of the longest the model takes, or ``longest``
+    when the runs to come are known to be shorter (as far as the K/V pool allows), then one-token
+    steps at each of ``graph_sizes`` up to ``max_bs`` (the batch sizes CUDA graphs are captured at):
+    ``(prompt traces, one-token-step traces)``. The prompts are random, so a prefix cache skips none
+    of them."""
     rng = np.random.default_rng(0)
     top = min(vocab_size, 1 << 15)
 
@@ -334,7 +335,8 @@ def warm_up_traces(max_bs: int, max_seq_len: int, n_slots: int, vocab_size: int,
         return [TraceItem(0.0, tuple(int(t) for t in rng.integers(1, top, length)), gen) for _ in range(b)]
 
     b = min(4, max_bs)
-    lens = [n for n in (16, 64, 256, 1024, 4096, 16384, max_seq_len - 2) if 0 < n <= max_seq_len - 2]
+    top_len = max_seq_len - 2 if longest is None else max(1, min(longest, max_seq_len - 2))
+    lens = [n for n in (16, 64, 256, 1024, 4096, 16384, top_len) if 0 < n <= top_len]
     lens = sorted({n for n in lens if b * (n + 2) <= n_slots})
     sizes = sorted({min(s, max_bs) for s in graph_sizes})       # a batch of max_bs takes the graph above it
     return [batch(b, n, 2) for n in lens], [batch(s, 4, 3) for s in sizes if s * 7 <= n_slots]

@@ -44,7 +44,7 @@ T0=$SECONDS
 # part  step       predicted limit   (predicted: where it comes from)
 PLAN="
 1     setup         20      25       the carried wheels installed first (H200: 5 s), the kernel spec, environment.json
-1     fig9          80      95       H200: 80 s (gpt3-13b, bf16, 12 points measured, then simulated)
+1     fig9          85      95       H200: 80 s (gpt3-13b, bf16, 12 points measured, then simulated); now FT also at batch 16 and 32
 1     step_time     52      60       H200: 52 s, benchmarks/step_time.py at Figure 9's points, ORCA and FT, one model build
 1     fig10        125     150       H200: 115 s at budget_s=140; now the notebook's budget_s=130 (it sizes itself to end within it) + its start
 1     bench         40      45       H200: 27 s, plus the fresh-prompt path's row and its 8 tiles compiled and timed (~2 s each)

@@ -111,23 +111,24 @@ class RealBackend:
                 "tensor_parallel": ec.tensor_parallel, "pipeline_parallel": ec.pipeline_parallel}
 
     def serve(self, curve: Curve, trace):
-        llm = self.llm_for(curve.max_bs)
+        llm = self.llm_for(curve.max_bs, max((len(t.prompt) for t in trace), default=None))
         self.warm_up(llm, curve, trace)
         _synchronize(self._engine.device)
         return llm.serve(trace, system=curve.system, mbs=curve.mbs)
 
-    def llm_for(self, max_bs: int) -> LLM:
+    def llm_for(self, max_bs: int, longest: int | None = None) -> LLM:
         """The LLM of ``max_bs`` over the preset's model: a new one (pool, graphs) per run made each
         point pay for them, and the graphs of a run's smaller batches were captured inside its timing.
         On a GPU it is warmed up whole (``LLM.warm_up``) before its first run: graphs, JIT and tuning at
         every shape, not only the first batch's (on an H200, Figure 10's first ORCA curve otherwise ran
-        10x its predicted time, and its capacity came out below the baseline's)."""
+        10x its predicted time, and its capacity came out below the baseline's); its prompts up to
+        ``longest``, the first run's longest (Figure 9's 32 tokens need no 2,046-token prompt)."""
         if max_bs not in self._llms:
             lent = None if uses_workers(self._engine) else self.llm.kv_pool    # workers hold their own
             llm = self._llms[max_bs] = LLM(gpt=self.llm.model, engine=self._engine.replace(max_bs=max_bs),
                                            kv_pool=lent)
             if self._engine.device.startswith("cuda"):
-                llm.warm_up()
+                llm.warm_up(longest)
         return self._llms[max_bs]
 
     def warm_up(self, llm, curve: Curve, trace):
