@@ -485,9 +485,9 @@ PREFILL_TABLE = {
 }
 WIDE_HEAD_PREFILL = (PrefillConfig(32, 32, 4, 2), PrefillConfig(16, 32, 4, 2), PrefillConfig(64, 32, 8, 1))
 # Fresh prompts read their keys contiguously (no slot ids, no int64 address per key), which frees
-# registers: on sm_90 the 128 x 128 tile FlashAttention-2 uses fits them at GPT-3's 40 heads of 128
-# (254 at 8 warps, no spill; through the slot ids it spills 184 bytes), so the tuner times it beside
-# the rest. With grouped queries or a head size short of the tile it spills too (aot --full lists them).
+# registers: on sm_90 the 128 x 128 tile FlashAttention-2 uses nearly fits them at GPT-3's 40 heads
+# of 128 (255 at 8 warps and 16 bytes spilled; through the slot ids it spills 200), so the tuner times
+# it beside the rest. With grouped queries or a head size short of the tile it spills more (aot --full).
 FRESH_PREFILL = {90: (PrefillConfig(128, 128, 8, 2),)}
 
 
