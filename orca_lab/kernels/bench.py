@@ -90,8 +90,7 @@ def attention_case(q_lens, kv_lens, heads, head_size, dtype, device):
     cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
                                    device=device)
     args = (q, k_pool, v_pool, slot_ids, cu(q_lens), cu(kv_lens))
-    ends = torch.tensor(kv_lens).cumsum(0).tolist()
-    new = torch.cat([slot_ids[end - lq:end] for lq, end in zip(q_lens, ends)]).long()
+    new = torch.cat([slot_ids[end - lq:end] for lq, end in zip(q_lens, args[5].tolist()[1:])]).long()
     proj = torch.stack([q, k_pool[new], v_pool[new]], dim=1)
     return args, (proj[:, 1], proj[:, 2]), padded_case(args, q_lens, kv_lens)
 
