@@ -48,7 +48,7 @@ PLAN="
 1     fig9          85      95       H200: 80 s (gpt3-13b, bf16, 12 points measured, then simulated); now FT also at batch 16 and 32
 1     step_time     52      60       H200: 52 s, benchmarks/step_time.py at Figure 9's points, ORCA and FT, one model build
 1     fig10        125     150       H200: 115 s at budget_s=140; now the notebook's budget_s=130 (it sizes itself to end within it) + its start
-1     bench         40      45       H200: 27 s, plus the fresh-prompt path's row and its 8 tiles compiled and timed (~2 s each)
+1     bench         40      45       H200: 27 s, plus the fresh prompts' 9 TMA tiles compiled (~2 s each where fig9 has not) and timed, sdpa-causal
 1     workers       45      70       H200: 12.7 s serving, cut at 40 s with the start (12 requests on gpt2, in process and on a worker over NCCL)
 2     setup         10      25       as above, on a fresh machine (H200: 6 s)
 2     tests        240     250       H200: 240 s for 434 tests on 8 workers, test_cuda_safe included

@@ -173,6 +173,13 @@ def test_a_settled_tuner_lends_one_paths_choice_to_the_other(monkeypatch):
                         like=("p", True, 40, 512, 512)) == "t64" and launched == []
     assert tuner.choose(("p", False, 12, 512, 512), ["t64", "t32"], launched.append, True,
                         like=("p", True, 12, 512, 512)) == "t64" and launched
+    # a fresh path read through the TMA lends its tile to the slots path, as the slots path reads it;
+    # of several other paths, the first with a choice of the borrower's
+    tuner.best[("p", "tma", 7, 1024, 4096)] = "t32-tma"
+    launched.clear()
+    assert tuner.choose(("p", False, 7, 64, 64), ["t64", "t32"], launched.append, True,
+                        like=[("p", "none", 7, 1, 1), ("p", "tma", 7, 1, 1)],
+                        as_own=lambda c: c.removesuffix("-tma")) == "t32" and launched == []
 
 
 def test_tf32_is_a_validated_engine_option():

@@ -7,6 +7,7 @@ kernel forgets to write fails the test. The error bound is FlashAttention's rule
 the error of the same computation done by PyTorch in the same dtype (plus a tiny floor for fp32).
 """
 import json
+from dataclasses import replace
 import math
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from orca_lab.kernels import attention, bias_gelu, gelu, kv_write, layer_norm, layernorm
 from orca_lab.kernels import ragged_attention, write_kv
+from orca_lab.kernels.attention import kv_descriptors
 from orca_lab.kernels import bench
 from helpers import DEVICE, ON_GPU, needs_gpu
 
@@ -140,12 +142,16 @@ def test_prefill_tiles_against_float64(poison, cfg, heads, n_kv, head_size):
     assert_close_as_torch(out, ragged_attention(*args, backend="torch"), oracle, torch.float32)
 
 
-@pytest.mark.parametrize("heads,n_kv,head_size", [(2, 2, 64), (4, 2, 80)], ids=str)
-def test_fresh_prompts_read_their_keys_from_the_step_not_the_pool(poison, heads, n_kv, head_size):
+@pytest.mark.parametrize("heads,n_kv,head_size,tma", [(2, 2, 64, False), (4, 2, 80, False), (2, 2, 64, True),
+                                                     (4, 2, 64, True), (4, 2, 80, True)], ids=str)
+def test_fresh_prompts_read_their_keys_from_the_step_not_the_pool(poison, monkeypatch, heads, n_kv, head_size, tma):
     """Given the step's ``k, v`` (views of a fused [T, 3, n_kv, D] projection), the fresh prefill
     requests (whole prompts: q_len == kv_len) read their keys there, contiguously, and the rest
     (prefix-cached, decode) through their slots: the fresh ones' slots hold NaN here, and the output
-    is still the oracle's, at a head size that fills BLOCK_D (64) and one that does not (80)."""
+    is still the oracle's, at a head size that fills BLOCK_D (64) and one that does not (80). ``tma``:
+    the fresh ones' K/V blocks through tensor descriptors (boxes of a head; the last box of the batch
+    runs past its rows, the others into the next request's, masked); at 80 the box would not fill
+    BLOCK_D, so that launch reads through pointers."""
     q_lens, kv_lens = [37, 2, 21, 1, 5], [37, 2, 50, 13, 5]
     q, k_pool, v_pool, slot_ids, cu_q, cu_k = make_batch(q_lens, kv_lens, heads, head_size, torch.float32,
                                                          seed=head_size)
@@ -161,12 +167,35 @@ def test_fresh_prompts_read_their_keys_from_the_step_not_the_pool(poison, heads,
     fresh_slots = torch.cat([slot_ids[cu_k[b]:cu_k[b + 1]] for b in (0, 1, 4)]).long()
     k_pool[fresh_slots], v_pool[fresh_slots] = float("nan"), float("nan")
     args = (q, k_pool, v_pool, slot_ids, cu_q, cu_k, scale, plan)
-    out = attention.ragged_attention_triton(*args, k=proj[:, 1], v=proj[:, 2])
+    boxes = []
+    monkeypatch.setattr(attention, "kv_descriptors", lambda *a: boxes.append(a[2]) or kv_descriptors(*a))
+    cfg = replace(attention.INTERPRETER_PREFILL, tma=tma)
+    out = attention.ragged_attention_triton(*args, k=proj[:, 1], v=proj[:, 2], prefill=cfg)
+    assert boxes == ([cfg.block_n] if tma and head_size == 64 else [])
     err = (out.double().cpu() - oracle.cpu()).abs().max().item()
     assert not out.isnan().any() and err < 1e-5, err
     # without them every prefill reads its slots: the fresh prompts' rows read the NaN
     rows = torch.cat([torch.arange(cu_q[b], cu_q[b + 1]) for b in (0, 1, 4)])
     assert attention.ragged_attention_triton(*args)[rows].isnan().all()
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_a_fresh_prompts_neighbour_keeps_its_nan_to_itself(poison, tma):
+    """A fresh prompt's last key block runs into the next prompt's rows (a TMA box reads them whole):
+    when those hold NaN and inf (a request gone wrong), the first prompt's output is still the
+    oracle's, and only the second's is NaN."""
+    q_lens = [37, 21]
+    q, k_pool, v_pool, slot_ids, cu_q, cu_k = make_batch(q_lens, q_lens, 2, 64, torch.float32, seed=11)
+    oracle = attention_oracle(q, k_pool, v_pool, slot_ids, cu_q, cu_k, 0.125)
+    proj = torch.stack([q, k_pool[slot_ids.long()], v_pool[slot_ids.long()]], dim=1)
+    proj[37:, 1], proj[37:, 2] = float("inf"), float("nan")
+    k_pool[slot_ids[37:].long()], v_pool[slot_ids[37:].long()] = float("inf"), float("nan")
+    plan = attention.triton_plan(cu_q.tolist(), cu_k.tolist(), DEVICE)
+    cfg = replace(attention.INTERPRETER_PREFILL, tma=tma)
+    out = attention.ragged_attention_triton(q, k_pool, v_pool, slot_ids, cu_q, cu_k, 0.125, plan, prefill=cfg,
+                                            k=proj[:, 1], v=proj[:, 2])
+    assert (out[:37].double().cpu() - oracle[:37].cpu()).abs().max().item() < 1e-5
+    assert out[37:].isnan().all()
 
 
 def test_a_plans_fresh_and_other_work_maps_split_its_whole_one():
@@ -189,13 +218,21 @@ def test_prefill_tiles_per_gpu_generation():
     assert h100[0] == attention.PrefillConfig(128, 64, 8, 3) and a100[0] == attention.PrefillConfig(128, 32, 8, 3)
     assert attention.prefill_candidates(128, 2, 100) == h100 and attention.prefill_candidates(128, 2, 86) == a100
     assert attention.prefill_candidates(128, 2) == list(dict.fromkeys(h100 + a100))
-    # fresh prompts (keys read contiguously) may also take sm_90's 128 x 128 tile; fp32's is too big
-    wide = attention.PrefillConfig(128, 128, 8, 2)
-    assert attention.prefill_candidates(128, 2, 90, fresh=True) == [*h100, wide] and wide not in a100
-    assert wide not in attention.prefill_candidates(128, 4, 90, fresh=True)
+    # fresh prompts on sm_90 (16-bit, a head filling BLOCK_D, k and v ready for it) time the same tiles
+    # through the TMA, and FlashAttention's 128 x 128 at 3 stages after the default: it fits an H100's
+    # shared memory, not an A100's; aot declares the pointer tiles too (other head sizes, dtypes, GPUs)
+    tma = lambda tiles: [replace(c, tma=True) for c in tiles]
+    boxes = attention.prefill_candidates(128, 2, 90, fresh=True)
+    assert boxes == tma([h100[0], *attention.FRESH_PREFILL[90], *h100[1:]])
+    assert attention.PrefillConfig(128, 128, 8, 3, True) in boxes
+    assert attention.prefill_candidates(128, 2, fresh=True) == list(dict.fromkeys(boxes + h100 + a100))
+    assert not any(c.tma for c in a100 + attention.prefill_candidates(128, 2, 80, fresh=True))
+    for no_boxes in (dict(head_size=80), dict(elem_bytes=4), dict(tma=False)):
+        assert not any(c.tma for c in attention.prefill_candidates(**{"head_size": 128, "arch": 90, "fresh": True,
+                                                                      **no_boxes}))
     fp32 = attention.prefill_candidates(128, 4, 90)
     assert fp32 and set(fp32) < set(h100) and all(
-        4 * 128 * (c.block_m + 2 * c.block_n * c.num_stages) <= attention.SHARED_LIMIT for c in fp32)
+        4 * 128 * (c.block_m + 2 * c.block_n * c.num_stages) <= attention.SHARED_PLAN[80] for c in fp32)
 
 
 def check_attention(q_lens, kv_lens, head_size, dtype, batch=None, scale=None):
@@ -474,7 +511,9 @@ def test_bench_smoke(tmp_path, capsys):
     kernels = {row["kernel"] for row in result["results"]}
     assert kernels == {"ragged_attention", "write_kv", "layer_norm", "bias_gelu"}
     impls = {row["impl"] for row in result["results"] if row["kernel"] == "ragged_attention"}
-    assert impls == {"triton", "triton-slots", "triton-ragged", "sdpa-loop", "padded-ft"}
+    assert impls == {"triton", "triton-slots", "triton-ragged", "sdpa-loop", "padded-ft", "sdpa-causal"}
+    decode = {row["impl"] for row in result["results"] if row["case"] == "decode"}
+    assert impls - decode == {"sdpa-causal"}    # whole prompts only
     for row in result["results"]:
         assert row["time_ms"] > 0 and row["floor_ms"] > 0 and row["sizes"]
     printed = capsys.readouterr().out

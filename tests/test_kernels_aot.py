@@ -50,9 +50,10 @@ def test_every_kernel_compiles_for_a100_and_h100_within_shared_memory(compiled):
     for r in rows:
         assert "error" not in r and r["cubin_bytes"] > 0, r
         assert 0 <= r["shared"] <= SHARED_LIMITS[r["arch"]], r
-    # the same launches for both GPUs
+    # the same launches for both GPUs, but the TMA's (an H100's and later only)
     per_arch = [sorted((r["kernel"], r["what"]) for r in rows if r["arch"] == a) for a in (80, 90)]
-    assert per_arch[0] == per_arch[1]
+    tma = sorted((r["kernel"], r["what"]) for r in rows if r["constexprs"].get("TMA") == "True")
+    assert tma and per_arch[0] == sorted(set(per_arch[1]) - set(tma))
     attention = [r for r in rows if r["kernel"].endswith("_ragged_attention_kernel")]
     assert max(r["shared"] for r in attention) > 0     # its dots stage tiles in shared memory
 
@@ -78,8 +79,10 @@ def test_grouped_query_launches_compile_for_a100_and_h100(compiled):
 def test_prefill_prefetches_kv_and_the_h100_default_does_not_spill(compiled):
     """The ragged kernel's K/V tiles are copied into shared memory ahead of their step: at 3 stages or
     more a wait leaves the next block's K and V copies in flight (the slots of a block are loaded a
-    step earlier; loaded in the same step, every copy was waited for at once). H100's default tile
-    at GPT-3's bf16 head size fits its registers (nothing spilled to the stack)."""
+    step earlier; loaded in the same step, every copy was waited for at once; the TMA's copies too).
+    H100's default tile at GPT-3's bf16 head size fits its registers (nothing spilled to the stack),
+    and so do the TMA tiles for fresh prompts, FlashAttention's 128 x 128 at 3 stages included, in
+    fewer registers than the same tiles read through pointers."""
     _, rows = compiled
     default = prefill_candidates(128, 2, arch=90)[0]
     for arch in (80, 90):
@@ -92,12 +95,15 @@ def test_prefill_prefetches_kv_and_the_h100_default_does_not_spill(compiled):
             and (int(r["constexprs"]["BLOCK_M"]), int(r["constexprs"]["BLOCK_N"]), r["num_warps"],
                  r["num_stages"]) == (default.block_m, default.block_n, default.num_warps, default.num_stages)]
     assert h100 and all(r.get("stack_bytes", 0) == 0 for r in h100), h100
-    # fresh prompts' keys are read contiguously, which nearly leaves room for FlashAttention-2's 128 x
-    # 128 tile: 16 bytes spilled (through the slot ids, the same tile spills 200)
-    wide = [r for r in rows if r["arch"] == 90 and r["kernel"].endswith("_ragged_attention_kernel")
-            and r["constexprs"]["FRESH"] == "True" and r["signature"]["q_ptr"] == "*bf16"
-            and (r["constexprs"]["BLOCK_M"], r["constexprs"]["BLOCK_N"]) == ("128", "128")]
-    assert wide and all(r.get("stack_bytes", 0) <= 16 for r in wide), wide
+    fresh = {(r["constexprs"]["TMA"], r["constexprs"]["BLOCK_M"], r["constexprs"]["BLOCK_N"], r["num_stages"]): r
+             for r in rows if r["arch"] == 90 and r["kernel"].endswith("_ragged_attention_kernel")
+             and r["constexprs"]["FRESH"] == "True" and r["signature"]["q_ptr"] == "*bf16"}
+    boxes = {k: r for k, r in fresh.items() if k[0] == "True"}
+    assert {k[1:] for k in boxes} == {("128", "64", 3), ("128", "128", 3)}, fresh.keys()   # CI's: default, widest
+    for (_, m, n, stages), r in boxes.items():
+        assert r["stack_bytes"] == 0 and r["in_flight"] >= 2 and r["shared"] <= SHARED_LIMITS[90], r
+    pointers = fresh[("False", "128", "64", 3)]
+    assert boxes[("True", "128", "64", 3)]["registers"] < pointers["registers"]
 
 
 @pytest.fixture(scope="module")
@@ -114,13 +120,15 @@ def test_every_prefill_candidate_at_gpt3_shapes_is_declared_and_ci_compiles_the_
     launch (``--full`` compiles them all); CI's subset compiles some of each dtype."""
     rows = [r for r in declared if r["kernel"].endswith("_ragged_attention_kernel")]
     paper = [r for r in rows if r["what"].endswith("torch.bfloat16") and r["constexprs"]["BLOCK_D"] == "128"]
-    seen = {(int(r["constexprs"]["BLOCK_M"]), int(r["constexprs"]["BLOCK_N"]), r["num_warps"], r["num_stages"])
-            for r in paper}
-    assert seen == {(c.block_m, c.block_n, c.num_warps, c.num_stages)
+    seen = {(int(r["constexprs"]["BLOCK_M"]), int(r["constexprs"]["BLOCK_N"]), r["num_warps"], r["num_stages"],
+             r["constexprs"]["TMA"] == "True") for r in paper}
+    assert seen == {(c.block_m, c.block_n, c.num_warps, c.num_stages, c.tma)
                     for fresh in (False, True) for c in prefill_candidates(128, 2, fresh=fresh)}
-    # fresh prompts (keys read from the step's k, v) compile apart, and CI compiles some at GPT-3's shape
-    assert {r["constexprs"]["FRESH"] for r in paper} == {"False", "True"}
-    assert any(r["ci"] and r["constexprs"]["FRESH"] == "True" for r in paper)
+    assert all(r["min_arch"] == (90 if r["constexprs"]["TMA"] == "True" else 0) for r in rows)
+    # fresh prompts (keys read from the step's k, v) compile apart, and CI compiles some at GPT-3's shape,
+    # through pointers and through the TMA
+    assert {(r["constexprs"]["FRESH"], r["constexprs"]["TMA"]) for r in paper if r["ci"]} == {
+        ("False", "False"), ("True", "False"), ("True", "True")}
     ci = [r for r in rows if r["ci"]]
     assert {r["what"].split(", ")[-1] for r in ci} == {"torch.float32", "torch.float16", "torch.bfloat16"}
     assert len(rows) > 10 * len(ci)

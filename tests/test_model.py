@@ -93,13 +93,21 @@ def test_unknown_preset_is_refused():
         LLM("gpt5")
 
 
-def test_triton_backend_gives_the_torch_backends_tokens(tiny_llm):
+@pytest.mark.parametrize("system,prefix_caching", [("orca", False), ("ft", False), ("paged", True),
+                                                   ("chunked", True)])
+def test_triton_backend_gives_the_torch_backends_tokens(tiny_llm, system, prefix_caching):
     """The whole engine on the Triton kernels (compiled on a GPU, interpreted on a CPU) against the
-    PyTorch path on the same device."""
-    prompts = random_prompts(3, tiny_llm.cfg.vocab_size, 2, 12, seed=8)
-    kw = dict(max_bs=3, n_slots=256)
-    triton_llm = LLM(gpt=copy.deepcopy(tiny_llm.model),
-                     engine=engine_config(**kw, attention_backend="triton", fused_ops_backend="triton"))
-    torch_llm = LLM(gpt=copy.deepcopy(tiny_llm.model),
-                    engine=engine_config(**kw, attention_backend="torch", fused_ops_backend="torch"))
-    assert triton_llm.generate(prompts, max_gen_tokens=3) == torch_llm.generate(prompts, max_gen_tokens=3)
+    PyTorch path on the same device, for each system: whole prompts read their keys from the step
+    (through the TMA where it can: the interpreter runs that code too), and with prefix caching a
+    prompt whose first 32 tokens are cached, and chunks after a prompt's first (16 new tokens an
+    iteration), read theirs through their slots."""
+    shared = random_prompts(1, tiny_llm.cfg.vocab_size, 32, 32, seed=3)[0]
+    prompts = random_prompts(2, tiny_llm.cfg.vocab_size, 2, 12, seed=8) + [shared + [7, 8, 9]]
+    kw = dict(max_bs=3, n_slots=2048, block_size=16, max_num_batched_tokens=16, prefix_caching=prefix_caching)
+    outputs = []
+    for backend in ("triton", "torch"):
+        llm = LLM(gpt=copy.deepcopy(tiny_llm.model),
+                  engine=engine_config(**kw, attention_backend=backend, fused_ops_backend=backend))
+        first = llm.generate([shared + [1, 2]], max_gen_tokens=2, system=system) if prefix_caching else []
+        outputs.append(first + llm.generate(prompts, max_gen_tokens=3, system=system))   # first: cached blocks
+    assert outputs[0] == outputs[1]

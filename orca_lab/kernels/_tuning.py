@@ -35,14 +35,16 @@ class LaunchTuner:
         """From now on a new bucket borrows from its nearest timed neighbour rather than timing."""
         self.settled = True
 
-    def choose(self, key, candidates, launch, on_gpu: bool, like=None):
+    def choose(self, key, candidates, launch, on_gpu: bool, like=None, as_own=None):
         """``like``: the key of another path of the same kernel and shapes (a fresh prompt's, for
-        prompts that read earlier keys too), whose timed buckets lend a choice once settled when
-        ``key``'s own kind has none: a warm-up that met only one path times nothing mid-run."""
+        prompts that read earlier keys too), or a list of them, whose timed buckets lend a choice
+        once settled when ``key``'s own kind has none: a warm-up that met only one path times nothing
+        mid-run. ``as_own``: the borrower's equivalent of another path's choice (the same tile read
+        another way), if it has one."""
         got = self.best.get(key)
         if got is not None:
             return got
-        near = self.borrow(key, candidates, like) if self.settled else None
+        near = self.borrow(key, candidates, like, as_own) if self.settled else None
         if near is not None:
             got = near
         elif not on_gpu or len(candidates) == 1:
@@ -54,13 +56,18 @@ class LaunchTuner:
         self.best[key] = got
         return got
 
-    def borrow(self, key, candidates, like=None):
-        """The nearest timed choice of ``key``'s kind, else ``like``'s if it is among ``candidates``."""
+    def borrow(self, key, candidates, like=None, as_own=None):
+        """The nearest timed choice of ``key``'s kind, else the first of ``like``'s (a key, or a list of
+        keys tried in order) that is among ``candidates`` (``as_own``: after translating it)."""
         near = self.nearest(key)
-        if near is None and like is not None:
-            near = self.nearest(like)
-            near = near if near in candidates else None
-        return near
+        if near is not None:
+            return near
+        for other in [] if like is None else like if isinstance(like, list) else [like]:
+            near = self.nearest(other)
+            near = as_own(near) if as_own and near is not None else near
+            if near in candidates:
+                return near
+        return None
 
     def nearest(self, key):
         """The choice of the timed bucket closest to ``key`` (a key ends in its shape buckets, powers

@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of every kernel for GPUs this machine need not have.
 
-    TRITON_INTERPRET=0 python -m orca_lab.kernels.aot [--targets 80 90] [--jobs 2] [--modules ...]
+    TRITON_INTERPRET=0 python -m orca_lab.kernels.aot [--targets 80 90] [--jobs 2] [--modules ...] [--full] [--match RE]
 
 Triton's interpreter runs the kernels on a CPU, but it accepts code the GPU compiler refuses (a
 ``tl.dot`` with an inner dimension below 16) and says nothing of shared memory. Triton's compiler and
@@ -148,10 +148,15 @@ def compile_launch(lc: Launch, arch: int) -> dict:
 
 
 def copies_in_flight(ttgir: str) -> int:
-    """The most asynchronous copy groups a wait leaves in flight: how far ahead the software pipeline
+    """The most asynchronous copies a wait leaves in flight: how far ahead the software pipeline
     (``num_stages``) loads a loop's tiles. 0: every copy is waited for before the next step's compute
-    starts, so its latency is not hidden (or the kernel copies nothing asynchronously)."""
-    return max((int(n) for n in re.findall(r"async_wait\b[^\n]*?\{num = (\d+)", ttgir)), default=0)
+    starts, so its latency is not hidden (or the kernel copies nothing asynchronously). Copies into
+    shared memory by pointers (cp.async) are waited for by count; the Tensor Memory Accelerator's
+    wait on barriers, so theirs are the copies the first loop's prologue issues beyond one step's."""
+    waits = max((int(n) for n in re.findall(r"async_wait\b[^\n]*?\{num = (\d+)", ttgir)), default=0)
+    head, _, loop = ttgir.partition("scf.for")
+    tma = "ttng.async_tma_copy_global_to_local"
+    return max(waits, head.count(tma) - loop.split("scf.yield")[0].count(tma))
 
 
 def resources(cubin: bytes) -> dict:
@@ -182,7 +187,7 @@ def _compile_job(i: int) -> dict:
 def compile_all(launches, archs, jobs: int = 1, done=None) -> list[dict]:
     """Every launch for every arch, in ``jobs`` forked processes (no GPU here, so forking is safe);
     ``done(rows)`` after each compile, so a run cut short keeps what it finished."""
-    _JOBS[:] = [(lc, arch) for arch in archs for lc in launches]
+    _JOBS[:] = [(lc, arch) for arch in archs for lc in launches if arch >= lc.min_arch]
     done = done or (lambda rows: None)
     rows = []
     if jobs <= 1 or len(_JOBS) < 2:
@@ -208,6 +213,7 @@ def main(argv=None) -> int:
                    help="every declared launch (default: the quick set that CI compiles)")
     p.add_argument("--json", help="write every compile's row here")
     p.add_argument("--list", action="store_true", help="write the declared launches to --json, compile none")
+    p.add_argument("--match", help="only the launches whose description matches this regular expression")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         p.error("TRITON_INTERPRET is on: interpreted kernels cannot be compiled; run with TRITON_INTERPRET=0")
@@ -220,16 +226,19 @@ def main(argv=None) -> int:
         print(f"error: {e}")
         return 2
     launches = declared if args.full else ci_subset(declared)
+    if args.match:
+        launches = [lc for lc in launches if re.search(args.match, lc.what)]
     if args.list:
         chosen = {id(lc) for lc in launches}
         rows = [{"kernel": lc.name, "what": lc.what, "num_warps": lc.num_warps, "num_stages": lc.num_stages,
                  "constexprs": {k: str(v) for k, v in lc.constexprs.items()}, "signature": lc.signature,
-                 "divisible_by_16": [lc.kernel.arg_names[i] for (i,) in sorted(lc.attrs)], "ci": id(lc) in chosen}
+                 "divisible_by_16": [lc.kernel.arg_names[i] for (i,) in sorted(lc.attrs)], "ci": id(lc) in chosen,
+                 "min_arch": lc.min_arch}
                 for lc in declared]
         _write(args.json, rows)
         print(f"{len(declared)} distinct launches declared, {len(launches)} in CI's subset")
         return 0
-    n_all = len(launches) * len(args.targets)
+    n_all = sum(arch >= lc.min_arch for arch in args.targets for lc in launches)
 
     def progress(rows):      # every 100 compiles: a line, and the JSON so far (a cut run keeps them)
         if len(rows) % 100 == 0 or len(rows) == n_all:
@@ -244,7 +253,8 @@ def main(argv=None) -> int:
         peak = f"; most shared memory {worst['shared']} B ({worst['kernel']}, {worst['what']})" if worst else ""
         spilled = sum(r.get("stack_bytes", 0) > 0 for r in ok)
         peak += f"; {spilled} spill registers to the stack" if spilled else ""
-        print(f"{DEVICES.get(arch, arch)}: {len(ok)} of {len(launches)} launches compiled{peak}")
+        n = sum(arch >= lc.min_arch for lc in launches)
+        print(f"{DEVICES.get(arch, arch)}: {len(ok)} of {n} launches compiled{peak}")
     for r in failed:
         print(f"FAILED {r['kernel']} [{r['what']}] for {r['device']}: {r['error']}")
     which = "all" if args.full else "CI's subset (--full: all)"

@@ -11,7 +11,8 @@ the keys it needs from the slot pool through ``slot_ids`` (slots need not be con
   dots accumulating in fp32, the key blocks below the causal diagonal unmasked, those above never
   read, K/V prefetched into shared memory two blocks ahead). A fresh prompt (no earlier keys) reads
   its keys from the step's own ``k, v`` instead, contiguous, as a prefill kernel over a dense batch
-  does; a chunk or a prefix-cache hit reads them through its slots;
+  does, on an H100 or later through the Tensor Memory Accelerator (tensor descriptors: the copy
+  engine computes the addresses); a chunk or a prefix-cache hit reads them through its slots;
 - the *decode* kernel, for requests with one new token: decoding is bound by the bandwidth of
   reading the context, so each program reads its request's K/V once for a group of heads with no
   wasted query rows, and long contexts are split over keys (FlashDecoding) with a second small
@@ -59,7 +60,7 @@ def _ragged_attention_kernel(
     stride_vn, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     qk_scale, head_size, group,
-    DOT_PRECISION: tl.constexpr, FRESH: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FRESH: tl.constexpr, TMA: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     # Which request and which of its query blocks this program owns, and which K/V head. The block's
@@ -102,22 +103,24 @@ def _ragged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    k_ptrs = k_ptr + kv_head * stride_kh + offs_d[:, None] * stride_kd
-    v_ptrs = v_ptr + kv_head * stride_vh + offs_d[None, :] * stride_vd
-    if FRESH:  # a fresh prompt's keys are its own new tokens: rows q_start.. of k and v, in order, so
-        # a block's K/V addresses are one scalar step from the first block's, with no slot ids to read
-        k_ptrs += q_start.to(tl.int64) * stride_kn + offs_n[None, :] * stride_kn
-        v_ptrs += q_start.to(tl.int64) * stride_vn + offs_n[:, None] * stride_vn
-        slots = offs_n
+    if TMA:  # k_ptr, v_ptr: descriptors of k, v as [tokens, heads x D]; a block is a box of them
+        k_ptrs, v_ptrs, slots = k_ptr, v_ptr, q_start   # and `slots` the next block's first row
     else:
-        slots = tl.load(slot_ptr + k_start + offs_n, mask=offs_n < kv_len, other=0).to(tl.int64)
-    m_i, l_i, acc, slots, k_ptrs, v_ptrs = _attend_blocks(
+        k_ptrs = k_ptr + kv_head * stride_kh + offs_d[:, None] * stride_kd
+        v_ptrs = v_ptr + kv_head * stride_vh + offs_d[None, :] * stride_vd
+        if FRESH:  # a fresh prompt's keys are its own new tokens: rows q_start.. of k and v, in order,
+            # so a block's rows are the previous block's moved on by BLOCK_N, with no slot ids to read
+            slots = (q_start + offs_n).to(tl.int64)
+        else:
+            slots = tl.load(slot_ptr + k_start + offs_n, mask=offs_n < kv_len, other=0).to(tl.int64)
+    m_i, l_i, acc, slots = _attend_blocks(
         q, k_ptrs, v_ptrs, slot_ptr + k_start, slots, m_i, l_i, acc, 0, kv_full, kv_len, shift + offs_m,
-        mask_d, stride_kn, stride_vn, qk_scale, DOT_PRECISION, BLOCK_N, False, FRESH, EVEN_D, INTERPRETED)
-    m_i, l_i, acc, slots, k_ptrs, v_ptrs = _attend_blocks(
+        mask_d, kv_head * BLOCK_D, stride_kn, stride_vn, qk_scale, DOT_PRECISION, BLOCK_N, False, FRESH, TMA,
+        EVEN_D, INTERPRETED)
+    m_i, l_i, acc, slots = _attend_blocks(
         q, k_ptrs, v_ptrs, slot_ptr + k_start, slots, m_i, l_i, acc, kv_full, kv_end, kv_len,
-        shift + offs_m, mask_d, stride_kn, stride_vn, qk_scale, DOT_PRECISION, BLOCK_N, True, FRESH, EVEN_D,
-        INTERPRETED)
+        shift + offs_m, mask_d, kv_head * BLOCK_D, stride_kn, stride_vn, qk_scale, DOT_PRECISION, BLOCK_N, True,
+        FRESH, TMA, EVEN_D, INTERPRETED)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + heads[:, None] * stride_oh
@@ -126,14 +129,19 @@ def _ragged_attention_kernel(
 
 
 @triton.jit
-def _attend_blocks(q, k_ptrs, v_ptrs, slot_ptr, slots, m_i, l_i, acc, lo, hi, kv_len, last_key, mask_d,
+def _attend_blocks(q, k_ptrs, v_ptrs, slot_ptr, slots, m_i, l_i, acc, lo, hi, kv_len, last_key, mask_d, col,
                    stride_kn, stride_vn, qk_scale, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-                   MASKED: tl.constexpr, FRESH: tl.constexpr, EVEN_D: tl.constexpr, INTERPRETED: tl.constexpr):
+                   MASKED: tl.constexpr, FRESH: tl.constexpr, TMA: tl.constexpr, EVEN_D: tl.constexpr,
+                   INTERPRETED: tl.constexpr):
     """The online softmax over keys [lo, hi) in blocks of BLOCK_N, from ``slot_ptr[lo:]``'s slots
     (``slots``: those of the block at ``lo``); returns the state and the slots of the block at ``hi``.
     MASKED: the diagonal blocks, where key n is visible to row r only if n <= last_key[r] and n < kv_len.
-    FRESH: the keys are contiguous and ``k_ptrs``/``v_ptrs`` point at block ``lo``'s rows (slots
-    unused): each step moves them one block on, and they are returned at block ``hi``.
+    FRESH: the keys are the rows of the step's ``k, v`` in order, so ``slots`` are those rows, each
+    block's the last one's moved on by BLOCK_N, with no slot ids to read (Triton 3.6 compiles this
+    form with no spill; K/V pointers moved on by a scalar step spilled at every tile).
+    TMA (fresh, EVEN_D): ``k_ptrs``/``v_ptrs`` are tensor descriptors and ``slots`` the row of block
+    ``lo``; a block is the box at (row, ``col``), copied by the Tensor Memory Accelerator: no address
+    per thread; rows past the tensor read as zeros, and those of the next request are masked.
     EVEN_D: the head size fills BLOCK_D, so no load is masked along it.
 
     The slots of the next block are loaded one step ahead, so a block's K/V addresses do not wait on
@@ -142,27 +150,36 @@ def _attend_blocks(q, k_ptrs, v_ptrs, slot_ptr, slots, m_i, l_i, acc, lo, hi, kv
     """
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        if FRESH:
-            k_at, v_at = k_ptrs, v_ptrs
+        if TMA:  # whole rows of the box: those past the request's keys are the next request's (or
+            # zeros past the tensor): masked in the scores below, and their values zeroed, so a NaN or
+            # inf there stays that request's (0 x inf would be NaN)
+            kt = k_ptrs.load([slots, col]).T                                        # [BLOCK_D, BLOCK_N]
+            v = v_ptrs.load([slots, col])                                           # [BLOCK_N, BLOCK_D]
+            if MASKED:
+                mask_n = start_n + offs_n < kv_len
+                v = tl.where(mask_n[:, None], v, 0.0)
         else:
-            nxt = start_n + BLOCK_N + offs_n
-            next_slots = tl.load(slot_ptr + nxt, mask=nxt < kv_len, other=0).to(tl.int64)
+            if FRESH:
+                next_slots = slots + BLOCK_N
+            else:
+                nxt = start_n + BLOCK_N + offs_n
+                next_slots = tl.load(slot_ptr + nxt, mask=nxt < kv_len, other=0).to(tl.int64)
             k_at = k_ptrs + slots[None, :] * stride_kn
             v_at = v_ptrs + slots[:, None] * stride_vn
-        if MASKED:  # keys past the request's own are another request's (or past the tensor): not read
-            mask_n = start_n + offs_n < kv_len
-            if EVEN_D:
-                kt = tl.load(k_at, mask=mask_n[None, :], other=0.0)                  # [BLOCK_D, BLOCK_N]
-                v = tl.load(v_at, mask=mask_n[:, None], other=0.0)                   # [BLOCK_N, BLOCK_D]
+            if MASKED:  # keys past the request's own are another request's (or past the tensor): not read
+                mask_n = start_n + offs_n < kv_len
+                if EVEN_D:
+                    kt = tl.load(k_at, mask=mask_n[None, :], other=0.0)              # [BLOCK_D, BLOCK_N]
+                    v = tl.load(v_at, mask=mask_n[:, None], other=0.0)               # [BLOCK_N, BLOCK_D]
+                else:
+                    kt = tl.load(k_at, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+                    v = tl.load(v_at, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+            elif EVEN_D:  # every key of the block exists and is visible to every row: no mask at all
+                kt = tl.load(k_at)
+                v = tl.load(v_at)
             else:
-                kt = tl.load(k_at, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-                v = tl.load(v_at, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        elif EVEN_D:  # every key of the block exists and is visible to every row: no mask at all
-            kt = tl.load(k_at)
-            v = tl.load(v_at)
-        else:
-            kt = tl.load(k_at, mask=mask_d[:, None], other=0.0)
-            v = tl.load(v_at, mask=mask_d[None, :], other=0.0)
+                kt = tl.load(k_at, mask=mask_d[:, None], other=0.0)
+                v = tl.load(v_at, mask=mask_d[None, :], other=0.0)
         if INTERPRETED:
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
@@ -178,12 +195,11 @@ def _attend_blocks(q, k_ptrs, v_ptrs, slot_ptr, slots, m_i, l_i, acc, lo, hi, kv
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-        if FRESH:
-            k_ptrs += BLOCK_N * stride_kn
-            v_ptrs += BLOCK_N * stride_vn
+        if TMA:
+            slots += BLOCK_N
         else:
             slots = next_slots
-    return m_i, l_i, acc, slots, k_ptrs, v_ptrs
+    return m_i, l_i, acc, slots
 
 
 @triton.jit
@@ -422,11 +438,13 @@ def _heads_first(x):
 # ---------------------------------------------------------------------------- launch configurations
 @dataclass(frozen=True)
 class PrefillConfig:
-    """The ragged kernel's launch: queries and keys per program step, warps, pipeline stages."""
+    """The ragged kernel's launch: queries and keys per program step, warps, pipeline stages; ``tma``:
+    a fresh prompt's K/V blocks copied by the Tensor Memory Accelerator (sm_90 on)."""
     block_m: int
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    tma: bool = False
 
 
 @dataclass(frozen=True)
@@ -460,8 +478,11 @@ def interpreter_decode(n_heads: int, group: int = 1) -> DecodeConfig:
 MERGE_CHUNK = 16
 
 
-# Shared memory a ragged-kernel launch may plan for: under A100's 164 KiB (H100 has 227 KiB).
-SHARED_LIMIT = 160 * 1024
+# Shared memory a ragged-kernel launch may plan for, per GPU generation: under an A100's 163 KiB per
+# block, and an H100's 227 KiB (3 stages of 128 x 128 bf16 tiles at head size 128 take 224 KiB). The
+# pointer tiles plan for sm_80's, which they may also run on (on sm_90 the larger ones spill anyway,
+# fp32's most); the TMA tiles run on sm_90 only.
+SHARED_PLAN = {80: 160 * 1024, 90: 224 * 1024}
 
 
 def _prefill_shared(c: PrefillConfig, block_d: int, elem_bytes: int) -> int:
@@ -475,7 +496,7 @@ def _prefill_shared(c: PrefillConfig, block_d: int, elem_bytes: int) -> int:
 # rows over 8 warps and 3 stages (K/V prefetched two blocks ahead) first; 64 rows over 4 warps fit
 # two programs on one H100 SM; short query blocks waste fewer rows of short chunks. An A100 keeps
 # the dot operands in registers: 64-key blocks at 128 rows spill there, so its list starts narrower.
-# 128 x 128 tiles spill registers on both, and 3 stages of them need 224 KiB (A100: 163).
+# 128 x 128 tiles read through pointers spill registers on both (and need 224 KiB at 3 stages).
 PREFILL_TABLE = {
     90: (PrefillConfig(128, 64, 8, 3), PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 64, 8, 4),
          PrefillConfig(128, 32, 8, 3), PrefillConfig(64, 32, 4, 3), PrefillConfig(32, 64, 4, 3),
@@ -484,29 +505,40 @@ PREFILL_TABLE = {
          PrefillConfig(32, 64, 4, 3), PrefillConfig(16, 64, 4, 3)),
 }
 WIDE_HEAD_PREFILL = (PrefillConfig(32, 32, 4, 2), PrefillConfig(16, 32, 4, 2), PrefillConfig(64, 32, 8, 1))
-# Fresh prompts read their keys contiguously (no slot ids, no int64 address per key), which frees
-# registers: on sm_90 the 128 x 128 tile FlashAttention-2 uses nearly fits them at GPT-3's 40 heads
-# of 128 (255 at 8 warps and 16 bytes spilled; through the slot ids it spills 200), so the tuner times
-# it beside the rest. With grouped queries or a head size short of the tile it spills more (aot --full).
-FRESH_PREFILL = {90: (PrefillConfig(128, 128, 8, 2),)}
+# Fresh prompts' K/V blocks copied by the Tensor Memory Accelerator (sm_90 on; ``tma_ready`` k, v at
+# 16 bits): the copy engine computes the addresses and waits on a barrier, so no thread holds a pointer
+# per element. Compiled for sm_90 at GPT-3's 40 heads of 128 in bf16, by the lock's Triton (3.9) and
+# by the GPU image's (3.6): 128 x 64 at 3 stages takes 156 (3.9) or 158 (3.6) registers a thread where
+# the same tile read through pointers takes 182 or 210; no TMA tile of the table spills on either.
+# FlashAttention's 128 x 128 tile, added for them, fits 198-210 registers, and at 3 stages its 230,400
+# bytes of shared memory (an H100 allows 232,448). Where the TMA can read a batch, the tuner times
+# these and the table's tiles through it, not the pointer tiles (docs/results/aot_tma_cpu/).
+FRESH_PREFILL = {90: (PrefillConfig(128, 128, 8, 3), PrefillConfig(128, 128, 8, 2))}
 
 
 def prefill_candidates(head_size: int, elem_bytes: int = 2, arch: int | None = None,
-                       fresh: bool = False) -> list[PrefillConfig]:
+                       fresh: bool = False, tma: bool = True) -> list[PrefillConfig]:
     """What the GPU tuner times for the ragged kernel on compute capability ``arch`` (90 for an H100
     or H200 and later, 80 for the rest), the first one also serving untuned; ``arch=None``: every
-    configuration any GPU may launch (what ``aot`` compiles); ``fresh``: for fresh prompts (keys read
-    contiguously, ``FRESH_PREFILL`` added). Tiles whose Q block and pipelined K/V blocks would not fit
-    ``SHARED_LIMIT`` are left out (fp32 halves what fits; checked against the compiler's figures for
-    sm_80 and sm_90)."""
+    configuration any GPU may launch (what ``aot`` compiles). ``fresh`` (keys read from the step's
+    ``k, v``) with ``tma`` (they are ``tma_ready``), where the head size fills BLOCK_D (up to 128) and
+    elements are 16-bit: on sm_90 the table's tiles and ``FRESH_PREFILL``'s, every one through the
+    TMA (``aot`` also compiles the pointer tiles, which serve fresh prompts elsewhere). Tiles whose Q
+    block and pipelined K/V blocks would not fit ``SHARED_PLAN`` are left out (fp32 halves what fits;
+    checked against the compiler's figures for sm_80 and sm_90)."""
     block_d = next_pow2(head_size, 16)
     gens = (90, 80) if arch is None else (90 if arch >= 90 else 80,)
-    if block_d > 128:
-        cands = WIDE_HEAD_PREFILL
-    else:
-        cands = tuple(dict.fromkeys(c for g in gens for c in PREFILL_TABLE[g] + FRESH_PREFILL.get(g, ())
-                                    if fresh or c not in FRESH_PREFILL.get(g, ())))
-    return [c for c in cands if _prefill_shared(c, block_d, elem_bytes) <= SHARED_LIMIT] or [PrefillConfig(16, 16, 4, 1)]
+    boxes = fresh and tma and block_d == head_size <= 128 and elem_bytes == 2
+    tiles = []
+    for g in gens:
+        table = WIDE_HEAD_PREFILL if block_d > 128 else PREFILL_TABLE[g]
+        if boxes and g in FRESH_PREFILL:
+            tiles += [replace(c, tma=True) for c in (table[0], *FRESH_PREFILL[g], *table[1:])]
+        if not boxes or arch is None or g not in FRESH_PREFILL:
+            tiles += table
+    tiles = dict.fromkeys(tiles)
+    return [c for c in tiles if _prefill_shared(c, block_d, elem_bytes) <= SHARED_PLAN[90 if c.tma else 80]] \
+        or [PrefillConfig(16, 16, 4, 1)]
 
 
 @lru_cache(maxsize=None)
@@ -612,11 +644,12 @@ _TUNER = LaunchTuner()
 
 def ragged_attention_triton(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale,
                             plan: TritonPlan, *, tf32: bool = False, prefill: PrefillConfig | None = None,
-                            decode: DecodeConfig | None = None, k=None, v=None):
+                            decode: DecodeConfig | None = None, k=None, v=None, tma: bool = True):
     """Both kernels over one batch, no checks and no reads from the device (``plan`` holds what the
     host needs). ``prefill``/``decode`` force a launch configuration (tests); else it is tuned.
     ``k, v``: the new tokens' keys and values ``[T, n_kv_heads, D]`` (already written to the pools):
-    the fresh prefill requests read theirs there, contiguous, not through their slot ids."""
+    the fresh prefill requests read theirs there, contiguous, not through their slot ids; ``tma``:
+    through tensor descriptors where they allow it (``tma_ready``), else (False) through pointers."""
     out = torch.empty_like(q)
     if plan.prefill_reqs.size:
         direct = k is not None and k.dtype == k_pool.dtype and plan.fresh.any()
@@ -624,36 +657,64 @@ def ragged_attention_triton(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlen
         for fresh, keys, values in parts:
             if fresh is None or (plan.fresh == fresh).any():
                 _launch_prefill(q, keys, values, out, slot_ids, cu_seqlens_q, cu_seqlens_k, scale, plan,
-                                _dot_precision(q.dtype, tf32), prefill, fresh)
+                                _dot_precision(q.dtype, tf32), prefill, fresh, tma)
     if plan.n_decode:
         _launch_decode(q, k_pool, v_pool, out, slot_ids, cu_seqlens_q, cu_seqlens_k, scale, plan, decode)
     return out
 
 
-def _launch_prefill(q, keys, values, out, slot_ids, cu_q, cu_k, scale, plan, precision, cfg, fresh):
+def tma_ready(k, v) -> bool:
+    """Whether the copy engine can read ``k, v`` ``[T, n_kv_heads, D]`` in boxes of one head: heads
+    side by side in a row, 16-byte aligned rows and start, a head a power of two of 16 bytes or more
+    (the box fills the kernel's BLOCK_D, so no head's tile reads the next head's columns)."""
+    return all(x.stride(2) == 1 and x.stride(1) == x.shape[2] == next_pow2(x.shape[2], 16) <= MAX_HEAD_SIZE
+               and x.stride(0) * x.element_size() % 16 == 0 and x.data_ptr() % 16 == 0 for x in (k, v))
+
+
+def kv_descriptors(k, v, block_n: int):
+    """Tensor descriptors of a fresh batch's ``k, v`` ``[T, n_kv_heads, D]`` as ``[T, n_kv_heads x D]``
+    matrices (``tma_ready``), in boxes of ``block_n`` keys by one head."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return tuple(TensorDescriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1],
+                                  [block_n, x.shape[2]]) for x in (k, v))
+
+
+def _launch_prefill(q, keys, values, out, slot_ids, cu_q, cu_k, scale, plan, precision, cfg, fresh, tma):
     """The ragged kernel over ``plan``'s prefill requests (``fresh``: see ``TritonPlan.work_map``);
-    ``keys, values``: the pools, or for the fresh ones the step's own ``k, v``."""
+    ``keys, values``: the pools, or for the fresh ones the step's own ``k, v``, which a configuration
+    with ``tma`` reads through tensor descriptors if ``tma`` and they are ``tma_ready`` (else through
+    pointers, a forced configuration too). The tuner keeps each path's choices apart: slots, fresh
+    (pointers), fresh-tma."""
     H, D = q.shape[1:]
     n_kv = keys.shape[1]
     on_gpu = q.is_cuda
     block_d = next_pow2(D, 16)  # the GPU compiler wants tl.dot dimensions >= 16
+    boxes = bool(fresh) and tma and tma_ready(keys, values)
 
     def launch(c: PrefillConfig):
         work = plan.work_map(c.block_m, H // n_kv, fresh)
+        c = c if boxes or not c.tma else replace(c, tma=False)
         _ragged_attention_kernel[(work.shape[1], n_kv)](
-            q, keys, values, out, slot_ids, cu_q, cu_k, work[0], work[1],
+            q, *(kv_descriptors(keys, values, c.block_n) if c.tma else (keys, values)), out, slot_ids, cu_q,
+            cu_k, work[0], work[1],
             *q.stride(), *keys.stride(), *values.stride(), *out.stride(),
             scale * math.log2(math.e), D, H // n_kv,
-            DOT_PRECISION=precision, FRESH=bool(fresh), EVEN_D=D == block_d, BLOCK_M=c.block_m,
+            DOT_PRECISION=precision, FRESH=bool(fresh), TMA=c.tma, EVEN_D=D == block_d, BLOCK_M=c.block_m,
             BLOCK_N=c.block_n, BLOCK_D=block_d, INTERPRETED=not on_gpu, num_warps=c.num_warps,
             num_stages=c.num_stages)
 
     if cfg is None:
         arch = compute_capability(q.device.index) if on_gpu else None
-        key = ("prefill", bool(fresh), arch, H, n_kv, D, q.dtype, precision, bucket(plan.max_q),
-               bucket(plan.n_prefill_tokens))
-        cands = prefill_candidates(D, q.dtype.itemsize, arch, bool(fresh)) if on_gpu else [INTERPRETER_PREFILL]
-        cfg = _TUNER.choose(key, cands, launch, on_gpu, like=(key[0], not fresh, *key[2:]))
+        cands = prefill_candidates(D, q.dtype.itemsize, arch, bool(fresh), boxes) if on_gpu \
+            else [replace(INTERPRETER_PREFILL, tma=boxes)]
+        path = "fresh-tma" if cands[0].tma else "fresh" if fresh else "slots"
+        shape = (arch, H, n_kv, D, q.dtype, precision, bucket(plan.max_q), bucket(plan.n_prefill_tokens))
+        # a path not timed borrows from the other kind's (a fresh prompt's for a chunk, and back):
+        # the same tile, read through slots, pointers or the TMA as this path reads
+        others = [("prefill", p, *shape) for p in ("fresh-tma", "fresh", "slots")
+                  if (p == "slots") != (path == "slots")]
+        cfg = _TUNER.choose(("prefill", path, *shape), cands, launch, on_gpu, like=others,
+                            as_own=lambda c: replace(c, tma=cands[0].tma))
     launch(cfg)
 
 
@@ -838,15 +899,17 @@ def _shape_launches(dtype, heads, n_kv, d, *, every=False, ends=False, family=""
         widest = max(cands, key=lambda c: _prefill_shared(c, bd, dtype.itemsize))
         keys = {**strides("stride_k", "nhd", new), **strides("stride_v", "nhd", new)} if fresh else {}
         for c, prec in product(cands, precisions):
-            ends_of = c in (cands[0], widest, *FRESH_PREFILL[90])
+            boxes = dict(zip(("k_ptr", "v_ptr"), kv_descriptors(new, new, c.block_n))) if c.tma else {}
+            ends_of = c in (cands[0], widest)
             yield launch(_ragged_attention_kernel, f"prefill {'fresh ' if fresh else ''}{c}, {prec}, {shape}",
-                         **{**tensors, **keys}, work_req_ptr=i32, work_blk_ptr=i32, qk_scale=0.125,
-                         head_size=d, group=group, DOT_PRECISION=prec, FRESH=fresh, EVEN_D=d == bd,
+                         **{**tensors, **keys, **boxes}, work_req_ptr=i32, work_blk_ptr=i32, qk_scale=0.125,
+                         head_size=d, group=group, DOT_PRECISION=prec, FRESH=fresh, TMA=c.tma, EVEN_D=d == bd,
                          BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=bd, INTERPRETED=False,
                          num_warps=c.num_warps, num_stages=c.num_stages,
-                         quick=every and ends_of if fresh else every or ends and ends_of,  # fresh: GPT-3's only
-                         # the 128 x 128 tile is its own family: CI checks that it does not spill
-                         family=family + (" fresh" if fresh else "") + (" 128x128" if c in FRESH_PREFILL[90] else ""))
+                         quick=every if fresh else every or ends and ends_of,  # fresh: GPT-3's shape only
+                         # CI compiles the default and widest tile of each path: slots, fresh, fresh-tma
+                         family=family + (" fresh" if fresh else "") + (" tma" if c.tma else ""),
+                         min_arch=90 if c.tma else 0)
     cands = decode_candidates(d, heads, group)
     widest = max(cands, key=lambda c: (c.block_h * c.block_n, c.num_stages))
     part = meta(9, dtype=torch.float32)

@@ -5,12 +5,17 @@
 For each kernel: time, achieved GB/s and TFLOP/s, and the roofline floor ``max(bytes / bandwidth,
 FLOPs / matmul rate)`` with both peaks measured in the same run (a large copy, a large matmul).
 Attention is timed as the engine runs it (``triton``: the decode kernel for one-token requests,
-the ragged kernel for the rest, fresh prompts reading the step's own keys contiguously, with the
-iteration's plan built before timing as the engine builds it once per iteration), with every key
-read through its slot id (``triton-slots``), with the ragged kernel alone (``triton-ragged``), the FasterTransformer way
+the ragged kernel for the rest, fresh prompts reading the step's own keys contiguously, through the
+Tensor Memory Accelerator where the GPU has one, with the iteration's plan built before timing as
+the engine builds it once per iteration), with every key read through its slot id
+(``triton-slots``), with the ragged kernel alone (``triton-ragged``), the FasterTransformer way
 (requests padded to ``[B, L, H, D]``, one dense masked SDPA) and as a per-request SDPA loop (the torch
 backend), in a decode phase (many requests, one new token each, long contexts) and a prefill phase
-(whole prompts). The first call of each is untimed: it compiles, and on a GPU tunes the launch.
+(whole prompts). The prefill phase adds PyTorch's fused causal SDPA over the padded batch
+(``sdpa-causal``: on a CUDA GPU FlashAttention-2's kernel, the rate a vendor kernel reaches at this
+shape). Every implementation's output is checked against the first's before timing (the padded
+ones on their real rows), so a table never times a wrong answer. The first call of each is untimed:
+it compiles, and on a GPU tunes the launch.
 
 Without a GPU the Triton kernels run in Triton's interpreter: sizes are small (``--quick`` is the
 default there) and those timings say nothing about speed; the table marks them "interpreted".
@@ -135,10 +140,30 @@ def bench_attention(phase, q_lens, kv_lens, size, dtype, device):
         "sdpa-loop": lambda: ragged_attention(*args, backend="torch"),
         "padded-ft": lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask),
     }
+    if q_lens == kv_lens:    # whole prompts: a causal mask is each request's own, its padding trailing
+        impls["sdpa-causal"] = lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=True)
+    check_agree(impls, q_lens, dtype)
     bytes_, flops = attention_cost(q_lens, kv_lens, H, D, dtype.itemsize)
     sizes = dict(phase=phase, batch=len(q_lens), q_len=max(q_lens), kv_len=max(kv_lens), heads=H,
                  head_size=D)
     return [("ragged_attention", phase, impl, fn, bytes_, flops, sizes) for impl, fn in impls.items()]
+
+
+def check_agree(impls, q_lens, dtype):
+    """Each implementation's output against the first's (``[T, H, D]``; a padded ``[B, H, L, D]`` one
+    on its real rows), within what the dtype's rounding allows; raises naming the one that differs."""
+    ref = None
+    for name, fn in impls.items():
+        out = fn().float()
+        if out.dim() == 4:
+            out = torch.cat([out[b, :, :n].transpose(0, 1) for b, n in enumerate(q_lens)])
+        if ref is None:
+            ref, ref_name = out, name
+            continue
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        err = (out - ref).abs().max().item()
+        if not err <= tol:
+            raise AssertionError(f"bench: {name} differs from {ref_name} by {err:.3g} (allowed {tol:g})")
 
 
 # ----------------------------------------------------------------------------- token-wise ops

@@ -22,6 +22,7 @@ class Launch:
     num_stages: int = 3
     quick: bool = True                  # in the quick check (CI); False: only with --full
     family: str = ""                    # CI compiles the default and widest tiles of each family
+    min_arch: int = 0                   # launched on sm_<min_arch> and later only (e.g. 90: the TMA)
 
     @property
     def name(self) -> str:
@@ -45,11 +46,12 @@ def strides(prefix: str, letters: str, t: torch.Tensor) -> dict:
 
 
 def launch(kernel, what: str, *, num_warps: int = 4, num_stages: int = 3, quick: bool = True,
-           family: str = "", **args) -> Launch:
+           family: str = "", min_arch: int = 0, **args) -> Launch:
     """``kernel`` launched with ``args`` (every parameter by name) and ``num_warps``/``num_stages`` (they
     change the code and its shared memory), typed as Triton's launcher types it. ``quick=False``
     leaves it to ``--full``; a ``family`` (e.g. "group 8") gets its own default and widest compile in
-    CI's subset, beside those of the kernel's other launches."""
+    CI's subset, beside those of the kernel's other launches; ``min_arch``: compiled for that compute
+    capability and later only (the wrapper launches it nowhere else)."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.nvidia.compiler import CUDABackend
 
@@ -70,5 +72,5 @@ def launch(kernel, what: str, *, num_warps: int = 4, num_stages: int = 3, quick:
             constexprs[p.name] = spec
         elif isinstance(spec, str) and CUDABackend.parse_attr(spec):
             attrs[(i,)] = CUDABackend.parse_attr(spec)
-    return Launch(kernel, what, signature, constexprs, attrs, num_warps, num_stages, quick, family)
+    return Launch(kernel, what, signature, constexprs, attrs, num_warps, num_stages, quick, family, min_arch)
 
