@@ -146,6 +146,22 @@ def test_tuner_times_each_candidate_once_and_skips_what_does_not_fit(monkeypatch
     assert tuner.choose("key", ["a", "b", "c"], launch, on_gpu=True) == "b" and len(launched) == n
 
 
+def test_a_candidate_that_fails_otherwise_is_skipped_and_named(monkeypatch):
+    """A configuration whose launch raises for another reason (a driver refusing a tensor descriptor)
+    is skipped with a warning naming it and the error; when none runs, the error names them all."""
+    import triton
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or 1.0)
+
+    def launch(cfg):
+        if cfg.startswith("tma"):
+            raise RuntimeError("Triton Error [CUDA]: invalid argument")
+
+    with pytest.warns(RuntimeWarning, match="tma-128: RuntimeError: Triton Error .CUDA.: invalid argument"):
+        assert LaunchTuner().choose("key", ["tma-128", "ptr-64"], launch, on_gpu=True) == "ptr-64"
+    with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match="no launch configuration.*tma-1: .*tma-2"):
+        LaunchTuner().choose("key", ["tma-1", "tma-2"], launch, on_gpu=True)
+
+
 def test_a_settled_tuner_borrows_its_nearest_timed_bucket_and_times_nothing(monkeypatch):
     """After a warm-up the tuner settles: a new bucket of a kernel and model shape already timed takes
     the nearest timed bucket's choice without launching anything; another shape is still timed."""

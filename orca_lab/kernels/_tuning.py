@@ -14,6 +14,8 @@ model shape, and only a shape with no such neighbour is still timed.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 import triton  # noqa: E402  (callers import _backend first, which picks the interpreter on CPU)
@@ -82,14 +84,21 @@ class LaunchTuner:
 
 
 def _fastest(candidates, launch):
-    """Time each candidate that compiles and fits the device (too much shared memory is skipped)."""
-    times = {}
+    """Time each candidate that compiles and fits the device (too much shared memory is skipped).
+    One that fails otherwise here (a driver refusing a tensor descriptor, say) is skipped and named:
+    the ones that ran give the same answer, so a run on an untried GPU goes on with them."""
+    times, failed = {}, []
     for cfg in candidates:
         try:
             launch(cfg)                    # compiles; raises if the configuration cannot run here
         except (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError):
             continue
+        except Exception as e:  # noqa: BLE001  (named below, and raised if nothing else runs)
+            failed.append(f"{cfg}: {type(e).__name__}: {e}")
+            warnings.warn(f"launch configuration {failed[-1]} (skipped)", RuntimeWarning, stacklevel=3)
+            continue
         times[cfg] = triton.testing.do_bench(lambda cfg=cfg: launch(cfg), warmup=5, rep=20)
     if not times:
-        raise RuntimeError(f"no launch configuration of {candidates} runs on this device")
+        raise RuntimeError(f"no launch configuration of {candidates} runs on this device"
+                           + "".join(f"; {f}" for f in failed))
     return min(times, key=times.get)
