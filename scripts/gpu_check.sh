@@ -13,9 +13,9 @@
 # 10-45 s to spare, and never past what is left of its part (WINDOW_1, WINDOW_2: each within one call
 # of at most 10 minutes, together 12 minutes). A step cut by its limit exits 124; the others still run.
 # aot --full compiles on the CPU beside the tests and is cut with them: it needs no GPU, and it is
-# 5,452 compiles (2,726 launches for each of sm_80 and sm_90), so it prints and writes its rows as it
-# goes. Here it checks the GPU image's own Triton; a CPU machine runs it whole with the lock's
-# (docs/results/aot_full_cpu/: about 35 minutes an architecture on 2 cores).
+# 5,444 compiles (2,776 launches for sm_90, all but the TMA's 108 for sm_80 too), so it prints and
+# writes its rows as it goes. Here it checks the GPU image's own Triton; a CPU machine runs it whole
+# with the lock's (docs/results/aot_full_cpu/: about 35 minutes an architecture on 2 cores).
 #
 # Wheels: the GPU machine has torch, Triton, numpy, pandas, scipy, pytest, transformers... and no
 # package registry. `python3 scripts/gpu_check.py wheels` prints the pip command that downloads the

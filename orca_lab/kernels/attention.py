@@ -47,6 +47,7 @@ from orca_lab.kernels._tuning import LaunchTuner, bucket
 
 import triton  # noqa: E402  (after _backend, which sets TRITON_INTERPRET on CPU-only machines)
 import triton.language as tl  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 MAX_HEAD_SIZE = 256
 
@@ -674,7 +675,6 @@ def tma_ready(k, v) -> bool:
 def kv_descriptors(k, v, block_n: int):
     """Tensor descriptors of a fresh batch's ``k, v`` ``[T, n_kv_heads, D]`` as ``[T, n_kv_heads x D]``
     matrices (``tma_ready``), in boxes of ``block_n`` keys by one head."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
     return tuple(TensorDescriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1],
                                   [block_n, x.shape[2]]) for x in (k, v))
 
