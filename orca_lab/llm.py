@@ -295,11 +295,11 @@ class LLM:
         reqs = {}
         for i, req, _ in self._run(prompts, max_gen_tokens, system, sampling_params, sampling):
             reqs[i] = req
-        return [Completion(list(r.prompt), list(r.output), None if r.detokenize is None or r.error else r.text,
-                           r.finish_reason,
+        texts = {i: r.text_or_fail() for i, r in reqs.items()}       # first: a text that fails fails its request
+        return [Completion(list(r.prompt), list(r.output), texts[i], r.finish_reason,
                            None if r.params.logprobs is None else r.logprobs[:len(r.output)],
                            None if r.params.prompt_logprobs is None else list(r.prompt_logprobs), r.error)
-                for _, r in sorted(reqs.items())]
+                for i, r in sorted(reqs.items())]
 
     def beam_search(self, prompts, params: BeamSearchParams, system: str = "orca") -> list[list[Beam]]:
         """vLLM's ``LLM.beam_search``: each prompt's ``params.beam_width`` best sequences, best first

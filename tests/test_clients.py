@@ -703,6 +703,9 @@ def test_chat_logprobs_are_the_completions_of_its_template_streamed_and_whole(se
     ({"messages": MESSAGES, "temperature": 3}, "temperature", "[0.0, 2.0]"),
     ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options", "stream=true"),
     ({"messages": MESSAGES, "best_of": 2}, "best_of", "not a field"),
+    ({"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens",     # as sent; no echo in a chat
+     "max_completion_tokens=0 is out of range: allowed [1, 1048576]"),
+    ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens", "max_tokens=0 is out of range: allowed [1, 1048576]"),
 ])
 def test_bad_chat_input_gets_a_400_naming_the_field(server, body, field, words):
     r = httpx.post(server.url + "/v1/chat/completions", json=body)
@@ -718,6 +721,10 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens" and "999" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/tokenize", json={"prompt": "a", "model": "other"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = httpx.post(server.url + "/tokenize", json={"messages": []})           # as a chat refuses them
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages" and "empty" in r.text
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "x" * 1025})     # as vLLM: past the model's length
+    assert r.status_code == 400 and "1025 tokens, more than the model's max length: allowed <= 1024" in r.text
 
 
 @pytest.mark.parametrize("text, message", [(None, "cannot read it"), ("{% for m in messages %}", "not a Jinja template")])

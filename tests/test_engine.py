@@ -7,6 +7,7 @@ import torch
 from helpers import engine_config, on_device, random_prompts
 
 from orca_lab import LLM, EngineConfig, SamplingParams
+from orca_lab.config import FieldError
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.request import Request, RequestState
 from orca_lab.engine.scheduler import OrcaScheduler
@@ -175,7 +176,7 @@ def test_baseline_pads_holds_early_finishers_and_reserves_max_length(tiny_llm):
     ([1, -1], 4, "out of the vocabulary"),
     ([1, 2], 0, "max_gen_tokens=0"),
     ([1] * 1000, 100, "exceeds the model's max length"),
-    ([1] * 600, 100, "exceeds n_slots"),
+    ([1] * 600, 100, r"= 700 tokens, for which orca reserves 700 K/V slots, more than the n_slots=512"),
     ("text", 4, "list of token ids"),
 ])
 def test_bad_request_is_refused_and_the_engine_serves_the_others(tiny_llm, prompt, n, match):
@@ -188,10 +189,15 @@ def test_bad_request_is_refused_and_the_engine_serves_the_others(tiny_llm, promp
     assert good.output == alone(tiny_llm, [5, 6, 7], 3) and engine.scheduler.n_rsrv == 0
 
 
-def test_baseline_refuses_what_its_max_length_reservation_cannot_hold(tiny_llm):
+def test_baseline_refuses_a_pool_its_max_length_reservation_cannot_hold(tiny_llm):
+    """The baseline reserves the model's whole length (1024) for every request: over 512 slots it could
+    serve none, so the engine is refused where it is built, naming n_slots, not each request after."""
     llm = LLM(gpt=tiny_llm.model, engine=engine_config(max_bs=4, n_slots=512))
-    with pytest.raises(ValueError, match="exceeds n_slots=512"):
-        llm.new_engine("ft").add_request([1, 2], SamplingParams(max_gen_tokens=2))
+    with pytest.raises(FieldError, match=r"n_slots=512 cannot hold one request of ft: it reserves 1024 K/V "
+                                         r"slots for the smallest; allowed n_slots >= 1024") as e:
+        llm.new_engine("ft")
+    assert e.value.field == "n_slots"
+    assert llm.new_engine("orca").add_request([1, 2], SamplingParams(max_gen_tokens=2))   # orca serves on it
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -7,6 +7,8 @@ engine turns /health and /v1/models to 503 and its log names where it is stuck.
 The fault is real, not mocked: a checkpoint whose position embedding at ``POISON`` is nan. A request
 whose context reaches that position gets nan logits from there on (its own rows only: selective
 batching keeps requests apart), exactly as a model whose numerics blow up for one input does."""
+import asyncio
+import dataclasses
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +23,11 @@ from orca_lab import LLM, EngineConfig, RequestsFailed, SamplingParams
 from orca_lab.engine.beam_search import BeamSearchParams
 from orca_lab.distributed.pool import WorkerPool
 from orca_lab.llm import Completion
+from orca_lab.engine.detokenizer import Detokenizer
+from orca_lab.serving.engine_client import EngineClient, Stream
+from orca_lab.serving.engine_core import EngineArgs, EngineProcess
 from orca_lab.serving.launch import ServerProcess
+from orca_lab.serving.metrics import ServerMetrics
 from orca_lab.serving.watchdog import Watchdog
 
 POISON = 20                     # the nan position
@@ -64,6 +70,9 @@ def test_a_request_that_fails_in_process_fails_alone(poisoned, system, prefix_ca
     assert engine.stats().kv_reserved == 0 and not engine.live          # nothing held, nothing leaked
     check([_completion(r) for r in reqs], alone)
     check(llm.complete(PROMPTS, N_GEN, system, ignore_eos=True), alone)     # the LLM's API, and again
+    with pytest.raises(RequestsFailed) as e:        # streamed: the failed prompt's tokens, then its end
+        llm.generate(PROMPTS, N_GEN, system, ignore_eos=True)     # (ft holds them until its batch ends)
+    assert list(e.value.errors) == [1] and len(e.value.outputs[1]) == N_BEFORE
 
 
 def test_generate_names_the_prompt_that_failed_and_gives_the_others(poisoned):
@@ -87,27 +96,83 @@ def test_a_request_that_fails_on_workers_fails_alone(poisoned):
             check(llm.complete(PROMPTS, N_GEN, system, ignore_eos=True), alone)
 
 
-def test_a_stop_check_that_raises_fails_its_request_alone():
+class Fragile:
+    """Bytes, but a tokenizer that cannot decode ``bad`` (as tiktoken cannot an id past its ranks)."""
+
+    def __init__(self, bad: int):
+        self.bad = bad
+
+    def encode(self, text):
+        return list(text.encode())
+
+    def decode(self, ids):
+        if self.bad in ids:
+            raise ValueError(f"cannot decode {self.bad}")
+        return bytes(i % 256 for i in ids).decode("latin-1")
+
+
+def test_a_tokenizer_that_raises_fails_its_request_alone():
     """A tokenizer that cannot decode a token the model drew: the request with stop strings (whose
-    end the engine reads as text) fails; the one without goes on."""
+    end the engine reads as text) fails in the engine, the same prompt without them when its text is
+    made (``complete``, beam search); the other prompt, which never drew that token, goes on."""
     llm = LLM("tiny", seed=0)
-    first = llm.generate([[5, 6, 7]], 3, ignore_eos=True)[0]
-
-    class Fragile:
-        def encode(self, text):
-            return list(text.encode())
-
-        def decode(self, ids):
-            if first[1] in ids:
-                raise ValueError(f"cannot decode {first[1]}")
-            return bytes(i % 256 for i in ids).decode("latin-1")
-
-    llm.tokenizer = Fragile()
+    first, other = llm.generate([[5, 6, 7], [9, 8]], 3, ignore_eos=True)
+    assert first[1] not in other
+    llm.tokenizer = Fragile(first[1])
+    why = f"its tokenizer could not decode its tokens (ValueError: cannot decode {first[1]})"
     engine = llm.new_engine()
     a, b = [engine.add_request([5, 6, 7], SamplingParams(max_gen_tokens=3, stop=stop)) for stop in (("\x00\x01",), ())]
     engine.run()
-    assert a.finish_reason == "error" and f"its stop check failed (ValueError: cannot decode {first[1]})" in a.error
+    assert a.finish_reason == "error" and why in a.error
     assert (b.finish_reason, b.output) == ("length", first) and engine.stats().kv_reserved == 0
+    bad, good = llm.complete([[5, 6, 7], [9, 8]], 3, ignore_eos=True)
+    assert (bad.finish_reason, bad.error, bad.text) == ("error", why, None)
+    assert (good.finish_reason, good.token_ids, good.text) == ("length", other, Fragile(-1).decode(other))
+    bad, good = llm.beam_search([[5, 6, 7], [9, 8]], BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))
+    assert [(b.finish_reason, b.error) for b in bad] == [("error", why)] * 2
+    assert [b.finish_reason for b in good] == ["length"] * 2 and all(b.error is None for b in good)
+
+
+def test_a_token_the_endpoint_cannot_decode_fails_its_stream_alone():
+    """The endpoint makes each stream's text from the engine's token ids (the engine decodes only
+    requests with stop strings): a token its tokenizer cannot decode ends that stream with "error"
+    and frees its slots; the stream beside it in the same iterations gets its text, and the engine
+    process serves on."""
+    first, other = LLM("tiny", seed=0).generate([[5, 6, 7], [9, 8]], 3, ignore_eos=True)
+    core = EngineProcess(EngineArgs("tiny", engine=EngineConfig(max_bs=4, n_slots=1024)))
+    core.info = dataclasses.replace(core.info, tokenizer=Fragile(first[1]))
+
+    async def serve(prompts):
+        q = asyncio.Queue()
+        streams = [Stream(i, p, SamplingParams(max_gen_tokens=3, ignore_eos=True), 0.0, q,
+                          detokenizer=Detokenizer(client.decode)) for i, p in enumerate(prompts)]
+        await client.submit(streams)
+        events = {i: [] for i in range(len(prompts))}
+        while sum(bool(ev) and ev[-1].finish_reason is not None for ev in events.values()) < len(prompts):
+            i, ev = await asyncio.wait_for(q.get(), 60)
+            events[i].append(ev)
+        return list(events.values())
+
+    async def run():
+        client.start(asyncio.get_running_loop())
+        bad, good = await serve([[5, 6, 7], [9, 8]])
+        (again,) = await serve([[9, 8]])
+        while client.metrics.kv_reserved._value.get():       # the engine's abort of the failed one
+            await serve([[9, 8]])
+        return bad, good, again
+
+    try:
+        client = EngineClient(core, ServerMetrics(), 16)
+        bad, good, again = asyncio.run(run())
+    finally:
+        client.stop()
+        core.join(10)
+    assert bad[-1].finish_reason == "error" and bad[-1].error.startswith("its tokenizer could not decode")
+    assert [e.token for e in bad] == first[:1]        # the token it could not decode (its first) ended it
+    for events in (good, again):
+        assert [e.token for e in events] == other and events[-1].finish_reason == "length"
+        assert "".join(e.text for e in events) == Fragile(-1).decode(other)
+    assert client.alive is False and core.proc.exitcode == 0   # stopped when asked, not failed
 
 
 # -- over HTTP ----------------------------------------------------------------------------------------

@@ -187,8 +187,13 @@ def test_bad_block_size_or_token_budget_is_refused(tiny_llm, changes, match):
 
 def test_a_request_that_cannot_fit_alone_is_refused_at_submission(tiny_llm):
     engine = LLM(gpt=tiny_llm.model, engine=EngineConfig(n_slots=64, block_size=16)).new_engine("chunked")
-    with pytest.raises(ValueError, match="max_tokens=80 .* exceeds n_slots=64"):
+    with pytest.raises(ValueError, match=r"\(60 tokens\) \+ max_gen_tokens \(20\) = 80 tokens, for which chunked "
+                                         r"reserves 80 K/V slots, more than the n_slots=64") as e:
         engine.add_request([1] * 60, SamplingParams(max_gen_tokens=20))
+    assert e.value.field == "max_gen_tokens"
+    with pytest.raises(ValueError, match=r"reserves 80 K/V slots") as e:      # whole blocks of 16
+        engine.add_request([1] * 70, SamplingParams(max_gen_tokens=1))
+    assert e.value.field == "prompt"
     engine.add_request([1] * 40, SamplingParams(max_gen_tokens=4))     # the engine keeps serving
     assert [len(r.output) for r in engine.run().requests] == [4]
 

@@ -162,7 +162,7 @@ def test_finish_reason_is_recorded(tiny_llm):
 @pytest.mark.parametrize("prompt,kw,match", [
     ([], {}, "prompt is empty"), ([1, 300], {}, "prompt token id=300 is out of the vocabulary"),
     ([1] * 1020, dict(max_gen_tokens=8), "exceeds the model's max length"),
-    ([1] * 600, dict(max_gen_tokens=8), "exceeds n_slots=512"),
+    ([1] * 600, dict(max_gen_tokens=8), "more than the n_slots=512"),
     ([1], dict(stop_token_ids=[257]), "stop_token_ids=257 is out of the vocabulary"),
     ([1], dict(eos_token_id=999, ignore_eos=False), "eos_token_id=999 is out of the vocabulary"),
 ])

@@ -92,7 +92,7 @@ BAD = [  # (body, status, words the message must hold: the field, the value, the
     ({"prompt": [[1, 2], []]}, 400, ["prompt[1]", "empty"]),
     ({"prompt": [5, 257]}, 400, ["prompt", "257", "[0, 256]"]),
     ({"prompt": "a", "max_tokens": 1024}, 400, ["max_gen_tokens (1024)", "1025", "<= 1024", "max_tokens"]),
-    ({"prompt": "abc", "max_tokens": 999}, 400, ["max_tokens=1002", f"n_slots={N_SLOTS}"]),
+    ({"prompt": "abc", "max_tokens": 999}, 400, ["max_gen_tokens (999) = 1002", f"n_slots={N_SLOTS}"]),
     ({"prompt": "a", "temperature": -0.5}, 400, ["temperature=-0.5", "[0.0, 2.0]"]),
     ({"prompt": "a", "top_p": 0}, 400, ["top_p=0", "(0.0, 1.0]"]),
     ({"prompt": "a", "top_p": 1.5}, 400, ["top_p=1.5", "(0.0, 1.0]"]),
@@ -116,6 +116,12 @@ def test_bad_input_is_refused_while_good_requests_complete(server, client):
             err = r.json()["error"]
             assert r.status_code == status and err["code"] == status, (body, r.text)
             assert all(w in err["message"] for w in words), (body, err["message"])
+        r = http.post("/v1/completions", json={"prompt": [1] * 1024, "max_tokens": 1})   # the prompt is at fault
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        r = http.post("/v1/completions", json={"prompt": "a", "stop": 5})    # its forms said, not pydantic's names
+        assert r.json()["error"]["param"] == "stop" and "a valid string or a valid list" in r.text, r.text
+        r = http.post("/v1/completions", content=b"", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "must be a JSON object: it is empty" in r.text, r.text
         r = http.post("/v1/completions", content=b'{"prompt": "a", ', headers={"content-type": "application/json"})
         assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
         r = http.post("/v1/completions", content=b"\xff", headers={"content-type": "application/json"})

@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from orca_lab.config import check_range
+from orca_lab.engine.detokenizer import undecodable
 from orca_lab.engine.fields import MAX_LENGTH_PENALTY, MAX_LOGPROBS, check
 
 MAX_BEAM_WIDTH = 16      # its 2 * width candidates per beam are capped at MAX_LOGPROBS: still width + 4 EOS ids
@@ -112,7 +113,13 @@ class BeamSearch:
             return [failed] * self.params.beam_width
         ranked = sorted(self.finished + [dataclasses.replace(b, finish_reason="length") for b in self.live],
                         key=lambda b: -b.score(self.params.length_penalty))[:self.params.beam_width]
-        return ranked if decode is None else [dataclasses.replace(b, text=decode(b.output)) for b in ranked]
+        if decode is None:
+            return ranked
+        try:
+            return [dataclasses.replace(b, text=decode(b.output)) for b in ranked]
+        except Exception as e:          # its tokenizer cannot decode its beams: this search fails alone
+            self.error = undecodable(e)
+            return self.best(decode)
 
 
 def pending(searches: list[BeamSearch]) -> list[tuple[int, ...]]:

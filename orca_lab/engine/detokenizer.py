@@ -18,6 +18,12 @@ from __future__ import annotations
 INCOMPLETE = "\ufffd"       # what an incomplete (or invalid) UTF-8 sequence decodes to
 
 
+def undecodable(e: Exception) -> str:
+    """Why a request fails alone when its tokenizer raised on its tokens (its text, its stop check):
+    a fault of its own, never the engine's or another request's."""
+    return f"its tokenizer could not decode its tokens ({type(e).__name__}: {e})"
+
+
 class Detokenizer:
     """Text of a growing list of token ids: ``add`` a token, ``take`` what became visible."""
 

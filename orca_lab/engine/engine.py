@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from orca_lab.config import FieldError
-from orca_lab.engine.fields import check_token
+from orca_lab.engine.fields import as_token, check_context, check_token
 from orca_lab.engine.sampling_params import HOST_STATE, SamplingParams
 from orca_lab.engine.request import Request
 
@@ -171,10 +171,7 @@ class Engine:
 
     def _checked(self, prompt, params: SamplingParams) -> tuple[list[int], SamplingParams]:
         prompt = self._check_prompt(prompt)
-        if len(prompt) + params.max_gen_tokens > self.max_seq_len:
-            raise FieldError(f"prompt ({len(prompt)} tokens) + max_gen_tokens ({params.max_gen_tokens}) "
-                             f"= {len(prompt) + params.max_gen_tokens} exceeds the model's max length: "
-                             f"allowed <= {self.max_seq_len}", "max_gen_tokens")
+        check_context(len(prompt), params.max_gen_tokens, self.max_seq_len)
         params = self._check_params(params)
         self.scheduler.check_admissible(Request(-1, prompt, params))
         return prompt, params
@@ -248,12 +245,12 @@ class Engine:
     def _check_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
             raise TypeError(f"prompt must be a list of token ids, got {type(prompt).__name__}")
-        prompt = [int(t) for t in prompt]
+        prompt = [as_token(t) for t in prompt]
         if not prompt:
             raise FieldError("prompt is empty: allowed length [1, max_seq_len - max_gen_tokens]", "prompt")
-        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            check_token("prompt", bad, self.vocab_size, "prompt token id")
+        for t in prompt:
+            if type(t) is not int or not 0 <= t < self.vocab_size:
+                check_token("prompt", t, self.vocab_size, "prompt token id")
         return prompt
 
     # -- the loop -----------------------------------------------------------------------------

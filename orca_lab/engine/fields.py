@@ -7,6 +7,7 @@ A range is the same in process and over HTTP unless the row says why not (``http
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 from orca_lab.config import FieldError, range_text, check_range, shown
@@ -80,6 +81,27 @@ BY_HTTP = {f.http: f for f in FIELDS.values() if f.http}
 def check(name: str, value, **kw):
     """``FIELDS[name].check(value, **kw)``."""
     return FIELDS[name].check(value, **kw)
+
+
+def as_token(token):
+    """An integer of any library (numpy's, a one-element integer tensor's) as Python's ``int``;
+    anything else (a float, a bool, a digit string) as it is, for ``check_token`` to refuse: a token
+    id is never rounded or parsed into another one."""
+    if isinstance(token, int) or not hasattr(token, "__index__"):
+        return token
+    try:
+        return operator.index(token)
+    except TypeError:
+        return token
+
+
+def check_context(n_prompt: int, max_gen_tokens: int, max_seq_len: int):
+    """A prompt of ``n_prompt`` tokens and ``max_gen_tokens`` more within the model's length; named by
+    the field at fault: the prompt if it leaves no room for one token."""
+    if n_prompt + max_gen_tokens > max_seq_len:
+        raise FieldError(f"prompt ({n_prompt} tokens) + max_gen_tokens ({max_gen_tokens}) = {n_prompt + max_gen_tokens} "
+                         f"exceeds the model's max length: allowed <= {max_seq_len}",
+                         "prompt" if n_prompt >= max_seq_len else "max_gen_tokens")
 
 
 def check_token(name: str, token, vocab_size: int | None = None, where: str | None = None) -> int:

@@ -311,7 +311,9 @@ class System:
     def new_scheduler(self, kv: KVSlotManager, max_bs: int, max_seq_len: int, mbs: int | None = None,
                       max_num_batched_tokens: int = 512, schedule_policy: str = "fcfs"):
         self.check(isinstance(kv, PrefixCachingBlockManager), schedule_policy, mbs, max_bs)
-        return self.scheduler(kv, max_bs, max_seq_len, mbs, max_num_batched_tokens, schedule_policy)
+        scheduler = self.scheduler(kv, max_bs, max_seq_len, mbs, max_num_batched_tokens, schedule_policy)
+        scheduler.check_pool()
+        return scheduler
 
 
 REGISTRY: dict[str, System] = {s.name: s for s in (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from orca_lab.engine.detokenizer import Detokenizer
+from orca_lab.engine.detokenizer import Detokenizer, undecodable
 from orca_lab.engine.sampling_params import SamplingParams
 
 # OpenAI's and vLLM's names; "error": this request failed inside an iteration (``Request.fail``)
@@ -104,6 +104,17 @@ class Request:
                 raise RuntimeError(f"request {self.rid} has no tokenizer: its output is token ids only")
             self._detokenizer = Detokenizer(self.detokenize, self.params.stop)
         return self._detokenizer
+
+    def text_or_fail(self) -> str | None:
+        """Its ``text``, or None: it has no tokenizer, it failed, or it fails now because its tokenizer
+        cannot decode its tokens (alone: ``fail``)."""
+        if self.detokenize is None or self.error:
+            return None
+        try:
+            return self.text
+        except Exception as e:
+            self.fail(undecodable(e))
+            return None
 
     @property
     def text(self) -> str:

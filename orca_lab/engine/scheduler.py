@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 
 from orca_lab.config import FieldError
 from orca_lab.engine.batch import Batch
+from orca_lab.engine.detokenizer import undecodable
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.request import Request, RequestState
+from orca_lab.engine.sampling_params import SamplingParams
 
 
 def arrival_order(req: Request) -> tuple[float, int]:
@@ -45,7 +47,7 @@ def take_token(req: Request, tok, now: float | None) -> int | None:
     try:
         req.append(tok, now)
     except Exception as e:               # its own stop strings or tokenizer: not the engine's fault
-        req.fail(f"its stop check failed ({type(e).__name__}: {e})")
+        req.fail(undecodable(e))
         return None
     return tok
 
@@ -63,12 +65,24 @@ class Scheduler:
         raise NotImplementedError
 
     def check_admissible(self, req: Request):
-        """Refuse at submission a request that could never be scheduled: it would block FCFS forever."""
-        need = self.reservation(req)
+        """Refuse at submission a request that could never be scheduled: it would block FCFS forever.
+        Named by the field at fault: the prompt if it cannot fit with one token to generate."""
+        need, n = self.reservation(req), self.kv.n_slots
+        if need > n:
+            p, g = len(req.prompt), req.params.max_gen_tokens
+            alone = self.reservation(Request(-1, req.prompt, SamplingParams(max_gen_tokens=1)))
+            raise FieldError(f"prompt ({p} tokens) + max_gen_tokens ({g}) = {p + g} tokens, for which {self.name} "
+                             f"reserves {need} K/V slots, more than the n_slots={n} the engine has: allowed "
+                             f"reservation <= {n} slots", "prompt" if alone > n else "max_gen_tokens")
+
+    def check_pool(self):
+        """Refuse a K/V pool that cannot hold the smallest request (one prompt token, one to generate):
+        an engine over it would refuse every request (the baseline reserves the model's whole length
+        for each)."""
+        need = self.reservation(Request(-1, [0], SamplingParams(max_gen_tokens=1)))
         if need > self.kv.n_slots:
-            raise FieldError(f"max_tokens={need} (prompt {len(req.prompt)} + max_gen_tokens "
-                             f"{req.params.max_gen_tokens}, as reserved by {self.name}) exceeds "
-                             f"n_slots={self.kv.n_slots}: allowed max_tokens <= n_slots", "max_gen_tokens")
+            raise FieldError(f"n_slots={self.kv.n_slots} cannot hold one request of {self.name}: it reserves "
+                             f"{need} K/V slots for the smallest; allowed n_slots >= {need}", "n_slots")
 
     def add(self, req: Request):
         self.check_admissible(req)
@@ -273,16 +287,17 @@ class RequestLevelScheduler(Scheduler):
         """Once every request of the batch is done and none of its micro-batches is in flight, the
         whole batch returns at once, every token with it (FT delivers a request's tokens, the first
         included, when its batch ends), and frees its slots. Aborted requests deliver nothing, failed
-        ones their end only, ``(req, None)``: it was held like a request that finished early."""
+        ones the tokens they made before their fault, then their end, ``(req, None)``: each was held
+        like a request that finished early."""
         if not (self.active and self._batch_done() and not any(m.in_flight for m in self.micro)):
             return []
         events = []
         for req in self.active:
+            if req.finish_reason != "abort":
+                req.t_first_token = now if req.output else None
+                events += [(req, tok) for tok in req.output]
             if req.finish_reason == "error":
                 events.append((req, None))
-            elif req.finish_reason != "abort":
-                req.t_first_token = now
-                events += [(req, tok) for tok in req.output]
             self._finish(req, now)
         self.active, self.micro = [], []
         return events

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from orca_lab.engine.detokenizer import Detokenizer
-from orca_lab.engine.fields import http_error
+from orca_lab.engine.fields import check_context, http_error
 from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.serving.beam_search import beam_answer
 from orca_lab.serving.chat import ChatRequest, DetokenizeRequest, TokenizeRequest, chat_chunk, chat_response, render
@@ -156,6 +156,8 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
             comp = CompletionRequest(prompt=text, **body.completion_fields(await request.json()))
         except ValidationError as e:
             raise HTTPError(400, *validation_error(e.errors())) from None
+        except ValueError as e:
+            raise HTTPError(400, *http_error(e)) from None
         out = await _complete(state, comp, request, ChatLogprobs)
         if isinstance(out, StreamingResponse):
             started = set()
@@ -174,10 +176,12 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
             raise HTTPError(400, f"model {state.model_name!r} has no tokenizer: it takes token ids only", "prompt")
         if body.prompt is None and body.messages is None:
             raise HTTPError(400, "give prompt (text) or messages (a chat)", "prompt")
-        if body.prompt is not None:
-            ids = _tokens(tokenizer, body.prompt, "prompt")
-        else:
-            ids = _tokens(tokenizer, prompt_of(body.messages, body.add_generation_prompt), "messages")
+        field = "prompt" if body.prompt is not None else "messages"
+        text = body.prompt if body.prompt is not None else prompt_of(body.messages, body.add_generation_prompt)
+        ids = await asyncio.to_thread(_tokens, tokenizer, text, field)
+        if len(ids) > core.info.cfg.max_seq_len:     # as vLLM's: what no request could hold is refused
+            raise HTTPError(400, f"{field} is {len(ids)} tokens, more than the model's max length: allowed <= "
+                            f"{core.info.cfg.max_seq_len}", field)
         return {"count": len(ids), "max_model_len": core.info.cfg.max_seq_len, "tokens": ids,
                 "token_strs": [token_name(tokenizer, t) for t in ids] if body.return_token_strs else None}
 
@@ -202,7 +206,7 @@ async def _complete(state: ServerState, body: CompletionRequest, request: Reques
     stream of server-sent events, or 499 when its client left first. ``form``: the shape of its
     log-probabilities (``logprob_text.py``)."""
     arrival = request.scope["orca_arrival"]
-    streams = _streams(state, body, arrival)
+    streams = await _streams(state, body, arrival)
     cid = f"cmpl-{uuid.uuid4().hex}"
     try:
         if body.use_beam_search:          # its own requests, step by step: one prompt's streams[::n]
@@ -264,16 +268,15 @@ def _model_card(state: ServerState) -> ModelCard:
                      system=state.system, max_bs=ec.max_bs, n_slots=ec.n_slots)
 
 
-def _streams(state: ServerState, body: CompletionRequest, arrival: float) -> list[Stream]:
+async def _streams(state: ServerState, body: CompletionRequest, arrival: float) -> list[Stream]:
     """One stream per prompt and per ``n``: token ids, sampling parameters; refused here (before the
     engine) if the server is draining or the model is not this one."""
     if state.draining:
         raise HTTPError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_S)})
     _check_model(state, body.model)
-    info = state.pool.core.info
-    where = lambda i: "prompt" if len(body.prompt) == 1 else f"prompt[{i}]"
-    prompts = [_truncated(check_ids(_encode(info.tokenizer, p, "prompt", where(i)), info.cfg.vocab_size, "prompt",
-                                    where(i)), body, info.cfg.max_seq_len) for i, p in enumerate(body.prompt)]
+    # tokenizing and checking megabytes of prompt takes seconds: a thread's, not the event loop's, which
+    # serves every other client's tokens meanwhile
+    prompts = await asyncio.to_thread(_prompt_ids, state.pool.core.info, body)
     out, q = [], asyncio.Queue()
     for i, ids in enumerate(prompts):
         for j in range(body.n):
@@ -298,6 +301,21 @@ def _streams(state: ServerState, body: CompletionRequest, arrival: float) -> lis
                               detokenizer=None if decode is None else Detokenizer(decode, params.stop),
                               prompt_text=echo, echo_only=body.max_tokens == 0))
     return out
+
+
+def _prompt_ids(info, body: CompletionRequest) -> list[list[int]]:
+    """Each prompt's token ids, in the vocabulary, truncated as asked, and within the model's length
+    (checked here, before megabytes of ids travel to the engine only to be refused there)."""
+    where = lambda i: "prompt" if len(body.prompt) == 1 else f"prompt[{i}]"
+    prompts = []
+    for i, p in enumerate(body.prompt):
+        ids = check_ids(_encode(info.tokenizer, p, "prompt", where(i)), info.cfg.vocab_size, "prompt", where(i))
+        prompts.append(_truncated(ids, body, info.cfg.max_seq_len))
+        try:
+            check_context(len(prompts[-1]), max(1, body.max_tokens), info.cfg.max_seq_len)
+        except ValueError as e:
+            raise HTTPError(400, *http_error(e)) from None
+    return prompts
 
 
 def check_ids(ids: list[int], vocab_size: int, field: str, where: str) -> list[int]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, create_model, field_validator
 
+from orca_lab.config import check_range
 from orca_lab.engine.fields import MAX_LOGPROBS, check
 from orca_lab.serving.protocol import MAX_TOKENS, Body, CompletionRequest, _short
 
@@ -23,6 +24,13 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 SHARED = ("model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "stream",
           "stream_options", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "min_tokens", "logit_bias", "user", "return_tokens_as_token_ids", "return_token_ids")
+
+
+def _some(messages: list) -> list:
+    """A chat's messages (to complete, or to tokenize): at least one."""
+    if not messages:
+        raise ValueError("messages=[] is empty: a chat needs at least one message")
+    return messages
 
 
 class ChatMessage(BaseModel):
@@ -74,9 +82,7 @@ class ChatFields(Body):
     @field_validator("messages")
     @classmethod
     def _messages(cls, v):
-        if not v:
-            raise ValueError("messages=[] is empty: a chat needs at least one message")
-        return v
+        return _some(v)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -106,9 +112,9 @@ class ChatFields(Body):
         out = {k: raw[k] for k in SHARED if k in raw}
         if self.logprobs:
             out["logprobs"] = self.top_logprobs or 0
-        tokens = raw.get("max_completion_tokens", raw.get("max_tokens"))
-        if tokens is not None:
-            out["max_tokens"] = tokens
+        name = "max_completion_tokens" if raw.get("max_completion_tokens") is not None else "max_tokens"
+        if raw.get(name) is not None:       # named as sent, in a chat's range: it has no echo to take 0
+            out["max_tokens"] = check_range(name, raw[name], 1, MAX_TOKENS)
         return out
 
 
@@ -214,7 +220,7 @@ class TokenizeRequest(Body):
     def _one_of(cls, v, info):
         if v is not None and info.data.get("prompt") is not None:
             raise ValueError("give prompt or messages, not both")
-        return v
+        return v if v is None else _some(v)
 
 
 class DetokenizeRequest(Body):

@@ -8,7 +8,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from orca_lab.engine.detokenizer import Detokenizer
+from orca_lab.engine.detokenizer import Detokenizer, undecodable
 from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.serving.engine_core import SHUTTING_DOWN, EngineProcess
 from orca_lab.serving.metrics import ServerMetrics
@@ -232,8 +232,13 @@ class EngineClient:
                 (m.ttft if not s.output else m.itl).observe(now - s.t_last)
                 s.t_last = now
                 s.output.append(token)
-            text = "" if s.echo_only else s.text([] if token is None else [token], reason, stop_at)
-            matched = s.matched_stop(token, reason, stop_at)
+            try:
+                text = "" if s.echo_only else s.text([] if token is None else [token], reason, stop_at)
+                matched = s.matched_stop(token, reason, stop_at)
+            except Exception as e:        # its tokenizer cannot decode its tokens: it alone fails
+                if reason is None:
+                    self.cancel([s])          # its slots free; the engine's answer finds no stream
+                text, matched, reason, error = "", None, "error", undecodable(e)
             out.append((s, Event(token, text, reason, error, lp, plp, matched)))
             if reason is not None:
                 del self.streams[stream_id]

@@ -453,22 +453,35 @@ def unreadable_number(raw: bytes) -> tuple[str, str | None] | None:
     return f"{key}={digits[:11]}... ({len(digits.lstrip('-'))} digits) is out of range{allowed}", key
 
 
+def _field_path(err: dict) -> list[str]:
+    """Where pydantic says an error is, as the client named it: the fields and indices, without the
+    body and the forms a field may take (``stop.str``, ``stop.list[str]``: pydantic's, not the client's)."""
+    return [str(p) for p in err.get("loc", ()) if p != "body" and not (isinstance(p, str) and _is_form(p))]
+
+
+def _is_form(part: str) -> bool:
+    return not part.isidentifier() or part in ("str", "int", "float", "bool", "list", "dict", "none")
+
+
 def validation_error(errors: list[dict]) -> tuple[str, str | None]:
     """The first of pydantic's errors as ``(message, field)``: our own checks already name the field,
     value and range; a type error gets them prepended. Malformed JSON names the position. A check of
     the whole body (``Body``) names its field as data (``FieldError.field``)."""
     err = errors[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    loc = _field_path(err)
     refused = err.get("ctx", {}).get("error")
     field = ".".join(loc) or (http_param(refused.field) if isinstance(refused, FieldError) else None)
     if err.get("type") == "json_invalid":
         where = err.get("ctx", {}).get("error", err.get("msg", ""))
         return f"malformed JSON body: {where}", None
-    msg = err.get("msg", "invalid value")
+    # a field of several forms (``stop``: a string or a list of them) fails once per form: say each
+    msgs = list(dict.fromkeys(e.get("msg", "invalid value") for e in errors if _field_path(e) == loc))
+    lead = "Input should be " if all(m.startswith("Input should be ") for m in msgs) else ""
+    msg = lead + " or ".join(m.removeprefix(lead) for m in msgs)
     if err.get("type") == "value_error":
         return msg.removeprefix("Value error, "), field
     if err.get("type") == "missing":
-        return f"{field} is required", field
+        return (f"{field} is required", field) if field else ("the request body must be a JSON object: it is empty", None)
     if err.get("type") == "extra_forbidden":
         return (f"{field} is not a field this server knows: refused rather than ignored "
                 "(see the OpenAPI schema at /openapi.json)"), field
