@@ -1,5 +1,7 @@
 """Per-request life: parameters, stops, finish reasons and cancellation (the hooks a server drives)."""
+import numpy as np
 import pytest
+import torch
 from helpers import random_prompts
 
 from orca_lab import LLM, EngineConfig, SamplingParams
@@ -161,6 +163,8 @@ def test_finish_reason_is_recorded(tiny_llm):
 
 @pytest.mark.parametrize("prompt,kw,match", [
     ([], {}, "prompt is empty"), ([1, 300], {}, "prompt token id=300 is out of the vocabulary"),
+    ([5.7, 6.0], {}, "prompt token id=5.7 must be an integer"),      # never rounded into another prompt
+    ([True, 1], {}, "prompt token id=True must be an integer"), (["5"], {}, "prompt token id='5' must be an integer"),
     ([1] * 1020, dict(max_gen_tokens=8), "exceeds the model's max length"),
     ([1] * 600, dict(max_gen_tokens=8), "more than the n_slots=512"),
     ([1], dict(stop_token_ids=[257]), "stop_token_ids=257 is out of the vocabulary"),
@@ -174,6 +178,13 @@ def test_add_request_refuses_and_adds_nothing(tiny_llm, prompt, kw, match):
     with pytest.raises(ValueError, match=match):
         engine.add_requests([((5, 6), SamplingParams(), None), (prompt, SamplingParams(**kw), None)])
     assert engine.requests == [] and not engine.has_work()
+
+
+def test_integer_ids_of_numpy_and_torch_are_a_prompt_as_they_are(tiny_llm):
+    engine = engine_of(tiny_llm, n_slots=512)
+    got = [engine.add_request(p, SamplingParams(max_gen_tokens=1)).prompt
+           for p in (np.array([5, 6]), torch.tensor([5, 6]), [np.int64(5), torch.tensor(6)])]
+    assert got == [[5, 6]] * 3 and all(type(t) is int for p in got for t in p)
 
 
 # -- per-request parameters in the Python API: each batched == alone, token for token ---------------
