@@ -61,6 +61,7 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
             state.pool.stop()
             await asyncio.to_thread(core.join, stop_timeout)   # the loop reads the engine's last words
             state.pool.close()
+            state.tokenizing.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="orca_lab", lifespan=lifespan)
     app.openapi = _openapi_of(app)
@@ -178,7 +179,7 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
             raise HTTPError(400, "give prompt (text) or messages (a chat)", "prompt")
         field = "prompt" if body.prompt is not None else "messages"
         text = body.prompt if body.prompt is not None else prompt_of(body.messages, body.add_generation_prompt)
-        ids = await asyncio.to_thread(_tokens, tokenizer, text, field)
+        ids = await state.tokenized(_tokens, tokenizer, text, field)
         if len(ids) > core.info.cfg.max_seq_len:     # as vLLM's: what no request could hold is refused
             raise HTTPError(400, f"{field} is {len(ids)} tokens, more than the model's max length: allowed <= "
                             f"{core.info.cfg.max_seq_len}", field)
@@ -274,9 +275,7 @@ async def _streams(state: ServerState, body: CompletionRequest, arrival: float) 
     if state.draining:
         raise HTTPError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_S)})
     _check_model(state, body.model)
-    # tokenizing and checking megabytes of prompt takes seconds: a thread's, not the event loop's, which
-    # serves every other client's tokens meanwhile
-    prompts = await asyncio.to_thread(_prompt_ids, state.pool.core.info, body)
+    prompts = await state.tokenized(_prompt_ids, state.pool.core.info, body)
     out, q = [], asyncio.Queue()
     for i, ids in enumerate(prompts):
         for j in range(body.n):

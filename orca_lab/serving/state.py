@@ -1,10 +1,12 @@
 """What the endpoint holds between requests: the engine client, the metrics, the HTTP records of
-the last completions (for ``/debug/run``, with ``--debug`` only), whether it is draining."""
+the last completions (for ``/debug/run``, with ``--debug`` only), whether it is draining, and the
+thread that tokenizes prompts."""
 from __future__ import annotations
 
 import asyncio
 import json
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from orca_lab.serving.engine_client import EngineClient
@@ -23,6 +25,14 @@ class ServerState:
     # none, so a server's memory does not grow with what it served (as the engine's own records)
     history: int = 0
     completions: OrderedDict = field(default_factory=OrderedDict)   # completion id -> HTTPRecord
+    # prompts are tokenized here, not on the event loop (megabytes of text take seconds, and the loop
+    # serves every stream's tokens meanwhile); one thread: in arrival order, and no tokenizer is called
+    # from two threads at once (not every one may be)
+    tokenizing: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "orca-tokenize"))
+
+    async def tokenized(self, fn, *args):
+        """``fn(*args)`` (tokenizing, and checking the ids) on the tokenizing thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
 
     def record(self, cid: str, rec: "HTTPRecord"):
         if self.history:
