@@ -456,6 +456,10 @@ def test_a_request_larger_than_the_queue_can_ever_hold_is_a_400_naming_both_numb
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt=[[1]] * 65, n=16, max_tokens=1)
     assert "1040" in e.value.body["message"] and "max_queue=1024" in e.value.body["message"]
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:       # as many prompts alone: the prompt is at fault
+        client.completions.create(model="tiny", prompt=[[1]] * 1025, max_tokens=1)
+    assert e.value.body["param"] == "prompt" and "1025" in e.value.body["message"]
 
 
 # -- vLLM's fields: return_token_ids, truncate_prompt_tokens, continuous_usage_stats, beam search -------

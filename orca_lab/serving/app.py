@@ -212,7 +212,7 @@ async def _complete(state: ServerState, body: CompletionRequest, request: Reques
     try:
         if body.use_beam_search:          # its own requests, step by step: one prompt's streams[::n]
             return await _until_done_or_gone(state, request, beam_answer(state, body, cid, streams[::body.n]), [])
-        await state.pool.submit(streams)
+        await state.pool.submit(streams, "n" if body.n > 1 else "prompt")
     except (ValueError, TypeError) as e:
         raise HTTPError(400, *http_error(e)) from None
     rec = HTTPRecord([s.rid for s in streams], arrival)

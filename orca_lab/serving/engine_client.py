@@ -123,15 +123,16 @@ class EngineClient:
         loop.add_reader(self.core.receive.fileno(), self._on_readable)
         self._reading = True
 
-    def submit(self, streams: list[Stream]) -> asyncio.Future:
+    def submit(self, streams: list[Stream], field: str = "n") -> asyncio.Future:
         """Send ``streams`` to the engine; the future settles once the engine took them all (or
-        refused them: ValueError/TypeError). Past ``max_queue`` waiting requests: 503."""
+        refused them: ValueError/TypeError). Past ``max_queue`` waiting requests: 503; more streams
+        than it can ever hold: 400 naming ``field``, what made them so many (prompts, or ``n``)."""
         if not self.alive or self.stalled is not None:     # dead, or stuck: it would never be served
             raise HTTPError(503, self.error or self.stalled or "the engine is not running")
         if len(streams) > self.max_queue:           # not a matter of time: retrying never helps
             raise HTTPError(400, f"the request is {len(streams)} sequences (prompts x n), more than max_queue="
                             f"{self.max_queue} waiting requests (--max-queue) can ever hold: send at most "
-                            f"{self.max_queue}", "n")
+                            f"{self.max_queue}", field)
         waiting = self._in_inbox + self._waiting
         if waiting + len(streams) > self.max_queue:
             raise HTTPError(503, f"the server is overloaded: {waiting} requests waiting, max_queue="
