@@ -3,6 +3,7 @@ symptom calls for, a loop that never ends included (bounded in time: the grader 
 package's own answers, and thin wrappers of them, are refused; the course's solutions pass."""
 import math
 import statistics
+import sys
 import time
 
 import pytest
@@ -131,6 +132,44 @@ def test_a_select_that_never_returns_is_stopped():
     assert time.monotonic() - t < 3 * bounded.TIMEOUT_S        # bounded; never a verdict on speed
 
 
+class Forever:
+    """A learner's answer whose own code never returns once the grader reads it."""
+
+    def __int__(self):
+        while True:
+            pass
+
+    __iter__ = __int__
+
+
+class LyingRid:
+    def __init__(self, rid):
+        self.rid = rid
+
+    def __eq__(self, other):          # says it is any request: the grader must not ask it
+        return True
+
+    __hash__ = object.__hash__
+
+
+@pytest.mark.parametrize("answer, error, match", [
+    (lambda pool, n: ([], Forever()), harness.Stuck, "did not return within"),       # its __int__, read
+    (lambda pool, n: (Forever(), n), harness.Stuck, "did not return within"),        # its __iter__
+    (lambda pool, n: ([LyingRid(r.rid) for r in pool], n), harness.Mismatch, "None"),  # not the pool's requests
+    (lambda pool, n: sys.exit(3), bounded.Exited, r"select raised SystemExit\(3\) on case 0"),
+    (lambda pool, n: (_ for _ in ()).throw(KeyboardInterrupt), bounded.Exited, "raised KeyboardInterrupt"),
+], ids=["int loops", "iter loops", "lying requests", "sys.exit", "KeyboardInterrupt"])
+def test_reading_a_select_answer_is_bounded_and_its_exits_named(answer, error, match):
+    """What the learner returns runs code of its own when the grader reads it; and an exit or an
+    interrupt of theirs is named as theirs, never taken for the notebook's own."""
+    def select(pool, n_rsrv, max_bs, n_slots):
+        return answer(pool, n_rsrv)
+    t = time.monotonic()
+    with pytest.raises(error, match=match):
+        ch03.check_select(select)
+    assert time.monotonic() - t < 3 * harness.CASE_S
+
+
 def test_the_by_hand_select_is_checked_against_the_package():
     ch03.check_first_select(["W"], 12, ["X", "Y"], 35)
     for wrong in ((["W"], 12, ["X", "Y", "Z"], 43), (["W"], 12, ["X", "Y"], 47), (["W", "X"], 42, ["Y", "Z"], 13)):
@@ -203,6 +242,39 @@ def test_slot_grader_names_the_symptom(wrong):
     cls, hint = SLOT_MANAGERS[wrong]
     with pytest.raises(harness.Mismatch, match=hint):
         ch05.check_slot_manager(cls)
+
+
+@pytest.mark.parametrize("does, error, match", [
+    ("loops", bounded.TooSlow, "your property n_reserved did not return within"),
+    ("exits", bounded.Exited, r"your property n_reserved raised SystemExit\(3\)"),
+])
+def test_a_slot_managers_property_is_its_code_bounded_and_named(does, error, match):
+    """``n_reserved`` as a property: reading it runs the learner's code, under the bound as a call."""
+    class Property(SlotManager):
+        """The solution, its count kept apart (``_n``) and shown through a property of its own."""
+        def can_reserve(self, n):
+            return self._n + n <= self.n_slots
+
+        @property
+        def n_reserved(self):
+            if does == "loops":
+                while True:
+                    pass
+            sys.exit(3)
+
+        @n_reserved.setter
+        def n_reserved(self, value):
+            self._n = value
+
+        def reserve(self, req, n):
+            self._n, slots = self._n + n, self.free
+            req.slots, self.free = slots[:n], slots[n:]
+
+        def release(self, req):
+            self._n -= len(req.slots)
+            self.free, req.slots = sorted(self.free + req.slots), None
+    with pytest.raises(error, match=match):
+        ch05.check_slot_manager(Property)
 
 
 # -- the other graders -----------------------------------------------------------------------------

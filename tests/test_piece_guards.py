@@ -56,6 +56,39 @@ def select(pool, n_rsrv, max_bs, n_slots):
         n_rsrv += 0
 '''
 
+ENDLESS_ANSWER = '''
+class Batch(list):
+    def __iter__(self):                  # the answer's own code, run when the engine reads it
+        while True:
+            pass
+
+
+def select(pool, n_rsrv, max_bs, n_slots):
+    return Batch(), n_rsrv
+'''
+
+ENDLESS_COUNT = '''
+class SlotManager:
+    def __init__(self, n_slots):
+        self.n_slots, self.held, self.free = n_slots, 0, list(range(n_slots))
+
+    @property
+    def n_reserved(self):                # right until a slot is held, then never returns
+        while self.held:
+            pass
+        return 0
+
+    def can_reserve(self, n):
+        return self.held + n <= self.n_slots
+
+    def reserve(self, req, n):
+        req.slots, self.free = self.free[:n], self.free[n:]
+        self.held += n
+
+    def release(self, req):
+        self.free, self.held, req.slots = sorted(self.free + req.slots), self.held - len(req.slots), None
+'''
+
 DOUBLE_FREE = '''
 class BlockAllocator:
     def __init__(self, n_blocks):
@@ -121,6 +154,14 @@ def test_a_piece_that_never_returns_is_stopped_within_its_bound_naming_the_line(
     with pytest.raises(PieceFault, match=r"your select \(.*select\.py:3\) did not return within 0\.3 s "
                                          r"\(stopped at .*select\.py:[45]\)"):
         run_assembled(folder, "orca", EngineConfig(max_bs=2, n_slots=256), [[1, 2]], [3], bound_s=0.3)
+    for piece, source in (("select", ENDLESS_ANSWER), ("SlotManager", ENDLESS_COUNT)):   # read, not called
+        with pytest.raises(PieceFault, match=r"did not return within 0\.3 s") as e:
+            # (the folder "select" is named as the standard library's module)
+            run_assembled(package(tmp_path / piece, piece, source), "orca", EngineConfig(max_bs=2, n_slots=256),
+                          [[1, 2]], [3], bound_s=0.3)
+        assert e.value.piece == piece
+    import select
+    assert callable(select.select)          # the learner's folder "select" replaced no module of the process
     # a grader run after that (profiled, in a thread) is not disturbed: cancelling the landed stop
     # once left CPython spinning there, and the grader reported a stub raising at once as too slow
     def stub():

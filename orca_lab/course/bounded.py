@@ -7,14 +7,16 @@ what every grader of the course (the chapter modules, ``chNN_*.py``, over ``harn
   where it can: see below. ``what`` is how every message names the learner's code (default: ``fn``'s
   name; a grader that drives that code through a helper of its own says "code"). An exception of
   ``fn``'s goes through as the learner's own (its type, its traceback), with a note naming the case
-  that raised it. A call, during ``fn``, into the code of one of ``references`` (functions, classes,
+  that raised it; one that would end the grader itself (``SystemExit``, ``KeyboardInterrupt``: not an
+  ``Exception``) becomes ``Exited``, which names it as the learner's. A call, during ``fn``, into the code of one of ``references`` (functions, classes,
   methods: the package's answer to the exercise) raises ``PackageCode``: a learner's function that
   wraps the package's is refused.
 - ``refuse_package_code(learner_obj, *references)``: raises ``PackageCode`` when ``learner_obj``
   is one of ``references``, wraps one (``__wrapped__``, ``functools.partial``, a bound method, a
   ``@triton.jit`` function), subclasses one, or reuses one's code (a method copied into a class).
 - ``Bounded(obj, case=..., references=...)``: a learner's object (an instance of their class)
-  whose every method call runs through ``run_bounded``; ``case`` can be changed between calls.
+  whose every method call, and every property read, runs through ``run_bounded``; ``case`` can be
+  changed between calls.
 
 Why a thread and not ``signal.setitimer``: a Jupyter kernel runs a cell in its main thread, where an
 alarm would work, but a grader may run anywhere (a test's worker thread, a server, Windows, where
@@ -42,6 +44,10 @@ class TooSlow(AssertionError):
 
 class PackageCode(AssertionError):
     """The learner's answer is (or calls) the package's own answer to the exercise."""
+
+
+class Exited(AssertionError):
+    """The learner's code raised what would end the grader (``sys.exit``, ``KeyboardInterrupt``)."""
 
 
 class _Stopped(BaseException):
@@ -149,6 +155,9 @@ def run_bounded(fn, *args, timeout_s: float | None = None, case: str = "", refer
                           "the grader compares your code with it; write your own")
     if "error" in box:
         e = box["error"]
+        if not isinstance(e, Exception):    # SystemExit, KeyboardInterrupt: a notebook would read them as its own
+            raise Exited(f"your {what} raised {type(e).__name__}({e}) on {case}: code under a grader must "
+                         "return or raise an ordinary exception, not exit or interrupt") from None
         e.add_note(f"(raised by your {what} on {case})")
         tb = e.__traceback__
         raise e.with_traceback(tb.tb_next if tb is not None and tb.tb_next is not None else tb)
@@ -164,6 +173,9 @@ class Bounded:
         vars(self).update(obj=obj, case=case, references=references, timeout_s=timeout_s)
 
     def __getattr__(self, name):
+        if isinstance(inspect.getattr_static(self.obj, name, None), property):   # the learner's code too
+            return run_bounded(getattr, self.obj, name, timeout_s=self.timeout_s, case=self.case,
+                               references=self.references, what=f"property {name}")
         attr = getattr(self.obj, name)
         if not callable(attr):
             return attr

@@ -8,7 +8,7 @@ import random
 
 from orca_lab.config import EngineConfig, ModelConfig
 from orca_lab.course.bounded import PackageCode, TooSlow, refuse_package_code, run_bounded
-from orca_lab.course.guards import guarded
+from orca_lab.course.guards import guarded, select_answer
 from orca_lab.course.harness import (N_CASES, Mismatch, Piece, check_by_hand, correct, differ, mismatch, place_on, read,
                                      request)
 from orca_lab.engine.batch import Batch
@@ -59,11 +59,6 @@ def random_arrivals(rng, n_slots: int):
     return out
 
 
-def _batch_and_n(got):
-    batch, n = got
-    return list(batch), int(n)
-
-
 def _graded_select(select, expected: list, label: str):
     """The learner's ``select``, bounded, and its ``k``-th answer compared with the package's
     ``k``-th (both schedules are the same up to the first answer that differs)."""
@@ -73,7 +68,7 @@ def _graded_select(select, expected: list, label: str):
                 f"{[(r.rid, r.state.value, r.max_tokens) for r in pool]}, n_rsrv={n_rsrv})"
         got = run_bounded(select, list(pool), n_rsrv, max_bs, n_slots, case=where,
                           references=(OrcaScheduler.select,))
-        batch, n = read("the answer", where, got, _batch_and_n, "(batch, n_rsrv): a list of requests and an int")
+        batch, n = read("the answer", where, got, select_answer(pool), "(batch, n_rsrv): a list of requests and an int")
         graded.calls.append(k)
         want = expected[k] if k < len(expected) else ([], n_rsrv)
         if ([getattr(r, "rid", r) for r in batch], n) != want:

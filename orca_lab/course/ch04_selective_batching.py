@@ -33,12 +33,15 @@ def random_requests(rng, g, b: int) -> list[Request]:
 
 _FLAT_HINTS = {
     "input_ids": "each request's new tokens (pending_tokens()), requests one after another",
-    "positions": "a new token's position counts the request's cached tokens before it: n_cached + i",
-    "slot_mapping": "where each new token's K/V is written: req.slots[n_cached:n_cached + new]",
-    "kv_slot_ids": "the whole context attention reads: req.slots[:n_cached + new], request after request",
+    # in words, never the code: a wrong field is shown what it means, not its answer
+    "positions": "a new token's position counts every token of its request before it, the cached ones too",
+    "slot_mapping": "where each new token's K/V is written: its request's own slots, one per new token, "
+                    "those after the slots its cached tokens already hold",
+    "kv_slot_ids": "the whole context attention reads: the slots of each request's cached and new tokens, "
+                   "request after request",
     "cu_seqlens_q": "0, then the running sum of each request's new tokens",
     "cu_seqlens_k": "0, then the running sum of each request's context (cached + new tokens)",
-    "last_idx": "the row of each request's last new token: cu_seqlens_q[i + 1] - 1"}
+    "last_idx": "the row of each request's last new token in the flat batch, counted from 0"}
 
 
 def check_flatten(flatten, seed: int = 0):

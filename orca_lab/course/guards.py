@@ -260,7 +260,7 @@ class _CheckedSlots(_Guarded):
             self._drained()
 
     def _count(self, member: str):
-        said = getattr(self.obj, "n_reserved", None)
+        said = self.piece.call(_int_or_none, self.obj, "n_reserved", member=member)  # a property is code too
         if said != self.held.n:
             raise self.piece.fault(f"left n_reserved={said} while requests hold {self.held.n} slots", member)
 
@@ -303,14 +303,46 @@ class _CheckedAllocator(_Guarded):
         self.piece.call(self.obj.free, blocks, member="free")
 
 
+def _int_or_none(obj, name: str) -> int | str | None:
+    """``obj.name`` as an int (None if it has none; its type's name if it is no number)."""
+    value = getattr(obj, name, None)
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):
+        return f"a {type(value).__name__}"
+
+
+def select_answer(pool):
+    """The reader of a Select's answer over ``pool`` (ch. 03's grader and the capstone's guard): its
+    batch as the pool's own requests, by identity (None for anything else: no object of the learner's
+    runs its ``rid`` or ``__eq__`` where the reader's caller compares them), and ``n_rsrv`` an int.
+    Run it under the learner's bound: reading the answer runs its code (``__iter__``, ``__int__``)."""
+    own = {id(r): r for r in pool}
+
+    def read(answer):
+        batch, n = answer
+        return [own.get(id(r)) for r in batch], int(n)
+    return read
+
+
+def _answered(select, pool, *args):
+    """The learner's ``select`` and the reading of its answer, both under its piece's bound; None
+    when the answer is no ``(batch, n_rsrv)``."""
+    answer = select(pool, *args)
+    try:
+        return select_answer(pool)(answer)
+    except (TypeError, ValueError):
+        return None
+
+
 def _checked_select(piece: Piece):
     def select(pool, n_rsrv, max_bs, n_slots):
-        out = piece.call(piece.obj, pool, n_rsrv, max_bs, n_slots)
-        try:
-            batch, n_out = out
-            batch = list(batch)
-        except (TypeError, ValueError):
-            raise piece.fault(f"returned {out!r}, not (batch, n_rsrv)") from None
+        out = piece.call(_answered, piece.obj, pool, n_rsrv, max_bs, n_slots)
+        if out is None:
+            raise piece.fault("returned no (batch, n_rsrv): a list of requests and an int")
+        batch, n_out = out
+        if None in batch:
+            raise piece.fault("chose something that is not a request of the pool it was given")
         _check_algorithm_1(piece, pool, batch, n_rsrv, n_out, max_bs, n_slots)
         return batch, n_out
     return select

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from orca_lab.course.bounded import TooSlow, run_bounded
+from orca_lab.course.bounded import Exited, TooSlow, run_bounded
 from orca_lab.engine.request import Request
 from orca_lab.engine.sampling_params import SamplingParams
 
@@ -51,11 +51,22 @@ def correct(n: int, against: str):
 
 def read(what: str, case, got, reader, shape: str):
     """``reader(got)``: the learner's answer in the form compared; one of another shape is a mismatch
-    that says which shape was expected (never a TypeError from inside the grader)."""
+    that says which shape was expected (never a TypeError from inside the grader). Read under the
+    bound: the learner's objects run code of their own when read (``__int__``, ``__iter__``)."""
     try:
-        return reader(got)
+        return run_case(reader, got, label=str(case))
+    except (Stuck, Exited):
+        raise
     except Exception:  # noqa: BLE001  (any failure to read it is the same symptom: the wrong shape)
-        differ(what, case, shape, f"{got!r} ({type(got).__name__})", f"return {shape}")
+        differ(what, case, shape, f"{_shown(got, case)} ({type(got).__name__})", f"return {shape}")
+
+
+def _shown(got, case) -> str:
+    """The learner's answer as its ``repr`` says (bounded: its own code), or its type alone."""
+    try:
+        return run_case(repr, got, label=str(case))
+    except Exception:  # noqa: BLE001
+        return f"a {type(got).__name__}"
 
 
 def check_by_hand(case: str, answers: dict):

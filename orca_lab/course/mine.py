@@ -238,8 +238,10 @@ def verdicts(where: str | Path | None = None) -> dict:
 
 
 def _import_folder(path: Path) -> types.ModuleType:
-    """The folder as a package of its own name (a fresh import each time: the learner edits it)."""
-    name = path.resolve().name
+    """The folder as a package named after it (a fresh import each time: the learner edits it), under
+    a prefix of its own: a folder called ``select`` or ``json`` must not replace the module of that
+    name for the whole process."""
+    name = f"_learners_{path.resolve().name}"
     for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
         del sys.modules[key]
     init = path / "__init__.py"

@@ -61,7 +61,7 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
             state.pool.stop()
             await asyncio.to_thread(core.join, stop_timeout)   # the loop reads the engine's last words
             state.pool.close()
-            state.tokenizing.shutdown(wait=False, cancel_futures=True)
+            state.tokenizing.shutdown(wait=False)     # what it holds is answered by the stopped engine
 
     app = FastAPI(title="orca_lab", lifespan=lifespan)
     app.openapi = _openapi_of(app)

@@ -109,7 +109,7 @@ class EngineClient:
         stuck, or it has sent nothing for its ``stall_s`` while it holds requests (a process that cannot
         run at all, whose watchdog cannot speak either)."""
         if not self.alive:
-            return self.error or "the engine is not running"
+            return self.error or self.exiting or "the engine is not running"   # (exiting: said, not reaped yet)
         if self.stalled is not None:
             return self.stalled
         silent = time.monotonic() - self.heard
@@ -127,8 +127,8 @@ class EngineClient:
         """Send ``streams`` to the engine; the future settles once the engine took them all (or
         refused them: ValueError/TypeError). Past ``max_queue`` waiting requests: 503; more streams
         than it can ever hold: 400 naming ``field``, what made them so many (prompts, or ``n``)."""
-        if not self.alive or self.stalled is not None:     # dead, or stuck: it would never be served
-            raise HTTPError(503, self.error or self.stalled or "the engine is not running")
+        if why := self.unhealthy():                        # dead, or stuck: it would never be served
+            raise HTTPError(503, why)
         if len(streams) > self.max_queue:           # not a matter of time: retrying never helps
             raise HTTPError(400, f"the request is {len(streams)} sequences (prompts x n), more than max_queue="
                             f"{self.max_queue} waiting requests (--max-queue) can ever hold: send at most "
