@@ -137,7 +137,7 @@ def test_the_prefix_grader_wants_full_blocks_short_of_the_last_token():
         ch12.check_prefix_lookup(lambda cache, prompt, bs: bs * sum(
             name in cache for name in chain_hashes(prompt, bs, (len(prompt) - 1) // bs)))
     ch12.check_prefix_lookup(lambda cache, prompt, bs: cached_run(cache, prompt[:-1], bs))
-    with pytest.raises(harness.Mismatch, match="block i's parent is block i-1's name"):
+    with pytest.raises(harness.Mismatch, match="each later block's parent is the block before it"):
         ch12.check_block_hashes(lambda tokens, bs: [block_hash(None, tokens[i:i + bs])
                                                     for i in range(0, len(tokens) - bs + 1, bs)])
 

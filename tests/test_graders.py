@@ -289,8 +289,23 @@ def earliest_victim(running, req, chosen):
     return None
 
 
+def _in_float64(q, k_cache, v_cache, k_new, v_new):
+    k, v = torch.cat([k_cache, k_new]), torch.cat([v_cache, v_new])
+    return _attention(q, k, v).double(), k, v
+
+
+def _split_in_float64(*args):
+    w, b = solution("07", "split_linear")(*args)
+    return w.double(), b
+
+
 OTHERS = {
     "attention returns None": (ch01.check_cached_attention, lambda *a: None, "return \\(out, k_cache, v_cache\\)"),
+    "attention in float64": (ch01.check_cached_attention, _in_float64, "the output's dtype differs(?s:.*)float64"),
+    "a split in float64": (lambda fn: ch07.check_split_linear(fn, solution("07", "all_reduce")), _split_in_float64,
+                           "rank 0's weight's dtype differs"),
+    "block names that equal any": (ch12.check_block_hashes, lambda tokens, bs: [LyingRid(0)] * (len(tokens) // bs),
+                                   "a list of block names \\(bytes"),
     "the longest generation only": (ch02.check_ft_iterations, lambda p, g: max(g), "shortest prompt's length"),
     "one finish per batch": (ch02.check_ft_finish, lambda p, g, bs: [max(g)], "one per request"),
     "stages as a dict": (ch07.check_split_layers, lambda n, s: {0: n}, "a list of \\(first, end\\) pairs"),
@@ -300,7 +315,7 @@ OTHERS = {
                          "not the mean"),
     "the earliest victim": (ch11.check_victim, earliest_victim, "never one that arrived before req"),
     "block slots from the table's order": (ch11.check_block_slots, lambda t, n, bs: list(range(n)),
-                                           "block table\\[t // block_size\\]"),
+                                           "the table's entry for the block_size-long stretch"),
 }
 
 

@@ -6,7 +6,7 @@ import torch
 
 from orca_lab import kernels
 from orca_lab.course.bounded import refuse_package_code, run_bounded
-from orca_lab.course.harness import N_CASES, correct, differ, read
+from orca_lab.course.harness import N_CASES, correct, differ, read, same_kind
 from orca_lab.kernels.attention import ragged_attention_ref, ragged_attention_torch
 
 
@@ -37,9 +37,11 @@ def check_cached_attention(fn, seed: int = 0):
         k_ref, v_ref = torch.cat([k_cache, k_new]), torch.cat([v_cache, v_new])
         ref = kernels.ragged_attention(q[:, None], k_ref[:, None], v_ref[:, None], torch.arange(len(k_ref)),
                                        one_request(n_new), one_request(len(k_ref)), backend="torch")[:, 0]
+        for name, mine, want in (("k_cache", k_all, k_ref), ("v_cache", v_all, v_ref), ("the output", out, ref)):
+            same_kind(name, label, want, mine)
         if not torch.equal(k_all, k_ref) or not torch.equal(v_all, v_ref):
             differ("the grown cache", label, f"k_cache then k_new: shape {tuple(k_ref.shape)}",
-                   f"shape {tuple(k_all.shape)}", "torch.cat([k_cache, k_new]): the old rows first")
+                   f"shape {tuple(k_all.shape)}", "the cached rows first, then the new ones, in one tensor")
         if out.shape != ref.shape or not torch.allclose(out, ref, atol=1e-5):
             differ("the output", label, ref, out, "each new query sees the cache and the new tokens up to itself")
     correct(N_CASES, "orca_lab.kernels.ragged_attention (reference)")

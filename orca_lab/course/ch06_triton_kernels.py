@@ -6,7 +6,7 @@ import torch
 
 from orca_lab import kernels
 from orca_lab.course import bounded
-from orca_lab.course.bounded import refuse_package_code, run_bounded
+from orca_lab.course.bounded import describe, refuse_package_code, run_bounded
 from orca_lab.course.ch01_generation_and_kv_cache import one_request
 from orca_lab.course.harness import correct, differ
 
@@ -26,7 +26,7 @@ def check_online_softmax(step, seed: int = 0, device=None):
         q, k, v = q.to(device), k.to(device), v.to(device)
         label = f"case {case} (n={n} keys, d={d}, block={block})"
         got = run_bounded(attend_one_query, q, k, v, block, step, case=label, timeout_s=10 * bounded.TIMEOUT_S,
-                          references=(update,))
+                          references=(update,), what=f"{describe(step)} (run over the key blocks)")
         ref = kernels.ragged_attention(q[None, None], k[:, None], v[:, None], torch.arange(n, device=device),
                                        one_request(1, device), one_request(n, device), backend="torch")[0, 0]
         if not torch.allclose(got, ref, atol=1e-4, rtol=1e-4):

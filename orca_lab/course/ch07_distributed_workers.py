@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from orca_lab.course.bounded import refuse_package_code, run_bounded
-from orca_lab.course.harness import N_CASES, Piece, correct, differ, read
+from orca_lab.course.harness import N_CASES, Piece, correct, differ, read, same_kind
 from orca_lab.course.tensor_ranks import LearnerShards, TensorRanks
 from orca_lab.distributed.data_plane import DataPlane
 from orca_lab.engine.executor import split_layers
@@ -136,6 +136,7 @@ def check_split_linear(split_linear, all_reduce, seed: int = 0):
                    for t in range(T)]
             for t, ((w, b), (w_ref, b_ref)) in enumerate(zip(got, (_package_shard(weight, bias, t, T, parallel)
                                                                    for t in range(T)))):
+                same_kind(f"rank {t}'s weight", label, w_ref, w)
                 if not (w.shape == w_ref.shape and torch.equal(w, w_ref)):
                     differ(f"rank {t}'s weight", label, _slice_of(weight, w_ref), _slice_of(weight, w),
                            _split_hint(weight, [s[0] for s in got], dim, T))
@@ -146,6 +147,8 @@ def check_split_linear(split_linear, all_reduce, seed: int = 0):
         label = f"case {case} (x [{n}, {d_in}], weight [{d_out}, {d_in}], T={T} row-parallel partials)"
         whole = run_bounded(all_reduce, [p.clone() for p in partials], case=label, references=refs)
         expected = F.linear(x, weight, bias)
+        if isinstance(whole, torch.Tensor) and whole.shape == expected.shape:
+            same_kind("your all_reduce's sum", label, expected, whole)
         out = whole + bias if isinstance(whole, torch.Tensor) and bias is not None and whole.shape == expected.shape \
             else whole
         if not (isinstance(out, torch.Tensor) and out.shape == expected.shape and torch.allclose(out, expected, atol=1e-5)):

@@ -40,7 +40,8 @@ def check_block_slots(fn, seed: int = 0):
         expected = [int(s) for s in req.slots[:n]]
         if got != expected:
             differ("the slot ids", label, expected, got, f"one slot per token: {n}" if len(got) != n else
-                   "token t is in block table[t // block_size], at t % block_size")
+                   "a token's block is the table's entry for the block_size-long stretch it falls in, "
+                   "and its slot is its place within that stretch")
     correct(N_CASES, "BlockManager")
 
 

@@ -69,6 +69,15 @@ def _shown(got, case) -> str:
         return f"a {type(got).__name__}"
 
 
+def same_kind(what: str, case, expected: torch.Tensor, got: torch.Tensor):
+    """``got`` of ``expected``'s dtype and device, or a mismatch naming which one differs (never a torch
+    error from inside the grader's comparison, nor a float64 passing for float32). Shapes are each
+    grader's to compare: a wrong one says something of its own (which dimension was split)."""
+    for name in ("dtype", "device"):
+        if getattr(got, name) != getattr(expected, name):
+            differ(f"{what}'s {name}", case, getattr(expected, name), getattr(got, name), f"keep the inputs' {name}")
+
+
 def check_by_hand(case: str, answers: dict):
     """A by-hand exercise's answers, ``{name: (yours, the package's, hint)}``: the first that differs
     is a ``Mismatch`` naming it, with the learner's value and the hint in words; never the expected
