@@ -56,6 +56,11 @@ def select(pool, n_rsrv, max_bs, n_slots):
         n_rsrv += 0
 '''
 
+RAISING_SELECT = '''
+def select(pool, n_rsrv, max_bs, n_slots):
+    raise IndexError("my bug")
+'''
+
 ENDLESS_ANSWER = '''
 class Batch(list):
     def __iter__(self):                  # the answer's own code, run when the engine reads it
@@ -202,6 +207,15 @@ def test_served_a_double_freeing_allocator_gives_errors_naming_it_never_wrong_te
                 assert status == 503 and "your BlockAllocator.take (" in body["error"]["message"], body
         assert any(status == 503 for status, _ in answers)
         assert s.proc.wait(30) == 1 and "your BlockAllocator.take (" in s.output
+
+
+def test_served_a_select_that_raises_ends_the_requests_naming_its_line(tmp_path):
+    folder = package(tmp_path / "p", "select", RAISING_SELECT)
+    with serving(folder) as s:
+        for status, body in ask_at_once(s.url, ["a", "b"], 2):
+            assert status == 503 and f"your code at {folder / 'select.py'}:4 raised IndexError: my bug" in \
+                body["error"]["message"], body
+        assert s.proc.wait(30) == 1
 
 
 def test_served_a_select_that_never_returns_ends_the_requests_with_its_name(tmp_path):

@@ -159,6 +159,12 @@ class Piece:
         except _Stopped as e:
             raise self.fault(f"did not return within {bound_s:g} s{self._stopped_at(e)}", member) from None
 
+    @staticmethod
+    def raised_in(e: BaseException, folder: str) -> str | None:
+        """Where in ``folder`` (the learner's package) ``e`` was raised: its innermost frame there."""
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).is_relative_to(folder)]
+        return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
+
     def _stopped_at(self, e: BaseException) -> str:
         """Where the learner's code was when stopped: its innermost frame outside this package."""
         frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(PACKAGE)]
