@@ -159,16 +159,10 @@ class Piece:
         except _Stopped as e:
             raise self.fault(f"did not return within {bound_s:g} s{self._stopped_at(e)}", member) from None
 
-    @staticmethod
-    def raised_in(e: BaseException, folder: str) -> str | None:
-        """Where in ``folder`` (the learner's package) ``e`` was raised: its innermost frame there."""
-        frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).is_relative_to(folder)]
-        return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
-
     def _stopped_at(self, e: BaseException) -> str:
         """Where the learner's code was when stopped: its innermost frame outside this package."""
-        frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(PACKAGE)]
-        return f" (stopped at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+        where = _innermost(e, lambda filename: not filename.startswith(PACKAGE))
+        return f" (stopped at {where})" if where else ""
 
     def bounded(self, fn, member: str | None = None):
         return lambda *args, **kwargs: self.call(fn, *args, member=member, **kwargs)
@@ -307,6 +301,17 @@ class _CheckedAllocator(_Guarded):
             raise self.piece.fault(f"keeps the free list wrong: with no block held, take({self.n_blocks}) gave "
                                    f"{len(blocks)} ids, {len(set(blocks))} distinct", "free")
         self.piece.call(self.obj.free, blocks, member="free")
+
+
+def _innermost(e: BaseException, keep) -> str | None:
+    """``file:line`` of the innermost frame of ``e``'s traceback whose file ``keep`` accepts."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if keep(f.filename)]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
+
+
+def raised_in(e: BaseException, folder: str) -> str | None:
+    """Where in ``folder`` (the learner's package) ``e`` was raised: its innermost frame there."""
+    return _innermost(e, lambda filename: Path(filename).is_relative_to(folder))
 
 
 def _int_or_none(obj, name: str) -> int | str | None:

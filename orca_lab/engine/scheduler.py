@@ -70,19 +70,22 @@ class Scheduler:
         need, n = self.reservation(req), self.kv.n_slots
         if need > n:
             p, g = len(req.prompt), req.params.max_gen_tokens
-            alone = self.reservation(Request(-1, req.prompt, SamplingParams(max_gen_tokens=1)))
             raise FieldError(f"prompt ({p} tokens) + max_gen_tokens ({g}) = {p + g} tokens, for which {self.name} "
                              f"reserves {need} K/V slots, more than the n_slots={n} the engine has: allowed "
-                             f"reservation <= {n} slots", "prompt" if alone > n else "max_gen_tokens")
+                             f"reservation <= {n} slots", "prompt" if self._least(req.prompt) > n else "max_gen_tokens")
 
     def check_pool(self):
         """Refuse a K/V pool that cannot hold the smallest request (one prompt token, one to generate):
         an engine over it would refuse every request (the baseline reserves the model's whole length
         for each)."""
-        need = self.reservation(Request(-1, [0], SamplingParams(max_gen_tokens=1)))
+        need = self._least([0])
         if need > self.kv.n_slots:
             raise FieldError(f"n_slots={self.kv.n_slots} cannot hold one request of {self.name}: it reserves "
                              f"{need} K/V slots for the smallest; allowed n_slots >= {need}", "n_slots")
+
+    def _least(self, prompt: list[int]) -> int:
+        """Slots reserved for ``prompt`` with one token to generate: the least any request of it takes."""
+        return self.reservation(Request(-1, prompt, SamplingParams(max_gen_tokens=1)))
 
     def add(self, req: Request):
         self.check_admissible(req)

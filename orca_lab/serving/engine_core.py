@@ -234,8 +234,8 @@ class EngineLoop:
     def _failure(self, e: BaseException) -> str:
         said = f"the engine failed ({type(e).__name__}); the server's log has the traceback"
         if self.plugins is not None:
-            from orca_lab.course.guards import Piece, PieceFault
-            where = Piece.raised_in(e, self.plugins)
+            from orca_lab.course.guards import PieceFault, raised_in
+            where = raised_in(e, self.plugins)
             if isinstance(e, PieceFault):
                 said = f"the engine failed: {e}"
             elif where is not None:          # a learner's piece raised: named to every client it failed
