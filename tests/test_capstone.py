@@ -179,7 +179,25 @@ def test_the_capstone_names_each_piece_not_done_and_its_chapter(package, monkeyp
     assert "NotImplementedError" in report["flatten"].now and "TooSlow" in report["victim"].now
     assert "NOT DONE (its chapter's grader: not graded)" in report["block_hashes"].line()
     with pytest.raises(regrade.NotDone, match=r"select \(chapter 03\); SlotManager \(chapter 05\)"):
-        regrade.check(pieces, saved, names=names[1:3])
+        regrade.check(regrade.regrade(pieces, saved, names[1:3]))
+
+
+def test_the_capstone_grades_apart_a_piece_that_ends_its_process_naming_how(package):
+    """``os._exit`` and a crash in C end the child grading them, not the capstone: each piece fails
+    named with how its process ended, and the pieces after it are graded in a fresh child."""
+    (package / "select.py").write_text("import os\n__all__ = ['select']\n__verdict__ = 'passed'\n\n\n"
+                                       "def select(pool, n_rsrv, max_bs, n_slots):\n    os._exit(7)\n")
+    (package / "block_hashes.py").write_text(
+        "import ctypes\n__all__ = ['block_hashes']\n__verdict__ = 'passed'\n\n\n"
+        "def block_hashes(*args):\n    return ctypes.string_at(0)\n")
+    names = ("form_batch", "select", "block_hashes", "flatten")
+    report = {p.name: p for p in regrade.apart(package, dict.fromkeys(plug.PIECES, mine.PASSED), names)}
+    assert [n for n in names if not report[n].done] == ["select", "block_hashes"]
+    assert "exited with code 7" in report["select"].now and "while grading it" in report["select"].now
+    assert "killed by SIGSEGV" in report["block_hashes"].now
+    (package / "flatten.py").write_text("import os\nos._exit(3)\n__all__ = ['flatten']\n")
+    report = regrade.apart(package, names=("form_batch", "flatten"))
+    assert all("code 3" in p.now and "importing the package" in p.now for p in report)
 
 
 def test_an_exercise_records_its_graders_verdict(tmp_path, monkeypatch):

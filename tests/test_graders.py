@@ -178,6 +178,26 @@ def test_the_by_hand_select_is_checked_against_the_package():
         assert "expected" not in str(e.value) and "35" not in str(e.value) and "['X', 'Y']" not in str(e.value)
 
 
+BY_HAND = {  # notebook by-hand exercises: (checker, its arguments around the answers, the right answers)
+    "01": (ch01.check_rows, lambda a: (*a, LLM("tiny", engine=EngineConfig(max_bs=4, n_slots=1024)), [7] * 6, 5),
+           (40, 10)),
+    "04": (ch04.check_offsets, lambda a: ([4, 1, 1, 6], [0, 9, 3, 0], *a), ([0, 4, 5, 6, 12], [0, 4, 14, 18, 24], 24)),
+    "11": (ch11.check_slots_held, tuple, (140, 64)),
+    "12": (ch12.check_hit_tokens, tuple, (24, 13))}
+
+
+@pytest.mark.parametrize("chapter", BY_HAND)
+def test_a_by_hand_answer_is_checked_against_the_package_and_never_shown(chapter, capsys):
+    check, args, right = BY_HAND[chapter]
+    check(*args(right))
+    assert "correct" in capsys.readouterr().out
+    for i, answer in enumerate(right):      # each answer wrong alone: named, with its hint, not the answer
+        wrong = list(right)
+        wrong[i] = answer + [1] if isinstance(answer, list) else answer + 1
+        with pytest.raises(harness.Mismatch, match="(?s)differs.*got \\(yours\\).*hint") as e:
+            check(*args(wrong))
+        assert str(answer) not in str(e.value).replace(str(wrong[i]), "")
+
 # -- 05: the slot manager --------------------------------------------------------------------------
 SlotManager = solution("05", "SlotManager")
 

@@ -6,8 +6,9 @@ import torch
 
 from orca_lab import kernels
 from orca_lab.course.bounded import refuse_package_code, run_bounded
-from orca_lab.course.harness import N_CASES, correct, differ, read, same_kind
+from orca_lab.course.harness import N_CASES, check_by_hand, correct, differ, read, same_kind
 from orca_lab.kernels.attention import ragged_attention_ref, ragged_attention_torch
+from orca_lab.workload import TraceItem
 
 
 def one_request(n: int, device="cpu") -> torch.Tensor:
@@ -45,3 +46,21 @@ def check_cached_attention(fn, seed: int = 0):
         if out.shape != ref.shape or not torch.allclose(out, ref, atol=1e-5):
             differ("the output", label, ref, out, "each new query sees the cache and the new tokens up to itself")
     correct(N_CASES, "orca_lab.kernels.ragged_attention (reference)")
+
+
+def check_rows(rows_without_cache, rows_with_cache, llm, prompt, n_gen: int):
+    """Notebook 01's by-hand count, measured by ``llm``'s engine: the rows its iterations compute to
+    generate ``n_gen`` tokens from ``prompt`` with the K/V cache (one run), and without it (a run per
+    token, each over the whole sequence so far). A wrong count is named with its hint, never the
+    measured one (the exercise's answer)."""
+    def rows(prompt_len: int, n: int) -> int:
+        item = TraceItem(arrival=0.0, prompt=(0,) * prompt_len, max_gen_tokens=n)
+        return sum(it.n_tokens for it in llm.serve([item]).iterations)
+
+    prompt_len = len(prompt)
+    check_by_hand(f"a {prompt_len}-token prompt generating {n_gen} tokens", {
+        "rows_without_cache": (rows_without_cache, sum(rows(prompt_len + i, 1) for i in range(n_gen)),
+                               "each step without the cache runs the whole sequence so far, which grows by one"),
+        "rows_with_cache": (rows_with_cache, rows(prompt_len, n_gen),
+                            "with the cache the prompt runs once, then each later step runs its one new token")})
+    print(f"correct: {rows_without_cache} rows without the cache, {rows_with_cache} with it")

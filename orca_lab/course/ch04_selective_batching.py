@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from orca_lab.course.bounded import refuse_package_code, run_bounded
-from orca_lab.course.harness import N_CASES, Piece, correct, differ, ints, place_on, read, request
+from orca_lab.course.harness import N_CASES, Piece, check_by_hand, correct, differ, ints, place_on, read, request
 from orca_lab.engine.batch import Batch, BatchTensors
 from orca_lab.engine.request import Request
 
@@ -97,3 +97,21 @@ def _reads_tensors(engine) -> bool:
 
 
 PIECES = (Piece("flatten", "04", "orca", check_flatten, use_flatten, place=place_on("orca", when=_reads_tensors)),)
+
+
+def check_offsets(q_lens, cached, cu_q, cu_k, padded_rows):
+    """Notebook 04's by-hand batch: requests with ``q_lens`` new and ``cached`` earlier tokens, read
+    from the package's batches: the selective one's offsets, and the rows of the padded one
+    (FasterTransformer's). A wrong answer is named with its hint, never the package's (the answer)."""
+    reqs = []
+    for rid, (q, c) in enumerate(zip(q_lens, cached)):
+        req = request(rid, c + q, 1)
+        req.n_cached, req.slots = c, torch.arange(req.max_tokens)
+        reqs.append(req)
+    bt = Batch.selective(reqs).tensors("cpu")
+    check_by_hand(f"q_lens {list(q_lens)}, cached {list(cached)}", {
+        "ex_cu_q": (cu_q, bt.cu_seqlens_q.tolist(), _FLAT_HINTS["cu_seqlens_q"]),
+        "ex_cu_k": (cu_k, bt.cu_seqlens_k.tolist(), _FLAT_HINTS["cu_seqlens_k"]),
+        "ex_padded_rows": (padded_rows, Batch.padded_step(reqs, 0, max(q_lens)).n_tokens,
+                           "a padded batch gives every request as many rows as the longest one has")})
+    print(f"correct: selective batching computes {sum(q_lens)} rows where padding computes {padded_rows}")

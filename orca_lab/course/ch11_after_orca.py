@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 
 from orca_lab.course.bounded import refuse_package_code, run_bounded
-from orca_lab.course.harness import N_CASES, Piece, Stuck, correct, differ, ints, place_on, read, request, run_case
+from orca_lab.course.harness import (N_CASES, Piece, Stuck, check_by_hand, correct, differ, ints, place_on, read,
+                                    request, run_case)
 from orca_lab.engine import policies
 from orca_lab.engine.blocks import BlockManager
 from orca_lab.engine.kv_manager import KVSlotManager
@@ -415,3 +416,17 @@ _PAGED = place_on(*PAGED)
 PIECES = (Piece("BlockAllocator", "11", "paged, chunked", check_block_allocator, use_blocks, place=_PAGED),
           Piece("victim", "11", "paged, chunked", check_victim, use_victim, place=_PAGED),
           Piece("fill_budget", "11", "chunked", check_fill_budget, use_budget, place=place_on("chunked")))
+
+
+def check_slots_held(orca_slots, paged_slots):
+    """Notebook 11's by-hand count, read from the package's accounting: a 40-token prompt declaring
+    ``max_gen_tokens=100`` that stops after 10 tokens, on blocks of 16. A wrong count is named with its
+    hint, never the package's (the exercise's answer)."""
+    req = request(0, 40, 100)
+    BlockManager(1024, 16).grow(req, 40 + 10)
+    check_by_hand("a 40-token prompt, max_gen_tokens=100, 10 generated, block_size 16", {
+        "orca_slots": (orca_slots, req.max_tokens,
+                       "ORCA reserves, when it first schedules a request, every token the request may ever hold"),
+        "paged_slots": (paged_slots, len(req.slots),
+                        "paging holds whole blocks, as many as the tokens it has written need")})
+    print(f"correct: {orca_slots} reserved by ORCA, {paged_slots} held in blocks")

@@ -8,7 +8,7 @@ from types import MappingProxyType
 
 from orca_lab.course import harness
 from orca_lab.course.bounded import Bounded, PackageCode, TooSlow, refuse_package_code, run_bounded
-from orca_lab.course.harness import N_CASES, Piece, correct, differ, place_on, read, request, run_case
+from orca_lab.course.harness import N_CASES, Piece, check_by_hand, correct, differ, place_on, read, request, run_case
 from orca_lab.engine.policies import PAGED
 from orca_lab.engine.prefix_cache import BlockRefs, FreeCached, PrefixCachingBlockManager, chain_hashes
 from orca_lab.engine.request import Request
@@ -394,3 +394,19 @@ PIECES = (Piece("BlockLRU", "12", "prefix caching", check_block_lru, use_lru, pl
           Piece("BlockRefs", "12", "prefix caching", check_block_refs, use_refs, place=_CACHED),
           Piece("block_hashes", "12", "prefix caching", check_block_hashes, use_lookup, **_LOOKUP),
           Piece("cached_prefix", "12", "prefix caching", check_prefix_lookup, use_lookup, **_LOOKUP))
+
+
+def check_hit_tokens(hit_tokens, prefill_tokens):
+    """Notebook 12's by-hand lookup, read from ``PrefixCachingBlockManager``'s accounting: a 30-token
+    prompt computed and freed, then a 37-token one starting with the same 30, on blocks of 8. A wrong
+    count is named with its hint, never the package's (the exercise's answer)."""
+    kv = PrefixCachingBlockManager(64 * 8, 8)
+    _serve_and_free(kv, 0, list(range(30)))
+    second = Request(1, list(range(30)) + [99] * 7, SamplingParams(max_gen_tokens=1))
+    kv.share(second, kv.lookup(second))
+    check_by_hand("a 37-token prompt after a 30-token one it starts with, block_size 8", {
+        "hit_tokens": (hit_tokens, kv.hit_tokens,
+                       "a block is found cached only if it was full: a partly written block has no name"),
+        "prefill_tokens": (prefill_tokens, len(second.prompt) - second.n_cached,
+                           "what the prompt has beyond its cached blocks, computed from the first block not found")})
+    print(f"correct: {hit_tokens} tokens found cached, {prefill_tokens} prefilled")
