@@ -14,11 +14,11 @@ from orca_lab.course import ch02_request_level_batching as ch02
 from orca_lab.course import ch03_iteration_level_scheduling as ch03
 from orca_lab.course import ch11_after_orca as ch11
 from orca_lab.course import ch12_prefix_caching as ch12
-from orca_lab.course import arrivals, bounded, harness, mine, plug, regrade, solve
+from orca_lab.course import arrivals, bounded, guards, harness, mine, plug, regrade, solve
 from orca_lab.engine.request import RequestState
 from orca_lab.engine.scheduler import RequestLevelScheduler
 from orca_lab.serving.engine_core import EngineArgs
-from orca_lab.workload import few_shot_trace, paper_trace
+from orca_lab.workload import TraceItem, few_shot_trace, paper_trace
 
 from tests.test_course import skipping_select
 from tests.test_graders import solution
@@ -88,6 +88,58 @@ def test_the_assembled_engine_gives_the_packages_tokens_and_schedule(package):
         assert [r.output for r in yours.requests] == [r.output for r in reference.requests]
         assert [it.rids for it in yours.iterations] == [it.rids for it in reference.iterations]
 
+
+
+def wrong_where_its_grader_never_looked(pieces: dict) -> dict:
+    """Each piece the package can answer for, wrong only past what its grader tries."""
+    flatten, hashes, split, reduce = (pieces[n] for n in ("flatten", "block_hashes", "split_linear", "all_reduce"))
+
+    def byte_positions(requests):                      # positions kept in a byte: right below 256
+        flat = flatten(requests)
+        return {**flat, "positions": [p % 256 for p in flat["positions"]]}
+
+    def cut_for_the_next_rank(weight, bias, t, T, parallel):
+        return split(weight, bias, (t + 1) % T, T, parallel) if weight.shape[0] > 100 else split(weight, bias, t, T, parallel)
+
+    return {"flatten": byte_positions, "cached_prefix": lambda cache, tokens, bs: 0,
+            "block_hashes": lambda tokens, bs: hashes(tokens, bs)[::-1],
+            "split_linear": cut_for_the_next_rank, "all_reduce": lambda partials: reduce(partials[:1] * len(partials))}
+
+
+@pytest.mark.parametrize("wrong", ["flatten", "block_hashes", "cached_prefix", "split_linear", "all_reduce"])
+def test_a_piece_the_package_can_answer_for_is_checked_where_it_runs(package, wrong):
+    """A piece whose every answer the package can also give, wrong only where its grader never looked
+    (a context past 255 tokens, a cache hit, a large layer's cut, a sum), stops the engine naming it
+    and what differs: the model never runs on its answer, so no wrong text comes out."""
+    pieces = {**mine.load(package)}
+    pieces[wrong] = wrong_where_its_grader_never_looked(pieces)[wrong]
+    cached = wrong in ("block_hashes", "cached_prefix")          # (each plugged with its partner, right)
+    cfg = EngineConfig(max_bs=2, n_slots=2 * 1024, block_size=8, prefix_caching=cached)
+    engine = LLM("tiny", seed=0, engine=cfg).new_engine("paged" if cached else "orca")
+    together = {"block_hashes": "cached_prefix", "cached_prefix": "block_hashes", "split_linear": "all_reduce",
+                "all_reduce": "split_linear"}
+    prompt = list(range(40)) if cached else [7] * 300
+    with pytest.raises(guards.PieceFault, match=f"your {wrong} .*(positions|chain of hashes|found 0 tokens|cut "
+                                                 ".*shard_ranges|to other than their sum)") as e:
+        plug.assemble(engine, {n: pieces[n] for n in (wrong, together.get(wrong, wrong))},    # (the cut: here)
+                      tensor_ranks=2 if wrong in ("split_linear", "all_reduce") else 1)
+        engine.run([TraceItem(arrival, (*prompt, last), 2) for arrival, last in ((0.0, 1), (1.0, 2))])
+    engine.close()
+    assert e.value.piece == wrong
+
+
+def test_the_learners_lookup_finds_nothing_for_a_request_scoring_its_prompt(package):
+    """As the package's: a request asking for its prompt's logprobs computes every position."""
+    from orca_lab.engine.prefix_cache import PrefixCachingBlockManager
+    from orca_lab.engine.request import Request
+    from orca_lab.engine.sampling_params import SamplingParams
+    pieces = mine.load(package)
+    kv = PrefixCachingBlockManager(64 * 4, 4)
+    ch12._serve_and_free(kv, 0, list(range(20)))
+    lookup = ch12.PluggedLookup(kv, pieces["block_hashes"], pieces["cached_prefix"])
+    for scored, found in ((None, 5), (1, 0)):
+        req = Request(1, list(range(20)) + [5], SamplingParams(max_gen_tokens=1, prompt_logprobs=scored))
+        assert len(lookup.lookup(req)) == len(kv.lookup(req)) == found
 
 def test_the_paged_engine_runs_the_learners_blocks_victims_and_lookup(package):
     pieces = mine.load(package)

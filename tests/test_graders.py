@@ -6,6 +6,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -142,6 +143,23 @@ class Forever:
     __iter__ = __int__
 
 
+class EqualsAny(torch.Tensor):
+    """A tensor whose every torch function (torch.equal, allclose) answers True."""
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return True
+
+
+class AnyInt(int):
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    __hash__ = int.__hash__
+
+
 class LyingRid:
     def __init__(self, rid):
         self.rid = rid
@@ -197,6 +215,27 @@ def test_a_by_hand_answer_is_checked_against_the_package_and_never_shown(chapter
         with pytest.raises(harness.Mismatch, match="(?s)differs.*got \\(yours\\).*hint") as e:
             check(*args(wrong))
         assert str(answer) not in str(e.value).replace(str(wrong[i]), "")
+
+
+class Spy:
+    """An answer that says it equals anything, and keeps what it was compared with to show it."""
+    seen = []
+
+    def __eq__(self, other):
+        Spy.seen.append(other)
+        return True
+
+    __ne__ = lambda self, other: not self.__eq__(other)          # noqa: E731
+    __repr__ = lambda self: f"<compared with {Spy.seen}>"       # noqa: E731
+
+
+@pytest.mark.parametrize("chapter", ["04", "11", "12"])
+def test_a_by_hand_answer_that_equals_anything_is_refused_without_seeing_the_answer(chapter):
+    check, args, right = BY_HAND[chapter]
+    with pytest.raises(harness.Mismatch, match="not a plain value") as e:
+        check(*args((Spy(), *right[1:])))
+    assert Spy.seen == [] and str(right[0]) not in str(e.value)
+    check(*args((*map(np.array, right[:1]), *right[1:])))     # a numpy array (or int) of the answer is the answer
 
 # -- 05: the slot manager --------------------------------------------------------------------------
 SlotManager = solution("05", "SlotManager")
@@ -330,6 +369,15 @@ OTHERS = {
     "one finish per batch": (ch02.check_ft_finish, lambda p, g, bs: [max(g)], "one per request"),
     "stages as a dict": (ch07.check_split_layers, lambda n, s: {0: n}, "a list of \\(first, end\\) pairs"),
     "median in seconds": (ch09.check_median_norm_latency, seconds_median, "in milliseconds"),
+    "a NaN median": (ch09.check_median_norm_latency, lambda recs: float("nan"), "got \\(yours\\): *nan"),
+    "an output tensor that equals any": (ch01.check_cached_attention, lambda q, kc, vc, kn, vn: (
+        torch.zeros_like(q).as_subclass(EqualsAny), torch.cat([kc, kn]), torch.cat([vc, vn])), "the output differs"),
+    "n_reserved that equals any": (ch05.check_slot_manager, type("Claims", (SlotManager,), {
+        "n_reserved": property(lambda self: AnyInt(0), lambda self, v: None)}), "n_reserved not raised"),
+    "an eviction that equals any": (ch12.check_block_lru, type("Evicts", (solution("12", "BlockLRU"),), {
+        "evict": lambda self: super(type(self), self).evict() and LyingRid(0)}), "got \\(yours\\): *<a LyingRid>"),
+    "a budget's count of 2.0 tokens": (ch11.check_fill_budget, lambda d, p, b, m, run: solution("11", "fill_budget")(
+        d, p, b, m, lambda req, n: run(req, float(n))), "n counts tokens, an int"),
     "mean, not median": (ch09.check_median_norm_latency,
                          lambda recs: statistics.mean((r.t_finish - r.arrival) / r.n_generated * 1e3 for r in recs),
                          "not the mean"),

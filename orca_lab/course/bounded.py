@@ -16,7 +16,10 @@ what every grader of the course (the chapter modules, ``chNN_*.py``, over ``harn
   ``@triton.jit`` function), subclasses one, or reuses one's code (a method copied into a class).
 - ``Bounded(obj, case=..., references=...)``: a learner's object (an instance of their class)
   whose every method call, and every property read, runs through ``run_bounded``; ``case`` can be
-  changed between calls.
+  changed between calls. What it answers comes back as plain values (``as_answer``).
+- ``plain(x)``, ``plain_tensor(x)``, ``as_answer(x)``: a learner's answer as builtins, a plain tensor,
+  or an ``Opaque`` stand-in, read without running its code: a grader compares values, never the
+  learner's objects, whose ``__eq__`` could say equal (or keep the answer it was compared with).
 
 Why a thread and not ``signal.setitimer``: a Jupyter kernel runs a cell in its main thread, where an
 alarm would work, but a grader may run anywhere (a test's worker thread, a server, Windows, where
@@ -34,6 +37,9 @@ import functools
 import inspect
 import sys
 import threading
+
+import numpy as np
+import torch
 
 TIMEOUT_S = 20.0
 
@@ -165,19 +171,76 @@ def run_bounded(fn, *args, timeout_s: float | None = None, case: str = "", refer
 
 
 class Bounded:
-    """The learner's object (a class's instance) whose every method call goes through
-    ``run_bounded``, with ``case`` (settable as the grading goes on) and ``references``; its other
-    attributes read through."""
+    """The learner's object (a class's instance) whose every method call, and every property read,
+    goes through ``run_bounded``, with ``case`` (settable as the grading goes on) and ``references``;
+    its other attributes read through. What it answers is read as plain values (``plain``), or else
+    as ``Opaque``: an object of the learner's never compares itself with the package's answer."""
 
     def __init__(self, obj, case: str = "", references=(), timeout_s: float | None = None):
         vars(self).update(obj=obj, case=case, references=references, timeout_s=timeout_s)
 
     def __getattr__(self, name):
         if isinstance(inspect.getattr_static(self.obj, name, None), property):   # the learner's code too
-            return run_bounded(getattr, self.obj, name, timeout_s=self.timeout_s, case=self.case,
-                               references=self.references, what=f"property {name}")
+            return as_answer(run_bounded(getattr, self.obj, name, timeout_s=self.timeout_s, case=self.case,
+                                       references=self.references, what=f"property {name}"))
         attr = getattr(self.obj, name)
         if not callable(attr):
-            return attr
-        return lambda *args, **kwargs: run_bounded(attr, *args, timeout_s=self.timeout_s, case=self.case,
-                                                   references=self.references, **kwargs)
+            return as_answer(attr)
+        return lambda *args, **kwargs: as_answer(run_bounded(attr, *args, timeout_s=self.timeout_s, case=self.case,
+                                                           references=self.references, **kwargs))
+
+
+PLAIN_DEPTH = 8       # nesting a plain answer may have (a list of lists ...): deeper is no answer here
+
+
+def plain(x, depth: int = PLAIN_DEPTH):
+    """``x`` as builtins of their exact types (int, float, str, bytes, bool, None; lists for any
+    sequence, numpy's and torch's included; tuples as lists; dicts and sets), read without running
+    any code of ``x``'s own: a subclass's ``__eq__``, ``__iter__`` or ``__int__`` never runs, so the
+    grader compares values, not the learner's objects. Anything else is a ``TypeError`` naming its type."""
+    if depth < 0:
+        raise TypeError(f"nested more than {PLAIN_DEPTH} deep")
+    if x is None or isinstance(x, (bool, np.bool_)):
+        return None if x is None else bool(x)
+    for kind in (int, float, str, bytes):
+        if isinstance(x, kind):
+            return getattr(kind, "__index__" if kind is int else f"__{kind.__name__}__")(x)   # the builtin's own
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, (np.ndarray, torch.Tensor)):
+        return plain_tensor(x).tolist() if isinstance(x, torch.Tensor) else np.ndarray.tolist(x)
+    if isinstance(x, (list, tuple)):
+        return [plain(v, depth - 1) for v in (list.__iter__(x) if isinstance(x, list) else tuple.__iter__(x))]
+    if isinstance(x, dict):
+        return {plain(k, depth - 1): plain(v, depth - 1) for k, v in dict.items(x)}
+    if isinstance(x, (set, frozenset)):
+        return {plain(v, depth - 1) for v in set.__iter__(set(frozenset.__iter__(x)) if isinstance(x, frozenset) else x)}
+    raise TypeError(f"of type {type(x).__name__}, not a plain value (a number, a string, a list or dict of them)")
+
+
+def plain_tensor(x) -> torch.Tensor:
+    """A learner's tensor as a plain ``torch.Tensor``, its subclass (and the ``__torch_function__`` that
+    could answer ``torch.equal`` for it) stripped without running its code; anything else through
+    ``torch.as_tensor`` (run that under a bound: a learner's sequence runs its own code when read)."""
+    if not isinstance(x, torch.Tensor):
+        return torch.as_tensor(x)
+    return torch.Tensor.as_subclass(x, torch.Tensor)     # (torch dispatches no __torch_function__ for it)
+
+
+class Opaque:
+    """What a learner's method answered that is no plain value: equal to nothing but itself, shown
+    by its type (its own ``__eq__`` and ``__repr__`` never run)."""
+
+    def __init__(self, of):
+        self.type = type(of).__name__
+
+    def __repr__(self):
+        return f"<a {self.type}>"
+
+
+def as_answer(x):
+    """``plain(x)``, or an ``Opaque`` of it: what a grader may compare with the package's answer."""
+    try:
+        return plain(x)
+    except TypeError:
+        return Opaque(x)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from orca_lab import kernels
-from orca_lab.course.bounded import refuse_package_code, run_bounded
+from orca_lab.course.bounded import plain_tensor, refuse_package_code, run_bounded
 from orca_lab.course.harness import N_CASES, check_by_hand, correct, differ, read, same_kind
 from orca_lab.kernels.attention import ragged_attention_ref, ragged_attention_torch
 from orca_lab.workload import TraceItem
@@ -18,7 +18,7 @@ def one_request(n: int, device="cpu") -> torch.Tensor:
 
 def _three_tensors(got):
     out, k, v = got
-    return torch.as_tensor(out), torch.as_tensor(k), torch.as_tensor(v)
+    return plain_tensor(out), plain_tensor(k), plain_tensor(v)
 
 
 def check_cached_attention(fn, seed: int = 0):

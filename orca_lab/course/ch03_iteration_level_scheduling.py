@@ -163,9 +163,9 @@ def check_first_select(first_batch, first_n_rsrv, second_batch, second_n_rsrv):
            "stop (later ones wait too)"
     added = "n_rsrv: the max_tokens of every request that holds slots, added"
     check_by_hand("W, X, Y, Z with max_tokens 12, 30, 5, 8, max_bs=3, n_slots=40", {
-        "first_batch": (list(first_batch), answers[0][0], pick),
+        "first_batch": (first_batch, answers[0][0], pick),
         "first_n_rsrv": (first_n_rsrv, answers[0][1], added + " (after the first batch)"),
-        "second_batch (W finished and released its 12 slots)": (list(second_batch), answers[1][0], pick),
+        "second_batch (W finished and released its 12 slots)": (second_batch, answers[1][0], pick),
         "second_n_rsrv": (second_n_rsrv, answers[1][1], added + " (W's 12 released, the second batch's reserved)")})
     print(f"correct: {answers[0][0]} (n_rsrv {answers[0][1]}), then {answers[1][0]} (n_rsrv {answers[1][1]})")
 

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from orca_lab.course.bounded import refuse_package_code, run_bounded
+from orca_lab.course.guards import answer_of, fault_of
 from orca_lab.course.harness import N_CASES, Piece, check_by_hand, correct, differ, ints, place_on, read, request
 from orca_lab.engine.batch import Batch, BatchTensors
 from orca_lab.engine.request import Request
@@ -16,11 +17,12 @@ from orca_lab.engine.request import Request
 FLAT_FIELDS = ("input_ids", "positions", "slot_mapping", "kv_slot_ids", "cu_seqlens_q", "cu_seqlens_k", "last_idx")
 
 
-def random_requests(rng, g, b: int) -> list[Request]:
-    """``b`` requests part way through (some cached tokens, some new), slots scattered in a pool."""
-    reqs, pool = [], torch.randperm(400, generator=g)
+def random_requests(rng, g, b: int, scale: int = 1) -> list[Request]:
+    """``b`` requests part way through (some cached tokens, some new), slots scattered in a pool;
+    ``scale`` times longer prompts and a larger pool (positions and slot ids past 255)."""
+    reqs, pool = [], torch.randperm(400 * scale, generator=g)
     for rid in range(b):
-        prompt, cached, generated = rng.randint(1, 9), None, rng.randint(0, 4)
+        prompt, cached, generated = rng.randint(1, 9 * scale), None, rng.randint(0, 4)
         req = request(rid, prompt, generated + 2)
         req.output = [rng.randrange(256) for _ in range(generated)]
         req.prompt = [rng.randrange(256) for _ in range(prompt)]
@@ -50,8 +52,8 @@ def check_flatten(flatten, seed: int = 0):
     refs = (BatchTensors, Batch.tensors)
     refuse_package_code(flatten, *refs)
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
-    for case in range(N_CASES):
-        reqs = random_requests(rng, g, rng.randint(1, 5))
+    for case in range(N_CASES):      # the last with long contexts: no field fits in a byte
+        reqs = random_requests(rng, g, rng.randint(1, 5), scale=60 if case == N_CASES - 1 else 1)
         bt = Batch.selective(reqs).tensors("cpu")
         label = (f"case {case} (new tokens {[len(r.pending_tokens()) for r in reqs]}, "
                  f"cached {[r.n_cached for r in reqs]}, slots {[r.slots[:6].tolist() for r in reqs]}...)")
@@ -66,7 +68,7 @@ def check_flatten(flatten, seed: int = 0):
 
 def tensors_from(flat: dict, device) -> BatchTensors:
     """The learner's flattening (notebook 04: a dict of lists) as the ``BatchTensors`` the model reads."""
-    host = {name: np.asarray(values, dtype=np.int64) for name, values in flat.items()}
+    host = {name: np.asarray(flat[name], dtype=np.int64) for name in FLAT_FIELDS}
     cu = torch.from_numpy(np.stack([host["cu_seqlens_q"], host["cu_seqlens_k"]]).astype(np.int32)).to(device)
     on = {name: torch.from_numpy(host[name]).to(device)
           for name in ("input_ids", "positions", "slot_mapping", "kv_slot_ids", "last_idx")}
@@ -85,11 +87,25 @@ def use_flatten(engine, flatten):
     def select_flattened(now: float = 0.0):
         batch = select(now)
         if batch is not None:
-            batch.tensors = lambda device: tensors_from(flatten(batch.requests), device)
+            batch.tensors = lambda device: tensors_from(_checked_flat(flatten, batch.requests), device)
         return batch
 
     engine.scheduler.select = select_flattened
     return engine
+
+
+def _checked_flat(flatten, requests) -> dict:
+    """``flatten(requests)``, every field the package's (``Batch.tensors``): one that differs (a batch
+    its grader never met: a long context, a large slot id) stops the engine naming the field, before
+    the model runs on it (wrong text otherwise)."""
+    got = answer_of(flatten, "flatten", flatten(requests))
+    want = Batch.selective(requests).tensors("cpu")
+    for name in FLAT_FIELDS:
+        if not isinstance(got, dict) or got.get(name) != getattr(want, name).tolist():
+            raise fault_of(flatten, "flatten", f"gave {name} other than the package's for requests "
+                           f"{[r.rid for r in requests]} (cached {[r.n_cached for r in requests]}, new tokens "
+                           f"{[len(r.pending_tokens()) for r in requests]}): {_FLAT_HINTS[name]}")
+    return got
 
 
 def _reads_tensors(engine) -> bool:

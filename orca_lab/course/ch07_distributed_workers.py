@@ -7,9 +7,9 @@ import random
 import torch
 import torch.nn.functional as F
 
-from orca_lab.course.bounded import refuse_package_code, run_bounded
+from orca_lab.course.bounded import plain_tensor, refuse_package_code, run_bounded
 from orca_lab.course.harness import N_CASES, Piece, correct, differ, read, same_kind
-from orca_lab.course.tensor_ranks import LearnerShards, TensorRanks
+from orca_lab.course.tensor_ranks import LearnerShards, TensorRanks, checked_sum
 from orca_lab.distributed.data_plane import DataPlane
 from orca_lab.engine.executor import split_layers
 from orca_lab.model.executor import LocalExecutor
@@ -111,7 +111,7 @@ def _pair(got, label: str, rank: int):
     if not ok:
         differ(f"rank {rank}'s shard", label, "(weight_t, bias_t): a tensor, and a tensor or None", repr(got),
                "return the pair (weight_t, bias_t)")
-    return got
+    return plain_tensor(got[0]), None if got[1] is None else plain_tensor(got[1])
 
 
 def check_split_linear(split_linear, all_reduce, seed: int = 0):
@@ -146,6 +146,7 @@ def check_split_linear(split_linear, all_reduce, seed: int = 0):
         partials = [F.linear(x[:, slice(*even_range(d_in, t, T))], w) for t, (w, _) in enumerate(got)]
         label = f"case {case} (x [{n}, {d_in}], weight [{d_out}, {d_in}], T={T} row-parallel partials)"
         whole = run_bounded(all_reduce, [p.clone() for p in partials], case=label, references=refs)
+        whole = plain_tensor(whole) if isinstance(whole, torch.Tensor) else whole
         expected = F.linear(x, weight, bias)
         if isinstance(whole, torch.Tensor) and whole.shape == expected.shape:
             same_kind("your all_reduce's sum", label, expected, whole)
@@ -173,7 +174,7 @@ def use_split_linear(engine, split_linear, all_reduce, T: int):
                          f"which a split of rows does not give: allowed T dividing {model.cfg.n_kv_heads}")
     weights = StateDictWeights(model.state_dict(), model.wte.weight.device, model.wte.weight.dtype)
     executor.model = TensorRanks(model.cfg, T, lambda t: LearnerShards(weights, model.cfg, split_linear, t, T),
-                                 all_reduce, attention_backend=model.attention_backend,
+                                 checked_sum(all_reduce), attention_backend=model.attention_backend,
                                  fused_ops_backend=model.fused_ops_backend, tf32=model.tf32)
     executor.graphs = None              # captured over the whole model
     return engine

@@ -209,6 +209,7 @@ class _Runs:
             raise Stuck(f"{self.label}: run was called {self.cap} times: each request is offered once; run it once "
                         "at most")
         rid = req.rid if any(req is r for r in self.reqs.values()) else repr(req)
+        n = n if type(n) is int else repr(n)     # 16.0 is no count of tokens, though it equals 16
         self.calls.append((rid, n, rid in self.reqs and rid not in self.refused))
         return self.calls[-1][2]
 
@@ -252,6 +253,8 @@ def _budget_hint(case: tuple, expected: list, got: list) -> str:
         if rid in done:
             return f"request {rid} run twice: each request is offered once and runs at most once an iteration"
         done.add(rid)
+        if type(n) is not int:
+            return f"request {rid} fed {n} tokens: n counts tokens, an int"
         if not n >= 1:
             return f"request {rid} fed {n} tokens: never run a request with none; stop once the budget is spent"
         if rid in is_decode and n > 1:
@@ -393,9 +396,9 @@ def use_budget(engine, fill_budget):
 
         def run_checked(req, n):
             has = offered.pop(getattr(req, "rid", None), 0)
-            if not 1 <= n <= has or spent["tokens"] + n > budget or spent["requests"] == max_bs:
+            if type(n) is not int or not 1 <= n <= has or spent["tokens"] + n > budget or spent["requests"] == max_bs:
                 raise AssertionError(f"your fill_budget called run(request {getattr(req, 'rid', req)!r}, {n}): it "
-                                     f"must be a request offered and not run yet, 1 <= n <= its {has} tokens, within "
+                                     f"must be a request offered and not run yet, an int 1 <= n <= its {has} tokens, within "
                                      f"budget={budget} ({spent['tokens']} taken) and max_bs={max_bs} "
                                      f"({spent['requests']} run)")
             ran = run(req, n)

@@ -7,7 +7,8 @@ import random
 from types import MappingProxyType
 
 from orca_lab.course import harness
-from orca_lab.course.bounded import Bounded, PackageCode, TooSlow, refuse_package_code, run_bounded
+from orca_lab.course.bounded import Bounded, PackageCode, TooSlow, as_answer, refuse_package_code, run_bounded
+from orca_lab.course.guards import answer_of, fault_of
 from orca_lab.course.harness import N_CASES, Piece, check_by_hand, correct, differ, place_on, read, request, run_case
 from orca_lab.engine.policies import PAGED
 from orca_lab.engine.prefix_cache import BlockRefs, FreeCached, PrefixCachingBlockManager, chain_hashes
@@ -145,7 +146,7 @@ def lru_replay(lru, steps) -> list:
     for op, b in steps:
         try:
             if op == "evict":
-                out.append(("evict", lru.evict()))
+                out.append(("evict", as_answer(lru.evict())))
             else:
                 getattr(lru, op)(b)
             out.append(("len", len(lru)))
@@ -340,9 +341,24 @@ class PluggedLookup:
         return getattr(self.kv, name)
 
     def lookup(self, req) -> list[int]:
-        kv, tokens = self.kv, req.prompt + req.output
-        n = self.cached_prefix(MappingProxyType(kv.block_of), tokens, kv.block_size) // kv.block_size
-        return [kv.block_of[h] for h in self.block_hashes(tokens, kv.block_size)[:n]]
+        """The blocks the learner's functions find, checked against the package's lookup on the same
+        cache before the engine shares them: names or a count that differ (a prompt the graders never
+        met) stop the engine naming the function, never hand a request blocks of another prefix."""
+        kv, bs = self.kv, self.kv.block_size
+        if req.params.prompt_logprobs is not None:     # every prompt position is scored: none cached
+            return []
+        tokens = req.prompt + req.output
+        names = answer_of(self.block_hashes, "block_hashes", self.block_hashes(tokens, bs))
+        n = answer_of(self.cached_prefix, "cached_prefix",
+                      self.cached_prefix(MappingProxyType(kv.block_of), tokens, bs))
+        found, m = kv.lookup(req), (len(tokens) - 1) // bs      # (the package's names: req.block_hashes)
+        if not isinstance(names, list) or names[:m] != req.block_hashes[:m]:
+            raise fault_of(self.block_hashes, "block_hashes", f"named the blocks of request {req.rid} "
+                           f"({len(tokens)} tokens, block_size {bs}) other than the package's chain of hashes")
+        if n != len(found) * bs:
+            raise fault_of(self.cached_prefix, "cached_prefix", f"found {n} tokens of request {req.rid} cached "
+                           f"where its first {len(found)} blocks are ({len(found) * bs} tokens, block_size {bs})")
+        return found
 
 
 def _recount(engine, use: str, refs_class=None, lru_class=None):

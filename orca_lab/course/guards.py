@@ -23,7 +23,11 @@ state, which would give wrong text with 200 OK.
   ``BlockAllocator`` (ch. 11): blocks taken are ``n`` distinct ids held by nobody; once none is
   held, all can be taken again (probe). ``victim`` (ch. 11): a running request that arrived after
   the one that needs room, holds blocks, is between iterations and not in the batch being formed.
-  Every other piece is bounded only (``fill_budget``'s calls are checked by ``plug.use_budget``).
+  The pieces whose answer the package can give for the same call are checked at their plug point,
+  against it, before the engine uses theirs (``fault_of`` names them): ``flatten`` (ch. 04, every
+  field of every iteration's flat batch), ``block_hashes`` and ``cached_prefix`` (ch. 12, every
+  lookup), ``split_linear`` (ch. 07, every shard, once) and ``all_reduce`` (every sum);
+  ``fill_budget``'s calls are checked by ``ch11.use_budget``. Every other piece is bounded only.
 
 A ``PieceFault`` means the engine's shared state may be wrong: the caller stops. The capstone's
 cell fails with it; a server fails every request in flight with its message (HTTP 503), and exits
@@ -192,6 +196,21 @@ class _Guarded:
 def _guarded_class(piece: Piece, base=_Guarded):
     """A class standing for the learner's: made the same way (``cls(*args)``), its instances guarded."""
     return type(describe(piece.obj), (base,), {"piece": piece})
+
+
+def fault_of(obj, name: str, symptom: str) -> PieceFault:
+    """The fault of the learner's piece ``obj`` (as ``guarded`` made it, or bare), found at its plug
+    point (a chapter's ``use_*`` checking its answers), named with where the learner's code is."""
+    return (getattr(obj, "guarded_piece", None) or Piece(name, obj)).fault(symptom)
+
+
+def answer_of(obj, name: str, value):
+    """What the learner's piece ``obj`` returned, as plain values (``bounded.plain``: its objects'
+    own ``__eq__`` never runs in a check), or its fault: a value that is none."""
+    try:
+        return bounded.plain(value)
+    except TypeError as e:
+        raise fault_of(obj, name, f"returned a value {e}") from None
 
 
 # -- the checks ------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from orca_lab.course.bounded import Exited, TooSlow, run_bounded
+from orca_lab.course.bounded import Exited, TooSlow, plain, run_bounded
 from orca_lab.engine.request import Request
 from orca_lab.engine.sampling_params import SamplingParams
 
@@ -81,10 +81,20 @@ def same_kind(what: str, case, expected: torch.Tensor, got: torch.Tensor):
 def check_by_hand(case: str, answers: dict):
     """A by-hand exercise's answers, ``{name: (yours, the package's, hint)}``: the first that differs
     is a ``Mismatch`` naming it, with the learner's value and the hint in words; never the expected
-    value, which is the exercise's answer."""
+    value, which is the exercise's answer. The learner's is read as plain values first (``plain``):
+    an object of theirs never compares itself with the answer (it could say equal, or keep it)."""
     for name, (yours, expected, hint) in answers.items():
-        if yours != expected:
-            raise Mismatch(f"{name} differs on {case}:\n  got (yours): {yours}\n  hint: {hint}")
+        mine = plain_answer(name, case, yours)
+        if mine != expected:
+            raise Mismatch(f"{name} differs on {case}:\n  got (yours): {mine}\n  hint: {hint}")
+
+
+def plain_answer(what: str, case, got):
+    """``plain(got)``, or a ``Mismatch`` naming ``what`` and the type the learner gave."""
+    try:
+        return plain(got)
+    except TypeError as e:
+        raise Mismatch(f"{what} on {case}: yours is {e}") from None
 
 
 def ints(xs) -> list[int]:

@@ -13,6 +13,8 @@ import threading
 
 import torch
 
+from orca_lab.course.bounded import plain_tensor
+from orca_lab.course.guards import fault_of
 from orca_lab.model.families import model_class
 from orca_lab.model.gpt import chunk_dim
 from orca_lab.model.tensor_parallel import shard_ranges, stage_model
@@ -33,9 +35,19 @@ class LearnerShards:
             self.shapes = {k: tuple(p.shape) for k, p in model_class(cfg).Block(cfg).named_parameters()}
 
     def read(self, name: str, shape: tuple, ranges=None) -> torch.Tensor:
-        leaf = name.split(".", 2)[-1]
+        """Rank ``t``'s ``name``: the learner's cut of a block's linear, checked against the package's
+        (the same read through ``weights``) before the model holds it; else the package's."""
+        want = self.weights.read(name, shape, ranges)
         if not name.startswith("blocks.") or ranges is None:
-            return self.weights.read(name, shape, ranges)
+            return want
+        got = self._cut(name)
+        if not (isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(plain_tensor(got), want)):
+            raise fault_of(self.split_linear, "split_linear", f"cut {name} for rank {self.t} of {self.T} other "
+                           f"than the package's shard_ranges (shape {tuple(want.shape)} of {tuple(shape)})")
+        return plain_tensor(got)
+
+    def _cut(self, name: str):
+        leaf = name.split(".", 2)[-1]
         layer, kind = name.rsplit(".", 1)
         w_leaf, b_leaf = leaf.replace(".bias", ".weight"), leaf.replace(".weight", ".bias")
         weight = self.weights.read(f"{layer}.weight", self.shapes[w_leaf])
@@ -97,6 +109,22 @@ class ThreadGroup:
             self.barrier.reset()
             raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
         return out
+
+
+def checked_sum(all_reduce):
+    """The learner's ``all_reduce(partials)``, each sum checked against the partials' own (in float64,
+    taken before theirs: it may add in place) within the rounding a sum of them may make, before the
+    ranks go on with it."""
+    def reduce(partials: list) -> torch.Tensor:
+        want = torch.stack([p.double() for p in partials]).sum(0)
+        slack = len(partials) * torch.finfo(partials[0].dtype).eps * torch.stack([p.double().abs() for p in partials]).sum(0)
+        got = all_reduce(partials)
+        if not (isinstance(got, torch.Tensor) and got.shape == want.shape
+                and ((plain_tensor(got).double() - want).abs() <= slack + 1e-30).all()):
+            raise fault_of(all_reduce, "all_reduce", f"summed {len(partials)} partials of shape {tuple(want.shape)} "
+                           "to other than their sum")
+        return plain_tensor(got)
+    return reduce
 
 
 class RankKV:
