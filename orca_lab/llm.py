@@ -10,7 +10,8 @@ from typing import Iterator
 
 import torch
 
-from orca_lab.config import EngineConfig, ModelConfig, check_degrees, check_range, model_config, uses_workers
+from orca_lab.config import (EngineConfig, FieldError, ModelConfig, check_degrees, check_range, model_config, shown,
+                             uses_workers)
 from orca_lab.distributed.executor import WorkerExecutor
 from orca_lab.distributed.pool import attached
 from orca_lab.engine.beam_search import Beam, BeamSearch, BeamSearchParams, StepFailed, advance_all, pending
@@ -365,7 +366,13 @@ def _check_lent_pool(pool: KVPool, cfg: ModelConfig, ec: EngineConfig) -> int:
 
 
 def _as_list(prompts) -> list:
-    return [prompts] if isinstance(prompts, str) else list(prompts)
+    """The prompts of a call: one text, or a list of them (texts, or lists of token ids)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (bytes, dict)) or not hasattr(prompts, "__iter__"):
+        raise FieldError(f"prompts={shown(prompts)}: allowed a text, or a list of prompts (each a text or a list of "
+                         "token ids)", "prompt")
+    return list(prompts)
 
 
 def _per_prompt_params(n: int, max_gen_tokens, sampling_params, sampling: dict) -> list[SamplingParams]:

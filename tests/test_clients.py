@@ -419,6 +419,18 @@ def test_a_token_id_out_of_the_vocabulary_is_a_400_on_every_route(server, route,
     assert r.json()["error"]["param"] == param, r.json()
 
 
+def test_echo_scoring_a_prompt_with_no_room_names_max_tokens_as_sent(server):
+    """max_tokens 0 with echo (lm-eval's scoring) still runs one step: a prompt of the model's whole
+    length is refused saying so, never naming a max_gen_tokens of 1 the client did not send."""
+    max_len = httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"]
+    for n, status in ((max_len - 1, 200), (max_len, 400)):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": [5] * n, "max_tokens": 0, "echo": True},
+                       timeout=60)
+        assert r.status_code == status, r.text
+    assert f"with max_tokens 0 (echo) allowed <= {max_len - 1}" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "prompt" and "max_gen_tokens" not in r.text
+
+
 LONE = "x\ud800y"      # valid JSON ("x\\ud800y"), no UTF-8: no tokenizer can encode it
 
 

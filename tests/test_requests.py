@@ -336,6 +336,12 @@ def test_per_prompt_lists_must_match_the_prompts(tiny_llm, kw, match):
         tiny_llm.generate([[1], [2], [3]], **kw)
 
 
+@pytest.mark.parametrize("prompts", [5, None, {1: 2}, b"ab"])
+def test_prompts_that_are_no_prompt_or_list_are_refused_by_name(tiny_llm, prompts):
+    with pytest.raises(ValueError, match="prompts=.*allowed a text, or a list of prompts"):
+        tiny_llm.generate(prompts, 2)
+
+
 # -- the caller's model and tokenizer ---------------------------------------------------------------
 def test_llm_leaves_the_callers_model_as_it_is(tiny_llm):
     import torch

@@ -313,6 +313,10 @@ def _prompt_ids(info, body: CompletionRequest) -> list[list[int]]:
         try:
             check_context(len(prompts[-1]), max(1, body.max_tokens), info.cfg.max_seq_len)
         except ValueError as e:
+            if body.max_tokens == 0:       # echo's scoring: named as the client sent it
+                raise HTTPError(400, f"{where(i)} is {len(prompts[-1])} tokens: with max_tokens 0 (echo) allowed <= "
+                                f"{info.cfg.max_seq_len - 1}, the model's max length less the one step that scores "
+                                "it", "prompt") from None
             raise HTTPError(400, *http_error(e)) from None
     return prompts
 
