@@ -186,9 +186,9 @@ def test_a_settled_tuner_lends_one_paths_choice_to_the_other(monkeypatch):
     tuner.best = {("p", True, 40, 1024, 4096): "t64", ("p", True, 12, 1024, 4096): "t128"}
     tuner.settle()
     assert tuner.choose(("p", False, 40, 512, 512), ["t64", "t32"], launched.append, True,
-                        like=("p", True, 40, 512, 512)) == "t64" and launched == []
+                        like=[("p", True, 40, 512, 512)]) == "t64" and launched == []
     assert tuner.choose(("p", False, 12, 512, 512), ["t64", "t32"], launched.append, True,
-                        like=("p", True, 12, 512, 512)) == "t64" and launched
+                        like=[("p", True, 12, 512, 512)]) == "t64" and launched
     # a fresh path read through the TMA lends its tile to the slots path, as the slots path reads it;
     # of several other paths, the first with a choice of the borrower's
     tuner.best[("p", "tma", 7, 1024, 4096)] = "t32-tma"

@@ -37,9 +37,9 @@ class LaunchTuner:
         """From now on a new bucket borrows from its nearest timed neighbour rather than timing."""
         self.settled = True
 
-    def choose(self, key, candidates, launch, on_gpu: bool, like=None, as_own=None):
-        """``like``: the key of another path of the same kernel and shapes (a fresh prompt's, for
-        prompts that read earlier keys too), or a list of them, whose timed buckets lend a choice
+    def choose(self, key, candidates, launch, on_gpu: bool, like=(), as_own=None):
+        """``like``: the keys of other paths of the same kernel and shapes (a fresh prompt's, for
+        prompts that read earlier keys too), whose timed buckets lend a choice
         once settled when ``key``'s own kind has none: a warm-up that met only one path times nothing
         mid-run. ``as_own``: the borrower's equivalent of another path's choice (the same tile read
         another way), if it has one."""
@@ -58,13 +58,13 @@ class LaunchTuner:
         self.best[key] = got
         return got
 
-    def borrow(self, key, candidates, like=None, as_own=None):
-        """The nearest timed choice of ``key``'s kind, else the first of ``like``'s (a key, or a list of
-        keys tried in order) that is among ``candidates`` (``as_own``: after translating it)."""
+    def borrow(self, key, candidates, like=(), as_own=None):
+        """The nearest timed choice of ``key``'s kind, else the first of ``like``'s (keys tried in order)
+        that is among ``candidates`` (``as_own``: after translating it)."""
         near = self.nearest(key)
         if near is not None:
             return near
-        for other in [] if like is None else like if isinstance(like, list) else [like]:
+        for other in like:
             near = self.nearest(other)
             near = as_own(near) if as_own and near is not None else near
             if near in candidates:
