@@ -175,6 +175,37 @@ def test_a_token_the_endpoint_cannot_decode_fails_its_stream_alone():
     assert client.alive is False and core.proc.exitcode == 0   # stopped when asked, not failed
 
 
+
+class Breaks(Fragile):
+    """Fragile, and its encode fails on "boom" with an error no tokenizer is expected to raise."""
+
+    def encode(self, text):
+        if "boom" in text:
+            raise RuntimeError("the tokenizer broke")
+        return super().encode(text)
+
+
+def test_ids_the_tokenizer_cannot_decode_are_a_400_and_a_fault_of_the_servers_a_500_in_openais_shape():
+    """Ids a client sent that this tokenizer cannot decode (echo's prompt, /detokenize's tokens) are a
+    400 naming the field; a fault of the server's own on one request is a 500 in OpenAI's shape (it
+    was Starlette's plain text); the server serves on."""
+    from fastapi.testclient import TestClient
+    from orca_lab.serving.app import build_app
+    core = EngineProcess(EngineArgs("tiny", engine=EngineConfig(max_bs=4, n_slots=1024)))
+    core.info = dataclasses.replace(core.info, tokenizer=Breaks(7))
+    with TestClient(build_app(core), raise_server_exceptions=False) as http:
+        for route, body, param in (("/detokenize", {"tokens": [5, 7]}, "tokens"),
+                                   ("/v1/completions", {"prompt": [[1], [5, 7]], "echo": True, "max_tokens": 1},
+                                    "prompt")):
+            r = http.post(route, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert "could not decode its tokens (ValueError: cannot decode 7)" in r.json()["error"]["message"]
+        r = http.post("/tokenize", json={"prompt": "boom"})
+        assert r.status_code == 500 and r.json()["error"]["message"] == \
+            "the server failed on this request (RuntimeError: the tokenizer broke)", r.text
+        r = http.post("/v1/completions", json={"prompt": [5, 6], "echo": True, "max_tokens": 1})
+        assert r.status_code == 200 and http.get("/health").status_code == 200, r.text
+
 # -- over HTTP ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def servers(poisoned):

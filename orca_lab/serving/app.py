@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from orca_lab.engine.detokenizer import Detokenizer
+from orca_lab.engine.detokenizer import Detokenizer, undecodable
 from orca_lab.engine.fields import check_context, http_error
 from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.serving.beam_search import beam_answer
@@ -89,6 +89,12 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
     async def _invalid(request, e: RequestValidationError):
         message, param = validation_error(e.errors())
         return JSONResponse(error_body(400, message, param), 400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, e: Exception):
+        """A fault of the server's own on one request: OpenAI's error shape naming it (the log has its
+        traceback); the engine and every other request go on."""
+        return JSONResponse(error_body(500, f"the server failed on this request ({type(e).__name__}: {e})"), 500)
 
     def check_healthy():
         """503 while the engine is dead or stuck (``EngineClient.unhealthy``): a load balancer or a
@@ -192,7 +198,8 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
         _check_model(state, body.model)
         if tokenizer is None:
             raise HTTPError(400, f"model {state.model_name!r} has no tokenizer: it takes token ids only", "tokens")
-        return {"prompt": tokenizer.decode(check_ids(body.tokens, core.info.cfg.vocab_size, "tokens", "tokens"))}
+        return {"prompt": _text(tokenizer.decode, check_ids(body.tokens, core.info.cfg.vocab_size, "tokens", "tokens"),
+                                "tokens")}
 
     return app
 
@@ -295,7 +302,7 @@ async def _streams(state: ServerState, body: CompletionRequest, arrival: float) 
             decode = state.pool.decode
             prompt = body.prompt[i]
             kept = isinstance(prompt, str) and body.truncate_prompt_tokens is None
-            echo = "" if not body.echo else prompt if kept else decode(ids) if decode else ""
+            echo = "" if not body.echo else prompt if kept else _text(decode, ids, _where(body, i)) if decode else ""
             out.append(Stream(len(out), ids, params, arrival, q,
                               detokenizer=None if decode is None else Detokenizer(decode, params.stop),
                               prompt_text=echo, echo_only=body.max_tokens == 0))
@@ -305,20 +312,34 @@ async def _streams(state: ServerState, body: CompletionRequest, arrival: float) 
 def _prompt_ids(info, body: CompletionRequest) -> list[list[int]]:
     """Each prompt's token ids, in the vocabulary, truncated as asked, and within the model's length
     (checked here, before megabytes of ids travel to the engine only to be refused there)."""
-    where = lambda i: "prompt" if len(body.prompt) == 1 else f"prompt[{i}]"
     prompts = []
     for i, p in enumerate(body.prompt):
-        ids = check_ids(_encode(info.tokenizer, p, "prompt", where(i)), info.cfg.vocab_size, "prompt", where(i))
+        where = _where(body, i)
+        ids = check_ids(_encode(info.tokenizer, p, "prompt", where), info.cfg.vocab_size, "prompt", where)
         prompts.append(_truncated(ids, body, info.cfg.max_seq_len))
         try:
             check_context(len(prompts[-1]), max(1, body.max_tokens), info.cfg.max_seq_len)
         except ValueError as e:
             if body.max_tokens == 0:       # echo's scoring: named as the client sent it
-                raise HTTPError(400, f"{where(i)} is {len(prompts[-1])} tokens: with max_tokens 0 (echo) allowed <= "
+                raise HTTPError(400, f"{where} is {len(prompts[-1])} tokens: with max_tokens 0 (echo) allowed <= "
                                 f"{info.cfg.max_seq_len - 1}, the model's max length less the one step that scores "
                                 "it", "prompt") from None
             raise HTTPError(400, *http_error(e)) from None
     return prompts
+
+
+def _where(body: CompletionRequest, i: int) -> str:
+    """How a message names the client's ``i``-th prompt."""
+    return "prompt" if len(body.prompt) == 1 else f"prompt[{i}]"
+
+
+def _text(decode, ids: list[int], where: str) -> str:
+    """The text of ids a client sent (echo's prompt, /detokenize's tokens); ids this tokenizer cannot
+    decode (tiktoken past its ranks, inside the model's vocabulary) are a 400 naming the field."""
+    try:
+        return decode(ids)
+    except Exception as e:  # noqa: BLE001  (whatever the tokenizer raises on these ids, it is about them)
+        raise HTTPError(400, f"{where}: {undecodable(e)}", where.split("[")[0]) from None
 
 
 def check_ids(ids: list[int], vocab_size: int, field: str, where: str) -> list[int]:
