@@ -189,8 +189,10 @@ def test_the_server_runs_the_learners_pieces_and_loop(package, tmp_path):
         got = client.completions.create(model="tiny", prompt="a prompt", max_tokens=6, temperature=0,
                                         extra_body={"ignore_eos": True}).choices[0].text
         plugged = [line for line in server.lines if "the engine runs your" in line]
+        unproven = [line for line in server.lines if "checks did not pass when saved" in line]
     assert marks.exists() and marks.read_text().splitlines() == ["batch"] * 6
     assert plugged and "select, flatten, SlotManager, split_linear, all_reduce, loop" in plugged[0]
+    assert unproven and "select (not graded); flatten (not graded)" in unproven[0]     # saved without a check
     assert got == expected
 
 

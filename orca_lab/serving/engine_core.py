@@ -125,7 +125,7 @@ def plug_learner(engine, plugins: str, tensor_ranks: int = 1, bound_s: float | N
     a piece is bounded by ``bound_s`` (the watchdog's ``stall_s``) and checked (course/guards.py): a
     piece at fault stops the engine, and the server, naming it. Returns their ``loop`` (notebooks 03,
     08), which then drives the engine (bounded likewise), or None."""
-    from orca_lab.course.mine import load
+    from orca_lab.course.mine import PASSED, load, verdicts
     from orca_lab.course.plug import assemble
     pieces = load(plugins)
     plugged = assemble(engine, pieces, tensor_ranks, bound_s)
@@ -133,8 +133,13 @@ def plug_learner(engine, plugins: str, tensor_ranks: int = 1, bound_s: float | N
         raise ValueError(f"plugins={plugins!r}: none of its pieces ({', '.join(sorted(pieces)) or 'none'}) "
                          f"plugs into system {engine.scheduler.name!r}")
     loop = pieces.get("loop")
-    print(f"orca-lab serve: the engine runs your {', '.join(plugged + ['loop'] * (loop is not None))} "
-          f"(from {plugins})", flush=True)
+    runs = plugged + ["loop"] * (loop is not None)
+    print(f"orca-lab serve: the engine runs your {', '.join(runs)} (from {plugins})", flush=True)
+    saved = verdicts(plugins)
+    unproven = [f"{name} ({saved.get(name, 'missing')})" for name in runs if saved.get(name) != PASSED]
+    if unproven:        # served all the same (checked as they run), but the learner should know
+        print(f"orca-lab serve: their chapters' checks did not pass when saved: {'; '.join(unproven)}",
+              flush=True)
     return loop
 
 
