@@ -212,10 +212,15 @@ def plain(x, depth: int = PLAIN_DEPTH):
     if isinstance(x, (list, tuple)):
         return [plain(v, depth - 1) for v in (list.__iter__(x) if isinstance(x, list) else tuple.__iter__(x))]
     if isinstance(x, dict):
-        return {plain(k, depth - 1): plain(v, depth - 1) for k, v in dict.items(x)}
+        return {_hashable(plain(k, depth - 1)): plain(v, depth - 1) for k, v in dict.items(x)}
     if isinstance(x, (set, frozenset)):
-        return {plain(v, depth - 1) for v in set.__iter__(set(frozenset.__iter__(x)) if isinstance(x, frozenset) else x)}
+        return {_hashable(plain(v, depth - 1)) for v in (frozenset.__iter__ if isinstance(x, frozenset) else set.__iter__)(x)}
     raise TypeError(f"of type {type(x).__name__}, not a plain value (a number, a string, a list or dict of them)")
+
+
+def _hashable(x):
+    """A plain key as it was hashable: a tuple (made a list by ``plain``) a tuple again."""
+    return tuple(map(_hashable, x)) if isinstance(x, list) else x
 
 
 def plain_tensor(x) -> torch.Tensor:
