@@ -122,10 +122,14 @@ def _stop(thread: threading.Thread):
     thread.join(1.0)
 
 
+PROGRESS = "a request leaves, a batch returns, an index grows"     # what a step of a course loop does
+
+
 def run_bounded(fn, *args, timeout_s: float | None = None, case: str = "", references=(), what: str | None = None,
-                **kwargs):
+                progress: str = PROGRESS, **kwargs):
     """``fn(*args, **kwargs)`` in a thread bounded by ``timeout_s``, watched for calls into
-    ``references``' code (module docstring)."""
+    ``references``' code (module docstring); ``progress``: what each step of the learner's code must
+    do, said when it runs past the bound."""
     codes, box = code_objects(references), {}
     timeout_s, what = TIMEOUT_S if timeout_s is None else timeout_s, what or describe(fn)
 
@@ -155,7 +159,7 @@ def run_bounded(fn, *args, timeout_s: float | None = None, case: str = "", refer
     if thread.is_alive():
         _stop(thread)
         raise TooSlow(f"your {what} did not return within {timeout_s:g} s on {case}: a loop that never "
-                      "ends? (each step must make progress: a request leaves, a batch returns, an index grows)")
+                      f"ends? (each step must make progress: {progress})")
     if "hit" in box:
         raise PackageCode(f"your {what} called the package's own {_where(box['hit'])} on {case}: "
                           "the grader compares your code with it; write your own")

@@ -26,7 +26,9 @@ def check_online_softmax(step, seed: int = 0, device=None):
         q, k, v = q.to(device), k.to(device), v.to(device)
         label = f"case {case} (n={n} keys, d={d}, block={block})"
         got = run_bounded(attend_one_query, q, k, v, block, step, case=label, timeout_s=10 * bounded.TIMEOUT_S,
-                          references=(update,), what=f"{describe(step)} (run over the key blocks)")
+                          references=(update,), what=f"{describe(step)} (run over the key blocks)",
+                          progress="the kernel calls your step once per block of keys; a step only updates m, l "
+                                   "and acc (under the interpreter a step costs milliseconds)")
         ref = kernels.ragged_attention(q[None, None], k[:, None], v[:, None], torch.arange(n, device=device),
                                        one_request(1, device), one_request(n, device), backend="torch")[0, 0]
         if not torch.allclose(got, ref, atol=1e-4, rtol=1e-4):
