@@ -128,6 +128,33 @@ def test_a_piece_the_package_can_answer_for_is_checked_where_it_runs(package, wr
     assert e.value.piece == wrong
 
 
+
+def test_right_pieces_written_otherwise_serve_the_packages_tokens(package):
+    """What a grader takes, a plug point takes too: a generator of block ids or of block names, a
+    flattening into numpy arrays; the learner's allocator on an LLM whose cache an earlier engine
+    filled (its cached blocks are not free); and a loop handing back tokens that say they are the
+    batch's but are not is stopped naming it."""
+    import numpy as np
+    pieces = mine.load(package)
+    allocator, hashes, flatten = pieces["BlockAllocator"], pieces["block_hashes"], pieces["flatten"]
+    otherwise = {"BlockAllocator": type("Yields", (allocator,), {"take": lambda self, n: (
+                     b for b in super(type(self), self).take(n))}),
+                 "block_hashes": lambda tokens, bs: (h for h in hashes(tokens, bs)),
+                 "flatten": lambda reqs: {k: np.asarray(v) for k, v in flatten(reqs).items()}}
+    cfg = EngineConfig(max_bs=2, n_slots=64 * 4, block_size=4, prefix_caching=True)
+    trace = few_shot_trace(4, prefix_len=12, question_len=(2, 5), gen_len=(3, 5), vocab_size=257, seed=0)
+    for system, names in (("paged", ["BlockAllocator", "block_hashes"]), ("orca", ["flatten"])):
+        llm = LLM("tiny", seed=0, engine=cfg if system == "paged" else EngineConfig(max_bs=2, n_slots=1024))
+        want = [r.output for r in llm.new_engine(system).run(trace).requests]
+        engine = llm.new_engine(system)            # the same LLM: its cache holds the first run's blocks
+        plug.assemble(engine, {**{n: pieces[n] for n in ("cached_prefix",) if system == "paged"},
+                               **{n: otherwise[n] for n in names}})
+        assert [r.output for r in engine.run(trace).requests] == want, system
+    engine = LLM("tiny", seed=0).new_engine()
+    from tests.test_graders import loop_with
+    with pytest.raises(guards.PieceFault, match="your loop .* handed back tokens other than its batch's"):
+        ch03.run_loop(engine, loop_with(off_by_one=True), trace)
+
 def test_the_learners_lookup_finds_nothing_for_a_request_scoring_its_prompt(package):
     """As the package's: a request asking for its prompt's logprobs computes every position."""
     from orca_lab.engine.prefix_cache import PrefixCachingBlockManager

@@ -171,7 +171,7 @@ class LyingRid:
 
 
 @pytest.mark.parametrize("answer, error, match", [
-    (lambda pool, n: ([], Forever()), harness.Stuck, "did not return within"),       # its __int__, read
+    (lambda pool, n: ([], Forever()), harness.Mismatch, "a list of requests and an int"),   # no int: never read
     (lambda pool, n: (Forever(), n), harness.Stuck, "did not return within"),        # its __iter__
     (lambda pool, n: ([LyingRid(r.rid) for r in pool], n), harness.Mismatch, "None"),  # not the pool's requests
     (lambda pool, n: sys.exit(3), bounded.Exited, r"select raised SystemExit\(3\) on case 0"),
@@ -370,6 +370,13 @@ OTHERS = {
     "stages as a dict": (ch07.check_split_layers, lambda n, s: {0: n}, "a list of \\(first, end\\) pairs"),
     "median in seconds": (ch09.check_median_norm_latency, seconds_median, "in milliseconds"),
     "a NaN median": (ch09.check_median_norm_latency, lambda recs: float("nan"), "got \\(yours\\): *nan"),
+    "iterations as a float": (ch02.check_ft_iterations, lambda p, g: solution("02", "ft_iterations")(p, g) + 0.9,
+                              "a number of iterations"),
+    "n_rsrv as a float": (ch03.check_select, lambda pool, n, max_bs, n_slots: (
+        lambda batch, m: (batch, m + 0.5))(*solution("03", "select")(pool, n, max_bs, n_slots)),
+        "a list of requests and an int"),
+    "block ids as floats": (ch11.check_block_allocator, type("Halves", (solution("11", "BlockAllocator"),), {
+        "take": lambda self, n: [b + 0.5 for b in super(type(self), self).take(n)]}), "no list of block ids"),
     "an output tensor that equals any": (ch01.check_cached_attention, lambda q, kc, vc, kn, vn: (
         torch.zeros_like(q).as_subclass(EqualsAny), torch.cat([kc, kn]), torch.cat([vc, vn])), "the output differs"),
     "n_reserved that equals any": (ch05.check_slot_manager, type("Claims", (SlotManager,), {
@@ -848,7 +855,19 @@ def test_the_budget_solution_passes_and_runs_the_chunked_engine(capsys):
 
 
 # -- 03 and 08: Algorithm 1's loop ----------------------------------------------------------------
-def loop_with(hand_back=True, turns=None, wait_again=False, submit_twice=False, zero_tokens=False, no_exit=False):
+class OffByOne(int):
+    """A token one past the real one, whose ``__int__`` and ``__eq__`` say it is the real one."""
+    def __int__(self):
+        return int.__index__(self) - 1
+
+    def __eq__(self, other):
+        return True
+
+    __hash__ = int.__hash__
+
+
+def loop_with(hand_back=True, turns=None, wait_again=False, submit_twice=False, zero_tokens=False, no_exit=False,
+              off_by_one=False):
     """Algorithm 1's loop with one batch in flight (chapter 03's), with one of a learner's mistakes."""
     def loop(scheduler, executor, n_workers):
         turn = 0
@@ -864,6 +883,7 @@ def loop_with(hand_back=True, turns=None, wait_again=False, submit_twice=False, 
             done = executor.wait()
             if hand_back:
                 tokens = [0] * len(done.tokens) if zero_tokens else done.tokens
+                tokens = [None if t is None else OffByOne(t + 1) for t in tokens] if off_by_one else tokens
                 scheduler.on_batch_return(done.batch, tokens, executor.clock.now())
             if wait_again:
                 executor.wait()
@@ -927,6 +947,8 @@ LOOPS = {
     "submits twice without waiting": (ch03.check_loop, loop_with(submit_twice=True),
                                       "more than n_workers=\\d batches in flight"),
     "hands back other tokens": (ch03.check_loop, loop_with(zero_tokens=True), "the tokens the batch returned"),
+    "hands back tokens that say they are others": (ch03.check_loop, loop_with(off_by_one=True),
+                                                   "the tokens the batch returned"),
     "goes on after the work is done": (ch03.check_loop, loop_with(no_exit=True), "every request has finished"),
     "catches the refusal": (ch03.check_loop, catches_the_refusal, "with no batch in flight"),
     "one in flight with n_workers > 1": (ch08.check_in_flight, solution("03", "loop"),

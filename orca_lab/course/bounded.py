@@ -213,13 +213,40 @@ def plain(x, depth: int = PLAIN_DEPTH):
         return x.item()
     if isinstance(x, (np.ndarray, torch.Tensor)):
         return plain_tensor(x).tolist() if isinstance(x, torch.Tensor) else np.ndarray.tolist(x)
-    if isinstance(x, (list, tuple)):
-        return [plain(v, depth - 1) for v in (list.__iter__(x) if isinstance(x, list) else tuple.__iter__(x))]
+    if isinstance(x, (list, tuple, range)):        # (range: a builtin no class extends)
+        return [plain(v, depth - 1) for v in (list.__iter__(x) if isinstance(x, list) else tuple.__iter__(x)
+                                              if isinstance(x, tuple) else x)]
     if isinstance(x, dict):
         return {_hashable(plain(k, depth - 1)): plain(v, depth - 1) for k, v in dict.items(x)}
     if isinstance(x, (set, frozenset)):
         return {_hashable(plain(v, depth - 1)) for v in (frozenset.__iter__ if isinstance(x, frozenset) else set.__iter__)(x)}
     raise TypeError(f"of type {type(x).__name__}, not a plain value (a number, a string, a list or dict of them)")
+
+
+def listed(x) -> list:
+    """A learner's sequence as a list of plain values: a plain one read without its code (``plain``),
+    any other iterable (a generator) walked, which runs its code: read it under a bound."""
+    try:
+        got = plain(x)
+    except TypeError:
+        got = plain(list(x))
+    if not isinstance(got, list):
+        raise TypeError(f"a {type(x).__name__}, not a sequence")
+    return got
+
+
+def an_int(x) -> int:
+    """``x`` as an exact int: a Python or numpy integer, or a one-element integer tensor; never a float
+    (``int()`` would truncate 2.9), a bool or a string (``int()`` would read "10 ")."""
+    got = plain(x)
+    if type(got) is not int:
+        raise TypeError(f"{got!r} ({type(x).__name__}) is no integer")
+    return got
+
+
+def ints(xs) -> list[int]:
+    """``listed(xs)``, each an exact int (``an_int``)."""
+    return [an_int(v) for v in listed(xs)]
 
 
 def _hashable(x):

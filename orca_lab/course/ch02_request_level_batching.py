@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from orca_lab.course.bounded import refuse_package_code, run_bounded
+from orca_lab.course.bounded import an_int, as_answer, ints, refuse_package_code, run_bounded
 from orca_lab.course.harness import N_CASES, Mismatch, Piece, Stuck, correct, differ, place_on, read, request, run_case
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.scheduler import RequestLevelScheduler
@@ -39,7 +39,7 @@ def check_ft_iterations(fn, seed: int = 0):
         n = rng.randint(1, 6)
         p, g = [rng.randint(1, 30) for _ in range(n)], [rng.randint(1, 8) for _ in range(n)]
         label = f"case {case} (prompt_lens={p}, gens={g})"
-        got = read("the iterations", label, run_bounded(fn, list(p), list(g), case=label, references=refs), int,
+        got = read("the iterations", label, run_bounded(fn, list(p), list(g), case=label, references=refs), an_int,
                    "a number of iterations")
         expected = max(_ft_finish_iterations(p, g, n))
         if got != expected:
@@ -61,7 +61,7 @@ def check_ft_finish(fn, seed: int = 0):
         label = f"case {case} (prompt_lens={p}, gens={g}, max_bs={max_bs})"
         expected = _ft_finish_iterations(p, g, max_bs)
         got = read("the finish iterations", label, run_bounded(fn, p, g, max_bs, case=label, references=refs),
-                   lambda got: [int(x) for x in got], "a list of ints, one per request")
+                   ints, "a list of ints, one per request")
         if got != expected:
             differ("the finish iterations", label, expected, got,
                    "one per request, in arrival order" if len(got) != len(expected) else
@@ -121,6 +121,7 @@ def check_form_batch(form_batch, seed: int = 0):
         expected = drive(RequestLevelScheduler(KVSlotManager(n_slots), max_bs, max_seq_len), lens, label)
         got = run_case(drive, PluggedFormation(KVSlotManager(n_slots), max_bs, max_seq_len, None, form_batch), lens,
                        label, label=label, references=refs)
+        expected, got = as_answer(expected), as_answer(got)    # compared as values: the learner's ints carry code
         for i, (a, b) in enumerate(zip(expected[:-1], got[:-1])):
             if a != b:
                 differ(f"iteration {i} (the batch's request ids, this iteration's, new tokens each, slots reserved)",

@@ -8,7 +8,7 @@ import random
 
 from orca_lab.config import EngineConfig, ModelConfig
 from orca_lab.course.bounded import PackageCode, TooSlow, refuse_package_code, run_bounded
-from orca_lab.course.guards import guarded, select_answer
+from orca_lab.course.guards import guarded, select_answer, token_ids
 from orca_lab.course.harness import (N_CASES, Mismatch, Piece, check_by_hand, correct, differ, mismatch, place_on, read,
                                      request)
 from orca_lab.engine.batch import Batch
@@ -263,7 +263,7 @@ class _Logged:
     def wait(self, timeout=None):
         done = self.executor.wait(timeout)
         if done is not None:
-            self.tokens[done.batch.iteration] = _token_ids(done.tokens)
+            self.tokens[done.batch.iteration] = token_ids(done.tokens)
         return done
 
 
@@ -370,23 +370,25 @@ class _Scheduler:
                      "hand back each returned batch once" if twice else
                      "hand back done.batch, the batch executor.wait() returned, with its done.tokens")
         if not _same_tokens(tokens, done.tokens):
-            c.refuse(f"its tokens {list(done.tokens)} (done.tokens)", repr(tokens),
+            c.refuse(f"its tokens {list(done.tokens)} (done.tokens)", _shown_tokens(tokens),
                      "hand back the tokens the batch returned: scheduler.on_batch_return(done.batch, done.tokens, now)")
         c.returned.remove(done)
         c.handed.append(batch)
-        return self.scheduler.on_batch_return(batch, tokens, now)
-
-
-def _token_ids(tokens) -> list:
-    """A batch's tokens as plain ints (None: a request the baseline holds, which gets no token)."""
-    return [None if t is None else int(t) for t in tokens]
+        return self.scheduler.on_batch_return(batch, done.tokens, now)     # the same, read as plain ints
 
 
 def _same_tokens(got, expected) -> bool:
     try:
-        return _token_ids(got) == _token_ids(expected)
+        return token_ids(got) == token_ids(expected)
     except Exception:       # noqa: BLE001  (not a list of token ids: not the batch's tokens)
         return False
+
+
+def _shown_tokens(tokens) -> str:
+    try:
+        return str(token_ids(tokens))
+    except Exception:       # noqa: BLE001  (shown by its type alone: its repr is the learner's code)
+        return f"a {type(tokens).__name__}"
 
 
 def _stuck_hint(c: _Calls) -> str:

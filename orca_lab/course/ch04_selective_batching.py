@@ -7,9 +7,9 @@ import random
 import numpy as np
 import torch
 
-from orca_lab.course.bounded import refuse_package_code, run_bounded
+from orca_lab.course.bounded import ints, refuse_package_code, run_bounded
 from orca_lab.course.guards import answer_of, fault_of
-from orca_lab.course.harness import N_CASES, Piece, check_by_hand, correct, differ, ints, place_on, read, request
+from orca_lab.course.harness import N_CASES, Piece, check_by_hand, correct, differ, place_on, read, request
 from orca_lab.engine.batch import Batch, BatchTensors
 from orca_lab.engine.request import Request
 
@@ -57,13 +57,17 @@ def check_flatten(flatten, seed: int = 0):
         bt = Batch.selective(reqs).tensors("cpu")
         label = (f"case {case} (new tokens {[len(r.pending_tokens()) for r in reqs]}, "
                  f"cached {[r.n_cached for r in reqs]}, slots {[r.slots[:6].tolist() for r in reqs]}...)")
-        got = read("the flat metadata", label, run_bounded(flatten, reqs, case=label, references=refs),
-                   lambda got: {name: ints(got[name]) if name in got else None for name in FLAT_FIELDS},
+        got = read("the flat metadata", label, run_bounded(flatten, reqs, case=label, references=refs), _read_flat,
                    f"a dict of lists of ints, keys {list(FLAT_FIELDS)}")
         for name in FLAT_FIELDS:
             if got[name] != getattr(bt, name).tolist():
                 differ(name, label, getattr(bt, name).tolist(), got[name], _FLAT_HINTS[name])
     correct(N_CASES, "BatchTensors.build")
+
+
+def _read_flat(got) -> dict:
+    """The learner's flat metadata as the grader and the plug point read it: each field's ints."""
+    return {name: ints(got[name]) if name in got else None for name in FLAT_FIELDS}
 
 
 def tensors_from(flat: dict, device) -> BatchTensors:
@@ -98,10 +102,10 @@ def _checked_flat(flatten, requests) -> dict:
     """``flatten(requests)``, every field the package's (``Batch.tensors``): one that differs (a batch
     its grader never met: a long context, a large slot id) stops the engine naming the field, before
     the model runs on it (wrong text otherwise)."""
-    got = answer_of(flatten, "flatten", flatten(requests))
+    got = answer_of(flatten, "flatten", flatten(requests), _read_flat)
     want = Batch.selective(requests).tensors("cpu")
     for name in FLAT_FIELDS:
-        if not isinstance(got, dict) or got.get(name) != getattr(want, name).tolist():
+        if got[name] != getattr(want, name).tolist():
             raise fault_of(flatten, "flatten", f"gave {name} other than the package's for requests "
                            f"{[r.rid for r in requests]} (cached {[r.n_cached for r in requests]}, new tokens "
                            f"{[len(r.pending_tokens()) for r in requests]}): {_FLAT_HINTS[name]}")

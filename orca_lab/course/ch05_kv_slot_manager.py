@@ -6,9 +6,9 @@ import random
 
 import torch
 
-from orca_lab.course.bounded import Bounded, refuse_package_code, run_bounded
+from orca_lab.course.bounded import Bounded, ints, refuse_package_code, run_bounded
 from orca_lab.course.ch03_iteration_level_scheduling import random_arrivals, requests_of, schedule
-from orca_lab.course.harness import N_CASES, Piece, correct, differ, ints, place_on, read, request
+from orca_lab.course.harness import N_CASES, Piece, correct, differ, place_on, read, request
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.scheduler import OrcaScheduler
 

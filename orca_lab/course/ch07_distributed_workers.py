@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from orca_lab.course.bounded import plain_tensor, refuse_package_code, run_bounded
-from orca_lab.course.harness import N_CASES, Piece, correct, differ, read, same_kind
+from orca_lab.course.harness import N_CASES, Piece, correct, differ, read, same_kind, shown_answer
 from orca_lab.course.tensor_ranks import LearnerShards, TensorRanks, checked_sum
 from orca_lab.distributed.data_plane import DataPlane
 from orca_lab.engine.executor import split_layers
@@ -60,9 +60,9 @@ def _slice_of(weight, w) -> str:
     return f"a tensor of shape {tuple(w.shape)}, not weight's rows or columns"
 
 
-def _values(t) -> str:
+def _values(t, case) -> str:
     if not isinstance(t, torch.Tensor):
-        return repr(t)
+        return shown_answer(t, case)
     return f"shape {tuple(t.shape)}, first values {[round(v, 4) for v in t.flatten()[:4].tolist()]}"
 
 
@@ -109,7 +109,7 @@ def _pair(got, label: str, rank: int):
     ok = (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], torch.Tensor)
           and (got[1] is None or isinstance(got[1], torch.Tensor)))
     if not ok:
-        differ(f"rank {rank}'s shard", label, "(weight_t, bias_t): a tensor, and a tensor or None", repr(got),
+        differ(f"rank {rank}'s shard", label, "(weight_t, bias_t): a tensor, and a tensor or None", shown_answer(got, label),
                "return the pair (weight_t, bias_t)")
     return plain_tensor(got[0]), None if got[1] is None else plain_tensor(got[1])
 
@@ -154,7 +154,7 @@ def check_split_linear(split_linear, all_reduce, seed: int = 0):
             else whole
         if not (isinstance(out, torch.Tensor) and out.shape == expected.shape and torch.allclose(out, expected, atol=1e-5)):
             differ("the layer's output (your all_reduce of the ranks' partials, then the bias once)", label,
-                   f"F.linear(x, weight, bias): {_values(expected)}", _values(out), _reduce_hint(whole, partials))
+                   f"F.linear(x, weight, bias): {_values(expected, label)}", _values(out, label), _reduce_hint(whole, partials))
     correct(N_CASES, "the package's split (shard_ranges) and the unsplit F.linear")
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from orca_lab.course.bounded import refuse_package_code, run_bounded
-from orca_lab.course.harness import (N_CASES, Piece, Stuck, check_by_hand, correct, differ, ints, place_on, read,
+from orca_lab.course.bounded import ints, refuse_package_code, run_bounded
+from orca_lab.course.harness import (N_CASES, Piece, Stuck, check_by_hand, correct, differ, place_on, read, shown_answer,
                                     request, run_case)
 from orca_lab.engine import policies
 from orca_lab.engine.blocks import BlockManager
@@ -65,7 +65,8 @@ def check_victim(fn, seed: int = 0):
                 f"in this batch {sorted(chosen)})"
         got = run_bounded(fn, list(running), req, set(chosen), case=label, references=(Victims,))
         if got is not None and not any(got is r for r in running):
-            differ("the victim", label, getattr(expected, "rid", None), repr(got), "return a request of running, or None")
+            differ("the victim", label, getattr(expected, "rid", None), shown_answer(got, label),
+                   "return a request of running, or None")
         if got is not expected:
             differ("the victim", label, getattr(expected, "rid", None), getattr(got, "rid", None),
                    _victim_hint(got, req, chosen))
@@ -91,7 +92,10 @@ def allocations(cls, n_blocks: int, steps, label: str) -> list:
     for op, arg in steps:
         if op == "take":
             got = allocator.take(arg)
-            taken.append([int(b) for b in got] if got is not None else None)
+            try:
+                taken.append(ints(got) if got is not None else None)
+            except TypeError as e:           # compared, it differs from every list of ids
+                taken.append(f"no list of block ids: {e}")
         else:
             allocator.free(list(taken[arg]))
     return taken
@@ -141,6 +145,8 @@ def _random_steps(rng, n_blocks: int):
 
 
 def _allocator_hint(expected: list[int], got, held: set[int], freed: set[int], free: list[int]) -> str:
+    if isinstance(got, str):
+        return "take(n) returns the n block ids it took: a list of ints"
     """What take's answer ``got`` shows, against the package's ``expected``: ``held``, the blocks the
     learner's earlier takes hand out; ``freed``, those given back before this take; ``free``, the
     free blocks (the package's), in order."""
@@ -366,13 +372,18 @@ def use_victim(engine, victim):
 def use_blocks(engine, allocator_class):
     """``engine`` (a paged or chunked one, fresh) whose blocks come from the learner's
     ``allocator_class(n_blocks)``: ``take(n)`` -> n free block ids, ``free(blocks)`` gives them back
-    (notebook 11). The block manager's ``take`` and ``give`` are its only source of blocks: both go through here."""
+    (notebook 11). The block manager's ``take`` and ``give`` are its only source of blocks: both go through here.
+    Blocks its LLM's prefix cache kept from an earlier engine are taken from the learner's first."""
     kv = engine.scheduler.kv
     if engine.scheduler.name not in PAGED:
         raise ValueError(f"use_blocks takes an engine of system {PAGED}, not {engine.scheduler.name!r}")
     if kv.n_reserved:
         raise ValueError("use_blocks takes a fresh engine: this one's blocks are already handed out")
     allocator, bs = allocator_class(kv.n_blocks), kv.block_size
+    cached = set(getattr(kv, "hash_of", ()))      # blocks an earlier engine of its LLM left cached: not free
+    if cached:                                    # (the cache recycles them itself, by eviction)
+        every = list(allocator.take(kv.n_blocks))
+        allocator.free([b for b in every if b not in cached])
     kv.take = lambda n: [(b * bs, (b + 1) * bs) for b in allocator.take(n // bs)]
     kv.give = lambda a, b: allocator.free(list(range(a // bs, b // bs)))
     return engine

@@ -7,7 +7,7 @@ import random
 from types import MappingProxyType
 
 from orca_lab.course import harness
-from orca_lab.course.bounded import Bounded, PackageCode, TooSlow, as_answer, refuse_package_code, run_bounded
+from orca_lab.course.bounded import Bounded, PackageCode, TooSlow, an_int, as_answer, refuse_package_code, run_bounded
 from orca_lab.course.guards import answer_of, fault_of
 from orca_lab.course.harness import N_CASES, Piece, check_by_hand, correct, differ, place_on, read, request, run_case
 from orca_lab.engine.policies import PAGED
@@ -113,7 +113,7 @@ def check_prefix_lookup(fn, seed: int = 0):
         label = f"case {case} (block_size {bs}, {n_blocks} blocks; prompts served before {past}, in order; " \
                 f"prompt {prompt}{hole})"
         got = read("the cached prefix (tokens)", label,
-                   run_bounded(fn, dict(kv.block_of), list(prompt), bs, case=label, references=refs), int,
+                   run_bounded(fn, dict(kv.block_of), list(prompt), bs, case=label, references=refs), an_int,
                    "a number of tokens")
         if got != expected:
             differ("the cached prefix (tokens)", label, expected, got, _lookup_hint(expected, got, prompt, bs))
@@ -348,11 +348,11 @@ class PluggedLookup:
         if req.params.prompt_logprobs is not None:     # every prompt position is scored: none cached
             return []
         tokens = req.prompt + req.output
-        names = answer_of(self.block_hashes, "block_hashes", self.block_hashes(tokens, bs))
+        names = answer_of(self.block_hashes, "block_hashes", self.block_hashes(tokens, bs), _names)
         n = answer_of(self.cached_prefix, "cached_prefix",
-                      self.cached_prefix(MappingProxyType(kv.block_of), tokens, bs))
+                      self.cached_prefix(MappingProxyType(kv.block_of), tokens, bs), an_int)
         found, m = kv.lookup(req), (len(tokens) - 1) // bs      # (the package's names: req.block_hashes)
-        if not isinstance(names, list) or names[:m] != req.block_hashes[:m]:
+        if names[:m] != req.block_hashes[:m]:
             raise fault_of(self.block_hashes, "block_hashes", f"named the blocks of request {req.rid} "
                            f"({len(tokens)} tokens, block_size {bs}) other than the package's chain of hashes")
         if n != len(found) * bs:

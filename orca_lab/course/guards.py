@@ -27,7 +27,8 @@ state, which would give wrong text with 200 OK.
   against it, before the engine uses theirs (``fault_of`` names them): ``flatten`` (ch. 04, every
   field of every iteration's flat batch), ``block_hashes`` and ``cached_prefix`` (ch. 12, every
   lookup), ``split_linear`` (ch. 07, every shard, once) and ``all_reduce`` (every sum);
-  ``fill_budget``'s calls are checked by ``ch11.use_budget``. Every other piece is bounded only.
+  ``fill_budget``'s calls are checked by ``ch11.use_budget``; the ``loop``'s hand-backs carry their
+  batch's own tokens. Every other piece is bounded only.
 
 A ``PieceFault`` means the engine's shared state may be wrong: the caller stops. The capstone's
 cell fails with it; a server fails every request in flight with its message (HTTP 503), and exits
@@ -204,13 +205,17 @@ def fault_of(obj, name: str, symptom: str) -> PieceFault:
     return (getattr(obj, "guarded_piece", None) or Piece(name, obj)).fault(symptom)
 
 
-def answer_of(obj, name: str, value):
-    """What the learner's piece ``obj`` returned, as plain values (``bounded.plain``: its objects'
-    own ``__eq__`` never runs in a check), or its fault: a value that is none."""
+def answer_of(obj, name: str, value, reader):
+    """What the learner's piece ``obj`` returned, read by its grader's ``reader`` into plain values
+    (its objects' own ``__eq__`` never runs in a check) under the piece's bound (reading a generator
+    runs its code), or its fault: a value its grader would not take either."""
+    piece = getattr(obj, "guarded_piece", None) or Piece(name, obj)
     try:
-        return bounded.plain(value)
-    except TypeError as e:
-        raise fault_of(obj, name, f"returned a value {e}") from None
+        return piece.call(reader, value)
+    except PieceFault:
+        raise
+    except Exception as e:  # noqa: BLE001  (whatever reading it raised, the answer is not of its shape)
+        raise piece.fault(f"returned a value its grader would not read ({type(e).__name__}: {e})") from None
 
 
 # -- the checks ------------------------------------------------------------------------------------
@@ -221,12 +226,13 @@ class _Held:
         self.of: dict[int, list[int]] = {}      # holder -> ids
         self.owner: dict[int, int] = {}         # id -> holder
 
-    def take(self, piece: Piece, member: str, holder: int, ids, n: int, n_ids: int, what: str):
-        """Record ``ids`` handed to ``holder``: ``n`` distinct ids of ``range(n_ids)`` no one holds."""
+    def take(self, piece: Piece, member: str, holder: int, ids, n: int, n_ids: int, what: str) -> list[int]:
+        """Record ``ids`` handed to ``holder``: ``n`` distinct ids of ``range(n_ids)`` no one holds;
+        returned as read (a generator is walked once, here, under the piece's bound)."""
         try:
-            ids = [int(i) for i in ids]
-        except (TypeError, ValueError):
-            raise piece.fault(f"returned {ids!r} for {n} {what}s, not a list of {what} ids", member) from None
+            ids = piece.call(bounded.ints, ids, member=member)
+        except TypeError as e:
+            raise piece.fault(f"returned no list of {what} ids for {n} {what}s ({e})", member) from None
         if len(ids) != n or len(set(ids)) != n:
             raise piece.fault(f"handed out {len(set(ids))} distinct {what}s ({len(ids)} ids) when {n} were asked "
                               f"for: {ids[:8]}{'...' if len(ids) > 8 else ''}", member)
@@ -239,9 +245,10 @@ class _Held:
         for i in ids:
             self.owner[i] = holder
         self.of.setdefault(holder, []).extend(ids)
+        return ids
 
     def give(self, holder: int, ids=None) -> list[int]:
-        ids = self.of.pop(holder, []) if ids is None else [int(i) for i in ids]
+        ids = self.of.pop(holder, []) if ids is None else bounded.ints(ids)
         for i in ids:
             self.owner.pop(i, None)
         return ids
@@ -279,7 +286,7 @@ class _CheckedSlots(_Guarded):
             self._drained()
 
     def _count(self, member: str):
-        said = self.piece.call(_int_or_none, self.obj, "n_reserved", member=member)  # a property is code too
+        said = self.piece.call(_attr_answer, self.obj, "n_reserved", member=member)  # a property is code too
         if said != self.held.n:
             raise self.piece.fault(f"left n_reserved={said} while requests hold {self.held.n} slots", member)
 
@@ -287,7 +294,7 @@ class _CheckedSlots(_Guarded):
         """No request holds a slot: every slot must be free again."""
         probe = SimpleNamespace(rid=-1, slots=None, n_cached=0, max_tokens=self.n_slots_)
         self.piece.call(self.obj.reserve, probe, self.n_slots_, member="reserve")
-        got = set(int(s) for s in ([] if probe.slots is None else probe.slots))
+        got = set(self.piece.call(bounded.ints, [] if probe.slots is None else probe.slots, member="reserve"))
         if got != set(range(self.n_slots_)):
             raise self.piece.fault(f"does not give every slot back: with no request holding one, reserve("
                                    f"{self.n_slots_}) found {len(got)} of them free", "release")
@@ -304,8 +311,7 @@ class _CheckedAllocator(_Guarded):
     def take(self, n: int) -> list[int]:
         blocks = self.piece.call(self.obj.take, n, member="take")
         vars(self)["n_taken"] += 1
-        self.held.take(self.piece, "take", f"the take #{self.n_taken}", blocks, n, self.n_blocks, "block")
-        return blocks
+        return self.held.take(self.piece, "take", f"the take #{self.n_taken}", blocks, n, self.n_blocks, "block")
 
     def free(self, blocks):
         blocks = list(blocks)
@@ -315,8 +321,8 @@ class _CheckedAllocator(_Guarded):
             self._drained()
 
     def _drained(self):
-        blocks = list(self.piece.call(self.obj.take, self.n_blocks, member="take"))
-        if sorted(int(b) for b in blocks) != list(range(self.n_blocks)):
+        blocks = self.piece.call(bounded.ints, self.piece.call(self.obj.take, self.n_blocks, member="take"), member="take")
+        if sorted(blocks) != list(range(self.n_blocks)):
             raise self.piece.fault(f"keeps the free list wrong: with no block held, take({self.n_blocks}) gave "
                                    f"{len(blocks)} ids, {len(set(blocks))} distinct", "free")
         self.piece.call(self.obj.free, blocks, member="free")
@@ -333,13 +339,15 @@ def raised_in(e: BaseException, folder: str) -> str | None:
     return _innermost(e, lambda filename: Path(filename).is_relative_to(folder))
 
 
-def _int_or_none(obj, name: str) -> int | str | None:
-    """``obj.name`` as an int (None if it has none; its type's name if it is no number)."""
-    value = getattr(obj, name, None)
-    try:
-        return None if value is None else int(value)
-    except (TypeError, ValueError):
-        return f"a {type(value).__name__}"
+def _attr_answer(obj, name: str):
+    """``obj.name`` as plain values (``bounded.as_answer``): compared, it never runs the learner's code."""
+    return bounded.as_answer(getattr(obj, name, None))
+
+
+def token_ids(tokens) -> list:
+    """A batch's tokens as exact ints (None: a request the baseline holds, which gets no token); a
+    learner's int whose ``__int__`` or ``__eq__`` says another is read as the int it is."""
+    return [None if t is None else bounded.an_int(t) for t in bounded.listed(tokens)]
 
 
 def select_answer(pool):
@@ -351,7 +359,7 @@ def select_answer(pool):
 
     def read(answer):
         batch, n = answer
-        return [own.get(id(r)) for r in batch], int(n)
+        return [own.get(id(r)) for r in batch], bounded.an_int(n)
     return read
 
 
@@ -427,8 +435,9 @@ def _checked_victim(piece: Piece):
 
 
 def _bounded_loop(piece: Piece):
-    """The learner's loop bounded between its calls into the scheduler and the executor; a fault of
-    another piece met there stops the run even if the loop catches it."""
+    """The learner's loop bounded between its calls into the scheduler and the executor, the tokens it
+    hands back checked against those its batch came back with (the scheduler gets those, read as
+    ints); a fault of another piece met there stops the run even if the loop catches it."""
     faults = []
 
     def between(fn):
@@ -441,19 +450,42 @@ def _bounded_loop(piece: Piece):
         return call
 
     class Between:
-        def __init__(self, obj):
-            vars(self)["obj"] = obj
+        def __init__(self, obj, **checked):
+            vars(self).update(obj=obj, checked=checked)
 
         def __getattr__(self, name):
-            attr = getattr(self.obj, name)
+            attr = self.checked.get(name) or getattr(self.obj, name)
             return between(attr) if callable(attr) else attr
 
     def loop(scheduler, executor, n_workers):
-        value = piece.call(piece.obj, Between(scheduler), Between(executor), n_workers)
+        came_back = {}                 # id(batch) -> the tokens it came back with
+
+        def wait(*args, **kwargs):
+            done = executor.wait(*args, **kwargs)
+            if done is not None:
+                came_back[id(done.batch)] = done.tokens
+            return done
+
+        def on_batch_return(batch, tokens, now):
+            truth = came_back.pop(id(batch), None)
+            if truth is not None and piece.call(_differ, tokens, truth):
+                raise piece.fault(f"handed back tokens other than its batch's (executor.wait()'s done.tokens) for "
+                                  f"iteration {getattr(batch, 'iteration', '?')}")
+            return scheduler.on_batch_return(batch, tokens if truth is None else truth, now)
+
+        value = piece.call(piece.obj, Between(scheduler, on_batch_return=on_batch_return),
+                           Between(executor, wait=wait), n_workers)
         if faults:
             raise faults[0]
         return value
     return loop
+
+
+def _differ(tokens, truth) -> bool:
+    try:
+        return token_ids(tokens) != token_ids(truth)
+    except TypeError:
+        return True
 
 
 CHECKED = {"SlotManager": lambda p: _guarded_class(p, _CheckedSlots), "select": _checked_select,

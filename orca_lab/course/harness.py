@@ -58,10 +58,10 @@ def read(what: str, case, got, reader, shape: str):
     except (Stuck, Exited):
         raise
     except Exception:  # noqa: BLE001  (any failure to read it is the same symptom: the wrong shape)
-        differ(what, case, shape, f"{_shown(got, case)} ({type(got).__name__})", f"return {shape}")
+        differ(what, case, shape, f"{shown_answer(got, case)} ({type(got).__name__})", f"return {shape}")
 
 
-def _shown(got, case) -> str:
+def shown_answer(got, case) -> str:
     """The learner's answer as its ``repr`` says (bounded: its own code), or its type alone."""
     try:
         return run_case(repr, got, label=str(case))
@@ -95,10 +95,6 @@ def plain_answer(what: str, case, got):
         return plain(got)
     except TypeError as e:
         raise Mismatch(f"{what} on {case}: yours is {e}") from None
-
-
-def ints(xs) -> list[int]:
-    return [int(x) for x in torch.as_tensor(xs).flatten().tolist()]
 
 
 def request(rid: int, prompt_len: int, gen: int, arrival: float = 0.0) -> Request:
