@@ -7,7 +7,8 @@ import random
 from types import MappingProxyType
 
 from orca_lab.course import harness
-from orca_lab.course.bounded import Bounded, PackageCode, TooSlow, an_int, as_answer, refuse_package_code, run_bounded
+from orca_lab.course.bounded import (Bounded, PackageCode, TooSlow, an_int, as_answer, ints, refuse_package_code,
+                                     run_bounded)
 from orca_lab.course.guards import answer_of, fault_of
 from orca_lab.course.harness import N_CASES, Piece, check_by_hand, correct, differ, place_on, read, request, run_case
 from orca_lab.engine.policies import PAGED
@@ -372,12 +373,46 @@ def _recount(engine, use: str, refs_class=None, lru_class=None):
         raise ValueError(f"{use} takes a fresh engine: {kv.n_holders} requests of this one hold blocks")
     old, n_cached = kv.refs, len(kv.lru)
     kv.lru = (lru_class or type(kv.lru))()
-    kv.refs = (refs_class or type(old))(kv.lru)
+    counts = (refs_class or type(getattr(old, "counts_of", old)))(kv.lru)
     for _ in range(n_cached):
         block = old.evict()
-        kv.refs.hold(block)
-        kv.refs.release([block], kv.hash_of)
+        counts.hold(block)
+        counts.release([block], kv.hash_of)
+    kv.refs = CheckedRefs(counts, kv, lru_class or getattr(old, "lru_piece", None),
+                          refs_class or getattr(old, "refs_piece", None))
     return engine
+
+
+class CheckedRefs:
+    """The cache's reference counts as the engine calls them, the learner's (or over their LRU), each
+    eviction and release checked against the block tables before the cache reuses a block: a block
+    some request holds, handed to another, would have its K/V overwritten under it (wrong text)."""
+
+    def __init__(self, counts, kv, lru_piece, refs_piece):
+        self.counts_of, self.kv, self.lru_piece, self.refs_piece = counts, kv, lru_piece, refs_piece
+
+    def __getattr__(self, name):
+        return getattr(self.counts_of, name)
+
+    def evict(self) -> int:
+        obj, name = (self.refs_piece, "BlockRefs") if self.refs_piece is not None else (self.lru_piece, "BlockLRU")
+        b = answer_of(obj, name, self.counts_of.evict(), an_int)
+        if b in self.kv.held_blocks() or b not in self.kv.hash_of:
+            raise fault_of(obj, name, f"evicted block {b}, which " + ("a request holds: its K/V would be overwritten "
+                           "under it" if b in self.kv.held_blocks() else "is not a cached block"))
+        return b
+
+    def release(self, blocks: list[int], cached) -> list[int]:
+        freed = self.counts_of.release(blocks, cached)
+        if self.refs_piece is None:
+            return freed
+        freed = answer_of(self.refs_piece, "BlockRefs", freed, ints)
+        wrong = set(freed) - set(blocks) or set(freed) & self.kv.held_blocks()
+        if wrong or len(set(freed)) != len(freed):
+            raise fault_of(self.refs_piece, "BlockRefs", f"released {sorted(wrong) or freed} for a request holding "
+                           f"{list(blocks)}: a block another request holds (or none of this one's, or one twice) "
+                           "would go back to the pool")
+        return freed
 
 
 def use_lru(engine, lru_class):

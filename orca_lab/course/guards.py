@@ -28,7 +28,9 @@ state, which would give wrong text with 200 OK.
   field of every iteration's flat batch), ``block_hashes`` and ``cached_prefix`` (ch. 12, every
   lookup), ``split_linear`` (ch. 07, every shard, once) and ``all_reduce`` (every sum);
   ``fill_budget``'s calls are checked by ``ch11.use_budget``; the ``loop``'s hand-backs carry their
-  batch's own tokens. Every other piece is bounded only.
+  batch's own tokens; ``BlockLRU``'s and ``BlockRefs``' evictions take a cached block no request holds,
+  and ``BlockRefs``' releases free none another request holds (``ch12.CheckedRefs``). Every other
+  piece (``form_batch``) is bounded only.
 
 A ``PieceFault`` means the engine's shared state may be wrong: the caller stops. The capstone's
 cell fails with it; a server fails every request in flight with its message (HTTP 503), and exits

@@ -293,6 +293,10 @@ class PrefixCachingBlockManager(BlockManager):
     def block_table(self, req) -> list[int]:
         return list(self._blocks.get(req.rid, []))
 
+    def held_blocks(self) -> set[int]:
+        """Every block some request's table holds: what no eviction may hand to another."""
+        return {b for table in self._blocks.values() for b in table}
+
     # -- statistics ------------------------------------------------------------------------------
     @property
     def n_cached_blocks(self) -> int:
