@@ -8,7 +8,7 @@ import random
 
 from orca_lab.config import EngineConfig, ModelConfig
 from orca_lab.course.bounded import PackageCode, TooSlow, refuse_package_code, run_bounded
-from orca_lab.course.guards import guarded, select_answer, token_ids
+from orca_lab.course.guards import guarded, same_tokens, select_answer, token_ids
 from orca_lab.course.harness import (N_CASES, Mismatch, Piece, check_by_hand, correct, differ, mismatch, place_on, read,
                                      request)
 from orca_lab.engine.batch import Batch
@@ -369,19 +369,12 @@ class _Scheduler:
                      "a batch handed back twice" if twice else "a batch that has not come back",
                      "hand back each returned batch once" if twice else
                      "hand back done.batch, the batch executor.wait() returned, with its done.tokens")
-        if not _same_tokens(tokens, done.tokens):
+        if not same_tokens(tokens, done.tokens):
             c.refuse(f"its tokens {list(done.tokens)} (done.tokens)", _shown_tokens(tokens),
                      "hand back the tokens the batch returned: scheduler.on_batch_return(done.batch, done.tokens, now)")
         c.returned.remove(done)
         c.handed.append(batch)
         return self.scheduler.on_batch_return(batch, done.tokens, now)     # the same, read as plain ints
-
-
-def _same_tokens(got, expected) -> bool:
-    try:
-        return token_ids(got) == token_ids(expected)
-    except Exception:       # noqa: BLE001  (not a list of token ids: not the batch's tokens)
-        return False
 
 
 def _shown_tokens(tokens) -> str:

@@ -397,9 +397,10 @@ class CheckedRefs:
     def evict(self) -> int:
         obj, name = (self.refs_piece, "BlockRefs") if self.refs_piece is not None else (self.lru_piece, "BlockLRU")
         b = answer_of(obj, name, self.counts_of.evict(), an_int)
-        if b in self.kv.held_blocks() or b not in self.kv.hash_of:
+        held = b in self.kv.held_blocks()
+        if held or b not in self.kv.hash_of:
             raise fault_of(obj, name, f"evicted block {b}, which " + ("a request holds: its K/V would be overwritten "
-                           "under it" if b in self.kv.held_blocks() else "is not a cached block"))
+                           "under it" if held else "is not a cached block"))
         return b
 
     def release(self, blocks: list[int], cached) -> list[int]:

@@ -201,17 +201,22 @@ def _guarded_class(piece: Piece, base=_Guarded):
     return type(describe(piece.obj), (base,), {"piece": piece})
 
 
+def _piece_of(obj, name: str) -> Piece:
+    """The learner's piece ``obj`` as ``guarded`` made it (its bound), or bare."""
+    return getattr(obj, "guarded_piece", None) or Piece(name, obj)
+
+
 def fault_of(obj, name: str, symptom: str) -> PieceFault:
     """The fault of the learner's piece ``obj`` (as ``guarded`` made it, or bare), found at its plug
     point (a chapter's ``use_*`` checking its answers), named with where the learner's code is."""
-    return (getattr(obj, "guarded_piece", None) or Piece(name, obj)).fault(symptom)
+    return _piece_of(obj, name).fault(symptom)
 
 
 def answer_of(obj, name: str, value, reader):
     """What the learner's piece ``obj`` returned, read by its grader's ``reader`` into plain values
     (its objects' own ``__eq__`` never runs in a check) under the piece's bound (reading a generator
     runs its code), or its fault: a value its grader would not take either."""
-    piece = getattr(obj, "guarded_piece", None) or Piece(name, obj)
+    piece = _piece_of(obj, name)
     try:
         return piece.call(reader, value)
     except PieceFault:
@@ -352,6 +357,15 @@ def token_ids(tokens) -> list:
     return [None if t is None else bounded.an_int(t) for t in bounded.listed(tokens)]
 
 
+def same_tokens(got, expected) -> bool:
+    """Whether a loop handed back ``expected``, a batch's tokens (ch. 03's grader, the loop's guard);
+    what cannot be read as token ids is not them. Run it under the loop's bound: reading runs its code."""
+    try:
+        return token_ids(got) == token_ids(expected)
+    except Exception:       # noqa: BLE001  (whatever reading it raised: not the batch's tokens)
+        return False
+
+
 def select_answer(pool):
     """The reader of a Select's answer over ``pool`` (ch. 03's grader and the capstone's guard): its
     batch as the pool's own requests, by identity (None for anything else: no object of the learner's
@@ -470,7 +484,7 @@ def _bounded_loop(piece: Piece):
 
         def on_batch_return(batch, tokens, now):
             truth = came_back.pop(id(batch), None)
-            if truth is not None and piece.call(_differ, tokens, truth):
+            if truth is not None and not piece.call(same_tokens, tokens, truth):
                 raise piece.fault(f"handed back tokens other than its batch's (executor.wait()'s done.tokens) for "
                                   f"iteration {getattr(batch, 'iteration', '?')}")
             return scheduler.on_batch_return(batch, tokens if truth is None else truth, now)
@@ -481,13 +495,6 @@ def _bounded_loop(piece: Piece):
             raise faults[0]
         return value
     return loop
-
-
-def _differ(tokens, truth) -> bool:
-    try:
-        return token_ids(tokens) != token_ids(truth)
-    except TypeError:
-        return True
 
 
 CHECKED = {"SlotManager": lambda p: _guarded_class(p, _CheckedSlots), "select": _checked_select,

@@ -116,8 +116,8 @@ def checked_sum(all_reduce):
     taken before theirs: it may add in place) within the rounding a sum of them may make, before the
     ranks go on with it."""
     def reduce(partials: list) -> torch.Tensor:
-        want = torch.stack([p.double() for p in partials]).sum(0)
-        slack = len(partials) * torch.finfo(partials[0].dtype).eps * torch.stack([p.double().abs() for p in partials]).sum(0)
+        wide = torch.stack([p.double() for p in partials])
+        want, slack = wide.sum(0), len(partials) * torch.finfo(partials[0].dtype).eps * wide.abs().sum(0)
         got = all_reduce(partials)
         if not (isinstance(got, torch.Tensor) and got.shape == want.shape
                 and ((plain_tensor(got).double() - want).abs() <= slack + 1e-30).all()):
