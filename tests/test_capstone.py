@@ -156,25 +156,32 @@ def test_right_pieces_written_otherwise_serve_the_packages_tokens(package):
         ch03.run_loop(engine, loop_with(off_by_one=True), trace)
 
 
-@pytest.mark.parametrize("wrong", ["BlockLRU", "BlockRefs"])
+@pytest.mark.parametrize("wrong", ["BlockLRU", "BlockRefs", "leaky BlockRefs"])
 def test_an_eviction_order_or_counts_that_free_a_held_block_stop_the_engine_naming_them(package, wrong):
     """An LRU that keeps a block a request took again (``used`` does nothing), counts that free a
     block another request still holds: the cache would hand that block to a new request and
-    overwrite its K/V under the one reading it; each is stopped where the cache uses its answer."""
+    overwrite its K/V under the one reading it; each is stopped where the cache uses its answer.
+    Counts that keep a block no request holds leak it: stopped there too."""
     pieces = mine.load(package)
     sticky = type("Sticky", (pieces["BlockLRU"],), {"used": lambda self, b: None})
     eager = type("Eager", (pieces["BlockRefs"],), {"release": lambda self, blocks, cached: (lambda out: list(out) + [
         b for b in blocks if b not in out][:1])(super(type(self), self).release(blocks, cached))})
+    leaky = type("Leaky", (pieces["BlockRefs"],), {"release": lambda self, blocks, cached: list(
+        super(type(self), self).release(blocks, cached))[1:]})
+    piece = wrong.split()[-1]
     cfg = {"BlockLRU": EngineConfig(max_bs=1, n_slots=16 * 4, block_size=4, prefix_caching=True),
-           "BlockRefs": EngineConfig(max_bs=3, n_slots=32 * 4, block_size=4, prefix_caching=True)}[wrong]
+           "BlockRefs": EngineConfig(max_bs=3, n_slots=32 * 4, block_size=4, prefix_caching=True)}[piece]
     engine = LLM("tiny", seed=0, engine=cfg).new_engine("paged")
-    plug.assemble(engine, {wrong: {"BlockLRU": sticky, "BlockRefs": eager}[wrong]})
+    plug.assemble(engine, {piece: {"BlockLRU": sticky, "BlockRefs": eager, "leaky BlockRefs": leaky}[wrong]})
     prompt = tuple(range(40))
-    trace = [TraceItem(0.0, (*prompt, 1), 2), TraceItem(float(wrong == "BlockRefs"), (*prompt, 2), 6),
-             TraceItem(float(wrong == "BlockRefs"), (*prompt, 3), 2)]
-    with pytest.raises(guards.PieceFault, match=f"your {wrong} .*(evicted block \\d+, which a request holds|"
-                                                 "released \\[\\d+\\] for a request holding)"):
+    trace = [TraceItem(0.0, (*prompt, 1), 2), TraceItem(float(piece == "BlockRefs"), (*prompt, 2), 6),
+             TraceItem(float(piece == "BlockRefs"), (*prompt, 3), 2)]
+    symptom = {"BlockLRU": "evicted block \\d+, which a request holds",
+               "BlockRefs": "released \\[\\d+\\] for a request holding",
+               "leaky BlockRefs": "kept \\[\\d+\\] counted for a request holding .*the pool leaks them"}[wrong]
+    with pytest.raises(guards.PieceFault, match=f"your {piece} .*{symptom}"):
         engine.run(trace)
+
 
 def test_the_learners_lookup_finds_nothing_for_a_request_scoring_its_prompt(package):
     """As the package's: a request asking for its prompt's logprobs computes every position."""

@@ -370,6 +370,8 @@ OTHERS = {
     "stages as a dict": (ch07.check_split_layers, lambda n, s: {0: n}, "a list of \\(first, end\\) pairs"),
     "median in seconds": (ch09.check_median_norm_latency, seconds_median, "in milliseconds"),
     "a NaN median": (ch09.check_median_norm_latency, lambda recs: float("nan"), "got \\(yours\\): *nan"),
+    "the median as text": (ch09.check_median_norm_latency,
+                           lambda recs: str(solution("09", "norm_latency_median_ms")(recs)), "a number of milliseconds"),
     "iterations as a float": (ch02.check_ft_iterations, lambda p, g: solution("02", "ft_iterations")(p, g) + 0.9,
                               "a number of iterations"),
     "n_rsrv as a float": (ch03.check_select, lambda pool, n, max_bs, n_slots: (

@@ -236,12 +236,21 @@ def listed(x) -> list:
 
 
 def an_int(x) -> int:
-    """``x`` as an exact int: a Python or numpy integer, or a one-element integer tensor; never a float
+    """``x`` as an exact int: a Python or numpy integer, or a 0-d integer tensor; never a float
     (``int()`` would truncate 2.9), a bool or a string (``int()`` would read "10 ")."""
     got = plain(x)
     if type(got) is not int:
         raise TypeError(f"{got!r} ({type(x).__name__}) is no integer")
     return got
+
+
+def a_number(x) -> float:
+    """``x`` as a float: a Python or numpy int or float, or a 0-d tensor of them; never a bool
+    or a string (``float()`` would read "286.03" and True as numbers)."""
+    got = plain(x)
+    if type(got) not in (int, float):
+        raise TypeError(f"{got!r} ({type(x).__name__}) is no number")
+    return float(got)
 
 
 def ints(xs) -> list[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 import statistics
 
-from orca_lab.course.bounded import refuse_package_code, run_bounded
+from orca_lab.course.bounded import a_number, refuse_package_code, run_bounded
 from orca_lab.course.harness import N_CASES, correct, differ, read
 from orca_lab.engine.engine import RequestRecord, RunResult
 from orca_lab.metrics import per_request
@@ -25,7 +25,7 @@ def check_median_norm_latency(fn, seed: int = 0):
         expected = statistics.median(per_request(RunResult("orca", recs, [])).norm_latency) * 1e3
         label = f"case {case} ({len(recs)} requests)"
         got = read("the median normalized latency (ms)", label,
-                   run_bounded(fn, recs, case=label, references=(per_request,)), float, "a number of milliseconds")
+                   run_bounded(fn, recs, case=label, references=(per_request,)), a_number, "a number of milliseconds")
         if not abs(got - expected) <= 1e-6 * max(1.0, expected):      # (NaN differs from every answer)
             differ("the median normalized latency (ms)", label, expected, got, _median_hint(expected, got))
     correct(N_CASES, "orca_lab.metrics.per_request")

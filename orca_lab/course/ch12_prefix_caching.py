@@ -408,11 +408,17 @@ class CheckedRefs:
         if self.refs_piece is None:
             return freed
         freed = answer_of(self.refs_piece, "BlockRefs", freed, ints)
-        wrong = set(freed) - set(blocks) or set(freed) & self.kv.held_blocks()
+        held = self.kv.held_blocks()                 # (the releasing request's table is already gone)
+        wrong = set(freed) - set(blocks) or set(freed) & held
         if wrong or len(set(freed)) != len(freed):
             raise fault_of(self.refs_piece, "BlockRefs", f"released {sorted(wrong) or freed} for a request holding "
                            f"{list(blocks)}: a block another request holds (or none of this one's, or one twice) "
                            "would go back to the pool")
+        kept = set(blocks) - held - set(freed)
+        if kept:
+            raise fault_of(self.refs_piece, "BlockRefs", f"kept {sorted(kept)} counted for a request holding "
+                           f"{list(blocks)}, though no request holds them any more: they would never be cached "
+                           "or reused (the pool leaks them)")
         return freed
 
 
