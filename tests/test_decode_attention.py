@@ -208,3 +208,20 @@ def test_tf32_is_a_validated_engine_option():
     assert torch.backends.cuda.matmul.allow_tf32 == before
     assert attention._dot_precision(torch.float32, False) == "ieee"
     assert attention._dot_precision(torch.float32, True) == "tf32"
+
+
+def test_a_candidate_that_answers_otherwise_is_never_picked_for_being_fast(monkeypatch):
+    """A tile that compiles and runs but computes wrongly (here the fastest) is skipped and named;
+    tiles that differ only in accumulation order agree, and rows no launch wrote (NaN) match."""
+    import triton
+    cost = {"first": 3.0, "close": 2.0, "wrong": 1.0}
+    out = torch.full((4, 2), float("nan"))
+    written = {"first": 1.0, "close": 1.0 + 1e-3, "wrong": 1.5}
+
+    def launch(cfg):
+        out[:2] = written[cfg]
+        launch.last = cfg
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or cost[launch.last])
+    with pytest.warns(RuntimeWarning, match="wrong answers other than first \\(largest difference 0.5\\): skipped"):
+        assert LaunchTuner().choose("key", list(cost), launch, on_gpu=True, answer=lambda: out) == "close"

@@ -37,12 +37,13 @@ class LaunchTuner:
         """From now on a new bucket borrows from its nearest timed neighbour rather than timing."""
         self.settled = True
 
-    def choose(self, key, candidates, launch, on_gpu: bool, like=(), as_own=None):
+    def choose(self, key, candidates, launch, on_gpu: bool, like=(), as_own=None, answer=None):
         """``like``: the keys of other paths of the same kernel and shapes (a fresh prompt's, for
         prompts that read earlier keys too), whose timed buckets lend a choice
         once settled when ``key``'s own kind has none: a warm-up that met only one path times nothing
         mid-run. ``as_own``: the borrower's equivalent of another path's choice (the same tile read
-        another way), if it has one."""
+        another way), if it has one. ``answer()``: the tensor a launch writes, compared across the
+        candidates timed (``_fastest``)."""
         got = self.best.get(key)
         if got is not None:
             return got
@@ -54,7 +55,7 @@ class LaunchTuner:
         elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return candidates[0]           # no timing inside a CUDA graph capture: warm up first
         else:
-            got = _fastest(candidates, launch)
+            got = _fastest(candidates, launch, answer)
         self.best[key] = got
         return got
 
@@ -83,11 +84,13 @@ class LaunchTuner:
         return self.best[min(same, key=distance)] if same else None
 
 
-def _fastest(candidates, launch):
+def _fastest(candidates, launch, answer=None):
     """Time each candidate that compiles and fits the device (too much shared memory is skipped).
-    One that fails otherwise here (a driver refusing a tensor descriptor, say) is skipped and named:
-    the ones that ran give the same answer, so a run on an untried GPU goes on with them."""
-    times, failed = {}, []
+    One that fails otherwise here (a driver refusing a tensor descriptor, say) is skipped and named,
+    so a run on an untried GPU goes on with the others. So is one whose ``answer()`` differs from the
+    first candidate's that ran (the tile that also serves untuned): a tile that compiled but computes
+    wrongly is never picked for being fast."""
+    times, failed, first = {}, [], None
     for cfg in candidates:
         try:
             launch(cfg)                    # compiles; raises if the configuration cannot run here
@@ -97,8 +100,28 @@ def _fastest(candidates, launch):
             failed.append(f"{cfg}: {type(e).__name__}: {e}")
             warnings.warn(f"launch configuration {failed[-1]} (skipped)", RuntimeWarning, stacklevel=3)
             continue
+        if answer is not None:
+            got = answer().clone()
+            first = (cfg, got) if first is None else first
+            off = _disagreement(got, first[1])
+            if off:
+                warnings.warn(f"launch configuration {cfg} answers other than {first[0]} ({off}): skipped",
+                              RuntimeWarning, stacklevel=3)
+                continue
         times[cfg] = triton.testing.do_bench(lambda cfg=cfg: launch(cfg), warmup=5, rep=20)
     if not times:
         raise RuntimeError(f"no launch configuration of {candidates} runs on this device"
                            + "".join(f"; {f}" for f in failed))
     return min(times, key=times.get)
+
+
+def _disagreement(got: torch.Tensor, ref: torch.Tensor) -> str:
+    """'' where two tiles' answers agree up to their accumulation order (rows no launch wrote hold the
+    same bytes in both, NaNs included), else the largest difference."""
+    tol = 2e-2 if got.element_size() <= 2 else 1e-3
+    got, ref = got.float(), ref.float()
+    if torch.allclose(got, ref, rtol=tol, atol=tol, equal_nan=True):
+        return ""
+    same = (got == ref) | (got.isnan() & ref.isnan())
+    diff = torch.where(same, 0.0, (got - ref).abs()).nan_to_num(float("inf"))
+    return f"largest difference {diff.max().item():.3g}"

@@ -714,7 +714,7 @@ def _launch_prefill(q, keys, values, out, slot_ids, cu_q, cu_k, scale, plan, pre
         others = [("prefill", p, *shape) for p in ("fresh-tma", "fresh", "slots")
                   if (p == "slots") != (path == "slots")]
         cfg = _TUNER.choose(("prefill", path, *shape), cands, launch, on_gpu, like=others,
-                            as_own=lambda c: replace(c, tma=cands[0].tma))
+                            as_own=lambda c: replace(c, tma=cands[0].tma), answer=lambda: out)
     launch(cfg)
 
 
@@ -760,7 +760,7 @@ def _launch_decode(q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, scale, plan, cf
     if cfg is None:
         key = ("decode", H, n_kv, D, q.dtype, bucket(n), bucket(plan.max_kv))
         cands = decode_candidates(D, H, group) if on_gpu else [interpreter_decode(H, group)]
-        cfg = _TUNER.choose(key, cands, launch, on_gpu)
+        cfg = _TUNER.choose(key, cands, launch, on_gpu, answer=lambda: out)
     launch(cfg)
 
 
