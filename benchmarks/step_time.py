@@ -252,15 +252,22 @@ def main(argv=None):
     print(f"ORCA and FT per step, {llm.cfg.name} {args.dtype} on {args.device}, input {args.input}, "
           f"output {args.output}, {torch.get_num_threads()} thread(s), graphs {args.graphs}")
     t, load_before = time.perf_counter(), os.getloadavg()
-    points = [measure(llms, b, args) for b in args.batch_sizes]
+    points = []
+
+    def report(complete: bool):
+        write_report(args.out, args, {"device": "cuda" if on_gpu else "cpu",
+                                      "device_time": "CUDA events" if on_gpu else "wall clock (CPU)",
+                                      "launches": "torch.profiler" if on_gpu else "n/a on the CPU",
+                                      "graphs": ("replayed" if on_gpu else "static buffers, eager") if args.graphs == "on" else "off",
+                                      "seconds": time.perf_counter() - t,
+                                      "load_average_1_5_15min": {"before": load_before, "after": os.getloadavg()},
+                                      "points": points}, complete)
+
+    for b in args.batch_sizes:      # written as each point ends: a run cut by a time limit keeps them
+        points.append(measure(llms, b, args))
+        report(complete=False)
     print_table(points, on_gpu)
-    write_report(args.out, args, {"device": "cuda" if on_gpu else "cpu",
-                                  "device_time": "CUDA events" if on_gpu else "wall clock (CPU)",
-                                  "launches": "torch.profiler" if on_gpu else "n/a on the CPU",
-                                  "graphs": ("replayed" if on_gpu else "static buffers, eager") if args.graphs == "on" else "off",
-                                  "seconds": time.perf_counter() - t,
-                                  "load_average_1_5_15min": {"before": load_before, "after": os.getloadavg()},
-                                  "points": points})
+    report(complete=True)
     return points
 
 

@@ -1,8 +1,10 @@
-"""The steps of ``scripts/gpu_check.sh`` that are Python: the record of the machine, the workers
-check, and Figure 9 measured beside the simulator's prediction for the same GPU.
+"""The steps of ``scripts/gpu_check.sh`` that are Python: the record of the machine, the smoke test of
+the copy engine's path, the workers check, and Figure 9 measured beside the simulator's prediction
+for the same GPU.
 
     python scripts/gpu_check.py slug                      # the device's directory name, e.g. h100_80gb_hbm3
-    python scripts/gpu_check.py environment OUT "COMMAND"
+    python scripts/gpu_check.py environment OUT "COMMAND" [NAME]
+    python scripts/gpu_check.py smoke OUT                 # the TMA's prefill tiles, once each; tma_off if one fails
     python scripts/gpu_check.py workers OUT
     python scripts/gpu_check.py fig9-compare MEASURED_CSV SIMULATED_CSV OUT
     python scripts/gpu_check.py sim-device                # the simulator's model of this GPU, or "none"
@@ -15,6 +17,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,8 +36,8 @@ def sim_device(name: str) -> str | None:
     return model_of_gpu(name)
 
 
-def environment(out: Path, command: str) -> dict:
-    """Device, driver, library versions, the command and the commit: ``environment.json``."""
+def environment(out: Path, command: str, name: str = "environment.json") -> dict:
+    """Device, driver, library versions, the command and the commit: ``environment.json`` (``name``)."""
     import torch
     import triton
     from orca_lab.environment import environment as env
@@ -44,7 +47,7 @@ def environment(out: Path, command: str) -> dict:
               "nvidia_smi": _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
                                   "--format=csv,noheader"])}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "environment.json").write_text(json.dumps(record, indent=1))
+    (out / name).write_text(json.dumps(record, indent=1))
     return record
 
 
@@ -53,6 +56,55 @@ def _run(cmd) -> str | None:
         return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+# The smoke test's batch: two fresh prompts at GPT-3 13B's heads, ends that fill no tile (a box runs
+# into the next prompt's rows, and past the tensor's end)
+SMOKE_LENS = (389, 512)
+
+
+def smoke(out: Path, size: str | None = None, dtype=None, tiles=None) -> bool:
+    """Before any step relies on it, each prefill tile that reads fresh prompts through the Tensor
+    Memory Accelerator (``tiles``: those ``prefill_candidates`` offers this GPU), launched once, forced,
+    on ``SMOKE_LENS`` and checked against the PyTorch reference, each synchronized so an asynchronous
+    fault is this tile's. It is the path no GPU has run yet: one that fails or answers wrongly writes
+    ``tma_off``, and the steps after it read fresh prompts through pointers (``ORCA_LAB_TMA=0``)
+    rather than crash or mismeasure. ``smoke.json``: a row per tile. Compiling here also warms the
+    Triton cache the next steps read."""
+    import torch
+    from orca_lab.kernels import bench, ragged_attention
+    from orca_lab.kernels import attention
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    size, dtype = size or ("full" if on_gpu else "tiny"), dtype or (torch.bfloat16 if on_gpu else torch.float32)
+    heads, head_size = (bench.SIZES[size][k] for k in ("heads", "head_size"))
+    lens = list(SMOKE_LENS) if size == "full" else [29, 32]       # (the interpreter's: small)
+    args, (k, v), _ = bench.attention_case(lens, lens, heads, head_size, dtype, device)
+    plan = attention.triton_plan(*(a.tolist() for a in args[4:]), device)
+    scale = head_size ** -0.5
+    if tiles is None:     # (the interpreter's one tile without a GPU)
+        tiles = [c for c in attention.prefill_candidates(head_size, dtype.itemsize, attention.compute_capability(0),
+                                                         fresh=True) if c.tma] if on_gpu \
+            else [replace(attention.INTERPRETER_PREFILL, tma=True)]
+    rows = []
+    for tile in tiles:
+        impls = {"reference": lambda: ragged_attention(*args, backend="torch"),
+                 repr(tile): lambda: attention.ragged_attention_triton(*args, scale, plan, k=k, v=v, prefill=tile)}
+        try:
+            bench.check_agree(impls, lens, dtype)
+            bench.sync(device)
+            rows.append({"tile": repr(tile), "ok": True})
+        except Exception as e:  # noqa: BLE001  (any failure of the tile is the finding: recorded, path off)
+            rows.append({"tile": repr(tile), "ok": False, "error": f"{type(e).__name__}: {e}"[:500]})
+        print(rows[-1])
+    ok = all(r["ok"] for r in rows)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "smoke.json").write_text(json.dumps({"lens": lens, "heads": heads, "head_size": head_size,
+                                               "dtype": str(dtype), "rows": rows, "tma": ok}, indent=1))
+    if not ok:
+        (out / "tma_off").write_text("".join(f"{r['tile']}: {r['error']}\n" for r in rows if not r["ok"]))
+        print("the TMA path failed here: the steps after this one read fresh prompts through pointers")
+    return ok
 
 
 def workers(out: Path) -> dict:
@@ -76,7 +128,8 @@ def workers(out: Path) -> dict:
         rows.append({**r, "requests": len(got), "equal_to_in_process": sum(a == b for a, b in zip(got, expected)),
                      "seconds": round(time.perf_counter() - t, 2)})
         print(rows[-1])
-    (out / "workers.json").write_text(json.dumps({"model": "gpt2", "dtype": "float32", "rows": rows}, indent=1))
+        (out / "workers.json").write_text(json.dumps({"model": "gpt2", "dtype": "float32", "rows": rows,
+                                                      "complete": len(rows) == len(runs)}, indent=1))
     return {"ok": all(r["equal_to_in_process"] == r["requests"] for r in rows), "rows": rows}
 
 
@@ -157,7 +210,9 @@ def main(argv) -> int:
         import torch
         print(sim_device(torch.cuda.get_device_name(0)) or "none")
     elif cmd == "environment":
-        environment(Path(args[0]), args[1])
+        environment(Path(args[0]), *args[1:3])
+    elif cmd == "smoke":
+        return 0 if smoke(Path(args[0])) else 1
     elif cmd == "workers":
         return 0 if workers(Path(args[0]))["ok"] else 1
     elif cmd == "wheels":     # run here, where a registry is: the GPU machine has none

@@ -4,7 +4,8 @@
 # results packed as each step ends, so a run cut anywhere keeps every step finished before the cut.
 #
 #   bash scripts/gpu_check.sh --dry-run      # print the plan: steps, predicted times, limits (no GPU needed)
-#   bash scripts/gpu_check.sh --part 1       # on the GPU: Figure 9, the step times, Figure 10, kernels, workers
+#   bash scripts/gpu_check.sh --part 1       # on the GPU: the TMA's smoke test, Figure 9, the step times, Figure 10,
+#                                            #   kernels, workers
 #   bash scripts/gpu_check.sh --part 2       # on the GPU: the suite's CUDA tests, aot --full beside them
 #   bash scripts/gpu_check.sh                # both parts, one after the other
 #
@@ -22,10 +23,14 @@
 # rest at the lock's versions (papermill, ipykernel, plotly, the serving stack) into .whl/, on a machine
 # with a registry; carry .whl/ to the GPU machine. The setup step installs them into /tmp/site.
 #
-# Results: docs/results/gpu_<device>/ (OUT_DIR): <step>.log per step, steps.txt (step, exit status,
-# seconds, predicted, limit, seconds since the start); with PACK_TO set, after each step the whole
-# folder is packed into $PACK_TO/gpu_results.tgz (paths from the repository's root) and steps.txt
-# copied beside it. Environment: PYTHON (default python3), OUT_DIR, PACK_TO, STEPS (a subset, by name).
+# Results: docs/results/gpu_<device>/ (OUT_DIR), emptied when part 1 starts (and when part 2 starts on
+# a machine that did not run part 1): <step>.log per step, steps.txt (step, exit status, seconds,
+# predicted, limit, seconds since the start); the benchmarks and notebooks write their rows as each
+# ends, so a step cut by its limit keeps them; with PACK_TO set, after each step the whole folder is
+# packed into $PACK_TO/gpu_results.tgz (paths from the repository's root) and steps.txt copied beside
+# it. The smoke step runs the prefill tiles that read through the Tensor Memory Accelerator once each
+# against the reference; if one fails it writes tma_off, and the steps after it read through pointers
+# (ORCA_LAB_TMA=0). Environment: PYTHON (default python3), OUT_DIR, PACK_TO, STEPS (a subset, by name).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -44,17 +49,18 @@ T0=$SECONDS
 
 # part  step       predicted limit   (predicted: where it comes from)
 PLAN="
-1     setup         20      25       the carried wheels installed first (H200: 5 s), the kernel spec, environment.json
+1     setup         10      20       the carried wheels installed first (H200: 5 s), the kernel spec, environment.json
+1     smoke         25      30       the TMA's prefill tiles (9 on sm_90), compiled (~2 s each, cached for the steps after) and run once
 1     fig9          85      95       H200: 80 s (gpt3-13b, bf16, 12 points measured, then simulated); now FT also at batch 16 and 32
 1     step_time     52      60       H200: 52 s, benchmarks/step_time.py at Figure 9's points, ORCA and FT, one model build
 1     fig10        125     150       H200: 115 s at budget_s=140; now the notebook's budget_s=130 (it sizes itself to end within it) + its start
 1     bench         40      45       H200: 27 s, plus the fresh prompts' 9 TMA tiles compiled (~2 s each where fig9 has not) and timed, sdpa-causal
-1     workers       45      70       H200: 12.7 s serving, cut at 40 s with the start (12 requests on gpt2, in process and on a worker over NCCL)
-2     setup         10      25       as above, on a fresh machine (H200: 6 s)
-2     tests        240     250       H200: 240 s for 434 tests on 8 workers, test_cuda_safe included (about 30 more since, most a forced tile each)
+1     workers       45      60       H200: 12.7 s serving, cut at 40 s with the start (12 requests on gpt2, in process and on a worker over NCCL)
+2     setup         10      20       as above, on a fresh machine (H200: 6 s)
+2     tests        240     240       H200: 240 s for 434 tests on 8 workers, test_cuda_safe included (about 30 more since, most a forced tile each)
 "
-WINDOW_1=445      # part 1: its limits add up to 445 s
-WINDOW_2=275      # part 2: 720 s, 12 minutes, in all
+WINDOW_1=460      # part 1: its limits add up to 460 s
+WINDOW_2=260      # part 2: 720 s, 12 minutes, in all
 export FIG10_BUDGET=130
 START=$([ "$PART" = 2 ] && echo "$WINDOW_1" || echo 0)     # where this run starts on the plan's clock
 
@@ -73,8 +79,9 @@ else
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
     DEVICE=$("$PY" scripts/gpu_check.py slug) && SIM=$("$PY" scripts/gpu_check.py sim-device) || exit 1
 fi
-export PY SIM COMMAND OUT=${OUT_DIR:-docs/results/gpu_$DEVICE}
+export PY SIM COMMAND PART OUT=${OUT_DIR:-docs/results/gpu_$DEVICE}
 FAILED=()
+RUN_MARK=/tmp/gpu_check_part1     # this machine ran part 1 into $OUT: part 2 adds to it
 
 pack() {   # the results so far, where they come back from (an interrupted pack leaves the last whole one)
     [ -n "${PACK_TO:-}" ] || return 0
@@ -107,20 +114,32 @@ step() {
     local t0=$SECONDS
     if declare -F "$1" >/dev/null; then export -f "$1"; set -- bash -c "$1"; fi
     # cut by SIGINT, not SIGTERM: pytest then still writes its JUnit XML of the tests that finished
-    LIMIT=$limit timeout -s INT -k 10 "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
-    local rc=$?
-    # a cut notebook's kernel runs in a session of its own: end it before the next step times anything
-    [ "$rc" = 124 ] && pkill -TERM -f ipykernel_launcher
+    LIMIT=$limit timeout -s INT -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" -ge 124 ] && free_gpu
     echo "$name $rc $((SECONDS - t0)) $predicted $limit $((SECONDS - T0 + START))" >> "$OUT/steps.txt"
     echo "== $name: exit $rc after $((SECONDS - t0)) s"
     [ "$rc" = 0 ] || FAILED+=("$name")
     pack
 }
 
-setup() {   # the kernel papermill starts, and the record of the machine
+free_gpu() {   # after a cut: a notebook's kernel runs in a session of its own, and a process killed
+    # (exit 137) may leave children; end them and wait for their memory before the next step sizes a pool
+    pkill -TERM -f ipykernel_launcher
+    local i
+    for i in $(seq 20); do
+        [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && return 0
+        [ "$i" = 10 ] && pkill -KILL -f ipykernel_launcher
+        sleep 1
+    done
+    echo "a process still holds GPU memory after the cut:"; nvidia-smi --query-compute-apps=pid,used_memory --format=csv
+}
+
+setup() {   # the kernel papermill starts, and the record of the machine (part 2's beside part 1's)
+    local suffix=$([ "$PART" = 2 ] && echo _part2)
     "$PY" -m ipykernel install --user > /dev/null || echo "no ipykernel: the notebook steps will fail (carry .whl/)"
-    nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.max.sm --format=csv > "$OUT/nvidia_smi.txt"
-    "$PY" scripts/gpu_check.py environment "$OUT" "$COMMAND"
+    nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.max.sm --format=csv > "$OUT/nvidia_smi$suffix.txt"
+    "$PY" scripts/gpu_check.py environment "$OUT" "$COMMAND" "environment$suffix.json"
 }
 fig9() {   # measured, then simulated for the same GPU, then the two side by side
     local pm=("$PY" -m papermill -k python3) shapes='{batch_sizes: [1, 2, 4, 8, 16, 32], input_lens: [32, 128]}'
@@ -137,8 +156,9 @@ fig10() {   # measured on gpt2, sized by the notebook to budget_s; the simulator
         -p mode measure -p preset gpt2 -p device cuda -p n_requests 60 -p budget_s "$FIG10_BUDGET" \
         -y '{curves: ["orca(8)", "orca(32)", "ft(8,8)"], loads: [0.25, 0.5, 1.0, 2.0], formats: [html]}'
 }
-tests() {   # the suite's CUDA tests on 8 workers; aot --full compiles beside them on the CPU, cut before the step
-    timeout $(( LIMIT > 10 ? LIMIT - 5 : LIMIT / 2 )) env TRITON_INTERPRET=0 "$PY" -m orca_lab.kernels.aot --full --jobs 6 --json "$OUT/aot_full.json" \
+tests() {   # the suite's CUDA tests on 8 workers; aot --full compiles beside them on the CPU (3 jobs: the tests'
+    # own compiles need the cores), cut before the step
+    timeout $(( LIMIT > 10 ? LIMIT - 5 : LIMIT / 2 )) env TRITON_INTERPRET=0 "$PY" -m orca_lab.kernels.aot --full --jobs 3 --json "$OUT/aot_full.json" \
         > "$OUT/aot.log" 2>&1 &
     "$PY" -m pytest -q -p no:cacheprovider -n 8 --junitxml "$OUT/tests.xml" tests/test_llama.py tests/test_kernels_llama.py \
         tests/test_kernels.py tests/test_decode_attention.py tests/test_engine.py tests/test_model.py tests/test_kv_pool.py \
@@ -151,10 +171,14 @@ tests() {   # the suite's CUDA tests on 8 workers; aot --full compiles beside th
 if [ "$DRY" = 1 ]; then
     ENDS=0
     echo "The GPU check's plan: part 1 within ${WINDOW_1} s, part 2 within ${WINDOW_2} s (each one call of at most 10 minutes)"
-else
+else     # a fresh folder: nothing of an earlier run (the repository's copy) is packed with this one's
+    if [ "$PART" != 2 ] || [ "$(cat "$RUN_MARK" 2>/dev/null)" != "$OUT" ]; then rm -rf "$OUT"; fi
+    [ "$PART" = 2 ] || echo "$OUT" > "$RUN_MARK"
     mkdir -p "$OUT" && touch "$OUT/steps.txt"
 fi
 step 1 setup setup
+step 1 smoke "$PY" scripts/gpu_check.py smoke "$OUT"
+[ -f "$OUT/tma_off" ] && [ "$PART" != 2 ] && export ORCA_LAB_TMA=0     # the steps after it, through pointers
 step 1 fig9 fig9
 step 1 step_time "$PY" benchmarks/step_time.py --model gpt3-13b --device cuda --dtype bfloat16 --out "$OUT/step_time.json"
 step 1 fig10 fig10

@@ -70,6 +70,14 @@ def test_calibrated_is_the_default_and_analytical_stays_available():
         SimBackend("gpt3-13b", cost="guess")
 
 
+def test_a_sweep_hands_on_its_points_as_each_ends():
+    """What a measured run saves as it goes (``keep``), so a run cut by a time limit keeps its points."""
+    seen = []
+    Sweep([SimBackend("gpt3-13b")], [Curve("orca", 8)], TraceSpec(6, seed=1), rates=[1.0, 2.0], progress=False,
+          keep=lambda rows: seen.append([r["rate"] for r in rows])).run()
+    assert seen == [[1.0], [1.0, 2.0]]
+
+
 def test_a_point_s_trace_covers_the_span_at_its_rate():
     sweep = Sweep([SimBackend("gpt3-101b")], [Curve("orca", 8)], TraceSpec(10, seed=1), span_s=20.0)
     assert sweep.spec_at(0.1).n_requests == 10 and sweep.spec_at(2.05).n_requests == 41

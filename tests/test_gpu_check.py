@@ -1,6 +1,7 @@
 """scripts/gpu_check.sh without a GPU: it parses, plans the issue's steps, and refuses cleanly; its
 Python helpers on small inputs. The script itself runs on a CUDA machine (docs/results/README.md)."""
 import importlib.util
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -44,16 +45,18 @@ def test_the_dry_run_plans_a_12_minute_window_by_value_each_step_under_a_limit()
             for line in proc.stdout.splitlines() if line.startswith("[")]
     assert all(rows), proc.stdout
     steps = [(r[1], int(r[2])) for r in rows]
-    assert steps == [("setup", 1), ("fig9", 1), ("step_time", 1), ("fig10", 1), ("bench", 1), ("workers", 1),
-                     ("setup", 2), ("tests", 2)]
+    assert steps == [("setup", 1), ("smoke", 1), ("fig9", 1), ("step_time", 1), ("fig10", 1), ("bench", 1),
+                     ("workers", 1), ("setup", 2), ("tests", 2)]
     predicted, limits, ends = ([int(r[i]) for r in rows] for i in (3, 4, 5))
     assert all(p <= lim for p, lim in zip(predicted, limits)) and ends[-1] <= 720
     part1 = sum(lim for (_, part), lim in zip(steps, limits) if part == 1)
-    assert part1 <= ends[5] <= 600 and ends[-1] - ends[5] <= 600
+    assert part1 <= ends[6] <= 600 and ends[-1] - ends[6] <= 600
     assert f"total: predicted {sum(predicted)} s, limits {sum(limits)} s" in proc.stdout and sum(limits) <= 720
     out = proc.stdout
     assert "-m pytest" in out and "-n 8" in out and "kernels.aot --full" in out and "-m orca_lab.kernels.bench" in out
     assert "gpu_check.py workers" in out and "fig9-compare" in out and "benchmarks/step_time.py --model gpt3-13b" in out
+    assert "gpu_check.py smoke" in out and '[ -f "$OUT/tma_off" ] && [ "$PART" != 2 ] && export ORCA_LAB_TMA=0' in \
+        SCRIPT.read_text()
     assert "reproduce/fig_e2e.ipynb" in out and "-p mode measure" in out and '-p budget_s "$FIG10_BUDGET"' in out
     assert "--device cuda --dtype bfloat16 --out docs/results/gpu_example_gpu/step_time.json" in out
     for bad in (["--bogus"], ["--part", "3"]):
@@ -95,3 +98,22 @@ def test_fig9_compare_puts_measured_beside_simulated(tmp_path):
     got = pd.read_csv(tmp_path / "out.csv").set_index("system")
     assert got.loc["orca", "simulated_over_measured"] == pytest.approx(0.9) and len(df) == 2
     assert got.loc["ft", "measured_ms"] == 120.0 and got.loc["ft", "simulated_ms"] == 150.0
+
+
+def test_the_smoke_step_runs_each_tma_tile_against_the_reference_and_turns_the_path_off_if_one_fails(
+        tmp_path, monkeypatch):
+    """A tile that answers like the reference keeps the TMA on; one that answers otherwise (or
+    raises) is recorded with its symptom, and ``tma_off`` tells the steps after to read through pointers."""
+    import torch
+    from dataclasses import replace
+    from orca_lab.kernels import attention
+    h, tile = load_helpers(), replace(attention.INTERPRETER_PREFILL, tma=True)
+    assert h.smoke(tmp_path / "ok", "tiny", torch.float32, [tile])
+    assert not (tmp_path / "ok" / "tma_off").exists()
+    launched = attention.ragged_attention_triton
+    monkeypatch.setattr(attention, "ragged_attention_triton", lambda *a, **kw: launched(*a, **kw) + 1)
+    assert not h.smoke(tmp_path / "wrong", "tiny", torch.float32, [tile])
+    assert "differs from reference" in (tmp_path / "wrong" / "tma_off").read_text()
+    monkeypatch.setattr(attention, "ragged_attention_triton", launched)
+    assert h.main(["smoke", str(tmp_path / "here")]) == 0        # this machine's tiles: the interpreter's here
+    assert json.loads((tmp_path / "here" / "smoke.json").read_text())["tma"]

@@ -179,6 +179,22 @@ def test_fresh_prompts_read_their_keys_from_the_step_not_the_pool(poison, monkey
     assert attention.ragged_attention_triton(*args)[rows].isnan().all()
 
 
+def test_orca_lab_tma_0_reads_fresh_prompts_through_pointers_a_forced_tma_tile_too(poison, monkeypatch):
+    """The GPU check's switch (set when its smoke step finds the copy engine's path failing): no
+    tensor descriptor is built, and the answer is the oracle's."""
+    q_lens = [37, 21]
+    q, k_pool, v_pool, slot_ids, cu_q, cu_k = make_batch(q_lens, q_lens, 2, 64, torch.float32, seed=12)
+    oracle = attention_oracle(q, k_pool, v_pool, slot_ids, cu_q, cu_k, 0.125)
+    proj = torch.stack([q, k_pool[slot_ids.long()], v_pool[slot_ids.long()]], dim=1)
+    plan = attention.triton_plan(cu_q.tolist(), cu_k.tolist(), DEVICE)
+    boxes = []
+    monkeypatch.setattr(attention, "kv_descriptors", lambda *a: boxes.append(a[2]) or kv_descriptors(*a))
+    monkeypatch.setenv("ORCA_LAB_TMA", "0")
+    out = attention.ragged_attention_triton(q, k_pool, v_pool, slot_ids, cu_q, cu_k, 0.125, plan, k=proj[:, 1],
+                                            v=proj[:, 2], prefill=replace(attention.INTERPRETER_PREFILL, tma=True))
+    assert boxes == [] and (out.double().cpu() - oracle.cpu()).abs().max().item() < 1e-5
+
+
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 def test_a_fresh_prompts_neighbour_keeps_its_nan_to_itself(poison, tma):
     """A fresh prompt's last key block runs into the next prompt's rows (a TMA box reads them whole):
@@ -523,6 +539,25 @@ def test_bias_gelu_refuses(no_launch, backend, case):
 
 
 # ------------------------------------------------------------------------------------- benchmark
+def test_a_bench_cut_by_its_time_limit_keeps_the_rows_it_timed(tmp_path, monkeypatch):
+    """The GPU check cuts a step at its limit (SIGINT): the JSON then holds every row timed before
+    the cut, marked incomplete."""
+    timed = []
+
+    def cut_at_fifth(fn, device, reps, warmup=1):      # the peaks' copy and matmul, then two cases
+        if len(timed) == 4:
+            raise KeyboardInterrupt
+        timed.append(fn)
+        return 1.0
+
+    monkeypatch.setattr(bench, "time_ms", cut_at_fifth)
+    out = tmp_path / "bench.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--tiny", "--reps", "1", "--threads", str(torch.get_num_threads()), "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert not result["complete"] and [r["impl"] for r in result["results"]] == ["triton", "triton-slots"]
+
+
 def test_bench_smoke(tmp_path, capsys):
     out = tmp_path / "bench.json"
     threads = str(torch.get_num_threads())  # leave the process's setting as it is
@@ -530,6 +565,7 @@ def test_bench_smoke(tmp_path, capsys):
     result = json.loads(out.read_text())
     for field in ("device", "device_type", "torch", "triton", "interpreted", "peaks", "results"):
         assert field in result
+    assert result["complete"]
     # which launch configuration each attention timing ran (the interpreter's fixed ones here)
     assert {t["kernel"] for t in result["tuned"]} == {"prefill", "decode"}
     kernels = {row["kernel"] for row in result["results"]}

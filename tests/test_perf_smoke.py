@@ -60,7 +60,7 @@ def test_step_time_smoke(tmp_path):
     out = tmp_path / "step_time.json"
     load("step_time").main(["--smoke", "--threads", threads(), "--out", str(out)])
     report = json.loads(out.read_text())
-    assert report["device"] == "cpu" and report["launches"] == "n/a on the CPU"
+    assert report["complete"] and report["device"] == "cpu" and report["launches"] == "n/a on the CPU"
     assert report["graphs"] == "static buffers, eager" and "torch_threads" in report["environment"]
     assert [p["batch_size"] for p in report["points"]] == [1, 3]
     for p in report["points"]:
@@ -74,6 +74,23 @@ def test_step_time_smoke(tmp_path):
         assert o["decode"]["launches_median"] is None and p["ft_over_orca"]["launches"] is None
         assert set(p["ft_over_orca"]) == {"host_ms", "device_ms", "ops", "launches", "total_ms"}
         assert all(s["decode"]["host_ms_median"] > 0 and s["decode"]["device_ms_median"] > 0 for s in (o, f))
+
+
+def test_a_step_time_run_cut_by_its_time_limit_keeps_the_points_it_measured(tmp_path):
+    """The GPU check cuts a step at its limit (SIGINT): the JSON then holds the points measured."""
+    bench, out = load("step_time"), tmp_path / "step_time.json"
+    measured = bench.measure
+
+    def cut_after_the_first(llms, b, args):
+        if b > 1:
+            raise KeyboardInterrupt
+        return measured(llms, b, args)
+
+    bench.measure = cut_after_the_first
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--smoke", "--threads", threads(), "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert not report["complete"] and [p["batch_size"] for p in report["points"]] == [1]
 
 
 def test_generate_overhead_smoke(tmp_path):

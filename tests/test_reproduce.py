@@ -152,7 +152,9 @@ def test_measure_mode_runs_to_the_last_cell_on_this_device(runs, name):
     assert all(c.execution_count is not None for c in code)
     df = pd.read_csv(out / f"{name}.csv")
     assert list(df.columns) == MEASURE[name][1] and len(df) > 0
-    meta = json.loads((out / f"{name}.json").read_text())["meta"]
+    saved = json.loads((out / f"{name}.json").read_text())
+    meta = saved["meta"]
+    assert saved["complete"]            # the whole table written over the rows saved as they came
     assert meta["mode"] == "measure" and meta["device"] == meta["measure"]["device"] == DEVICE
     assert meta["measure"]["preset"] == "tiny"
     assert (out / f"{name}.html").stat().st_size > 1000

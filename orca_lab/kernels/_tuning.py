@@ -117,8 +117,9 @@ def _fastest(candidates, launch, answer=None):
 
 def _disagreement(got: torch.Tensor, ref: torch.Tensor) -> str:
     """'' where two tiles' answers agree up to their accumulation order (rows no launch wrote hold the
-    same bytes in both, NaNs included), else the largest difference."""
-    tol = 2e-2 if got.element_size() <= 2 else 1e-3
+    same bytes in both, NaNs included), else the largest difference. fp32 allows TF32's rounding: a
+    tile's blocks round the probabilities at other maxima."""
+    tol = 2e-2 if got.element_size() <= 2 else 1e-2
     got, ref = got.float(), ref.float()
     if torch.allclose(got, ref, rtol=tol, atol=tol, equal_nan=True):
         return ""

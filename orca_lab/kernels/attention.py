@@ -32,6 +32,7 @@ so no layer reads anything back from the device. Launch configurations are chose
 fixed in the interpreter.
 """
 import math
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -664,6 +665,13 @@ def ragged_attention_triton(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlen
     return out
 
 
+def tma_allowed() -> bool:
+    """``ORCA_LAB_TMA=0`` reads fresh prompts through pointers everywhere, a forced TMA tile too: the GPU
+    check sets it when its first step finds the copy engine's path failing or wrong on the GPU at hand
+    (``scripts/gpu_check.py smoke``), so the steps after it measure the pointer path, not a crash."""
+    return os.environ.get("ORCA_LAB_TMA", "1") != "0"
+
+
 def tma_ready(k, v) -> bool:
     """Whether the copy engine can read ``k, v`` ``[T, n_kv_heads, D]`` in boxes of one head: heads
     side by side in a row, 16-byte aligned rows and start, a head a power of two of 16 bytes or more
@@ -689,7 +697,7 @@ def _launch_prefill(q, keys, values, out, slot_ids, cu_q, cu_k, scale, plan, pre
     n_kv = keys.shape[1]
     on_gpu = q.is_cuda
     block_d = next_pow2(D, 16)  # the GPU compiler wants tl.dot dimensions >= 16
-    boxes = bool(fresh) and tma and tma_ready(keys, values)
+    boxes = bool(fresh) and tma and tma_allowed() and tma_ready(keys, values)
 
     def launch(c: PrefillConfig):
         work = plan.work_map(c.block_m, H // n_kv, fresh)

@@ -195,7 +195,9 @@ def bench_token_ops(size, dtype, device):
 
 
 # ---------------------------------------------------------------------------------------- main
-def run(mode, reps, device):
+def run(mode, reps, device, each=None):
+    """The peaks and a row per timed case; ``each(peaks, rows)`` after every row (a run cut by a time
+    limit keeps the rows it timed)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     size = SIZES[mode]
     peaks = measure_peaks(device, dtype, size, reps)
@@ -214,6 +216,8 @@ def run(mode, reps, device):
                          bytes=bytes_, flops=flops, time_ms=ms, GBps=bytes_ / ms / 1e6,
                          TFLOPs=flops / ms / 1e9, floor_ms=floor, roofline_frac=floor / ms,
                          interpreted=impl.startswith("triton") and device.type != "cuda"))
+        if each is not None:
+            each(peaks, rows)
     return peaks, rows
 
 
@@ -248,18 +252,22 @@ def main(argv=None):
     mode = "tiny" if args.tiny else "quick" if args.quick or device.type != "cuda" else "full"
     env = environment()
     device_name = env["cuda"] or f"{env['processor']} CPU ({env['cpu_count']} cores)"
-    peaks, rows = run(mode, args.reps, device)
-    print_table(peaks, rows, device_name)
-    tuned = tuned_launches()
-    for t in tuned:
-        print(f"tuned {t['kernel']} {' '.join(t['bucket'])}: {t['config']}")
-    result = dict(device=device_name, device_type=device.type, torch=torch.__version__,
-                  triton=triton.__version__, interpreted=device.type != "cuda", mode=mode,
-                  cpu_threads=threads, environment=env,
-                  sizes=SIZES[mode], peaks=peaks, results=rows, tuned=tuned)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+
+    def report(peaks, rows, complete=False):
+        result = dict(device=device_name, device_type=device.type, torch=torch.__version__,
+                      triton=triton.__version__, interpreted=device.type != "cuda", mode=mode,
+                      cpu_threads=threads, complete=complete, environment=env,
+                      sizes=SIZES[mode], peaks=peaks, results=rows, tuned=tuned_launches())
+        out.write_text(json.dumps(result, indent=2))
+        return result
+
+    peaks, rows = run(mode, args.reps, device, each=report)
+    print_table(peaks, rows, device_name)
+    result = report(peaks, rows, complete=True)
+    for t in result["tuned"]:
+        print(f"tuned {t['kernel']} {' '.join(t['bucket'])}: {t['config']}")
     print(f"wrote {out}")
     return result
 

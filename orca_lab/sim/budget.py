@@ -205,12 +205,13 @@ def _droppable(xs, pivot):
 
 class BudgetedSweep:
     """A measured sweep of ``real`` (a ``RealBackend``) sized to end within ``budget_s`` seconds of
-    ``started`` (``time.perf_counter()`` when the notebook began), ``formats`` exported after it."""
+    ``started`` (``time.perf_counter()`` when the notebook began), ``formats`` exported after it;
+    ``keep``: as ``Sweep``'s, for its points."""
 
     def __init__(self, real, curves, spec: TraceSpec, rates, loads, budget_s: float, formats=("html",),
-                 started: float | None = None, model=None, progress: bool = True):
+                 started: float | None = None, model=None, progress: bool = True, keep=None):
         self.budget_s = check_range("budget_s", budget_s, 1.0, 1e6, kind=float)
-        self.real, self.curves, self.spec, self.progress = real, list(curves), spec, progress
+        self.real, self.curves, self.spec, self.progress, self.keep = real, list(curves), spec, progress, keep
         self.started = time.perf_counter() if started is None else started
         self.by, xs = ("rates", list(rates)) if rates is not None else ("loads", list(loads))
         self.asked = (spec.n_requests, xs)
@@ -293,7 +294,8 @@ class BudgetedSweep:
         """Capacity runs at the plan's size, then the points at the corrected plan's."""
         p = self.plan
         sweep = Sweep([self.real], self.curves, dataclasses.replace(self.spec, n_requests=p.n_requests),
-                      None if self.by == "loads" else p.xs, p.xs if self.by == "loads" else [], progress=self.progress)
+                      None if self.by == "loads" else p.xs, p.xs if self.by == "loads" else [], progress=self.progress,
+                      keep=self.keep)
         caps = sweep.capacities()
         if caps:
             self.plan = self._corrected(caps)

@@ -9,6 +9,7 @@ import dataclasses
 import math
 import re
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 
@@ -117,7 +118,8 @@ class Sweep:
     A point at ``rate`` serves ``max(spec.n_requests, rate * span_s)`` requests (None: always
     ``spec.n_requests``), so the trace grows with the load: below saturation it outlasts the queue's
     transients, and past it every point's queue builds over the same span of arrivals, instead of
-    the fast curves' traces ending seconds after they saturate."""
+    the fast curves' traces ending seconds after they saturate. ``keep(rows)``: called with the
+    points done so far as each ends (a measured run saves them, so a cut run keeps them)."""
     backends: list
     curves: list[Curve]
     spec: TraceSpec
@@ -127,6 +129,7 @@ class Sweep:
     n_procs: int = 1
     progress: bool = True
     span_s: float | None = None
+    keep: Callable[[list[dict]], None] | None = None
 
     def run(self) -> pd.DataFrame:
         with _pool(self.n_procs) as pool:
@@ -147,7 +150,7 @@ class Sweep:
         """A row per (backend, curve, rate): ``rates``, or ``loads`` times the capacity in ``caps``."""
         jobs = [(b, c, self.spec_at(r), r) for b in self.backends for c in self.curves
                 for r in self._rates(_throughput(caps.get((b.name, c))))]
-        return _map(pool, jobs, "sweep", self.progress)
+        return _map(pool, jobs, "sweep", self.progress, self.keep)
 
     def frame(self, rows: list[dict], caps: dict) -> pd.DataFrame:
         """The sweep's table: ``rows`` with each curve's capacity and each point's load."""
@@ -181,20 +184,26 @@ def _point(job):
     return measure_point(*job)
 
 
-def _map(pool, jobs, what: str, progress: bool) -> list[dict]:
-    """Run ``jobs`` (in ``pool`` if any) with a progress bar; rows come back in job order."""
+def _map(pool, jobs, what: str, progress: bool, keep=None) -> list[dict]:
+    """Run ``jobs`` (in ``pool`` if any) with a progress bar; rows come back in job order, and
+    ``keep`` sees those done so far as each ends."""
     from tqdm.auto import tqdm
     bar = tqdm(total=len(jobs), desc=what, unit="run", disable=not progress)
     rows = [None] * len(jobs)
+
+    def done(i, row):
+        rows[i] = row
+        bar.update()
+        if keep is not None:
+            keep([r for r in rows if r is not None])
+
     if pool is None:
         for i, job in enumerate(jobs):
-            rows[i] = _point(job)
-            bar.update()
+            done(i, _point(job))
     else:
         futures = {pool.submit(_point, job): i for i, job in enumerate(jobs)}
         for f in as_completed(futures):
-            rows[futures[f]] = f.result()
-            bar.update()
+            done(futures[f], f.result())
     bar.close()
     return rows
 
