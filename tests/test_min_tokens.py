@@ -1,6 +1,8 @@
 """``min_tokens`` holds against every stop, as in vLLM: EOS and the stop token ids are masked until
 that many tokens are out, and a stop string that ends earlier is text like any other; in process,
 on worker processes and over HTTP."""
+import json
+
 import httpx
 import pytest
 
@@ -40,9 +42,16 @@ def test_over_http_min_tokens_holds_against_a_stop_string():
     with ServerProcess("--model", "tiny", "--seed", "0", "--max-bs", "4", "--n-slots", "2048") as server:
         ref = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
         got = httpx.post(f"{server.url}/v1/completions", json=body | {"stop": ["$"]}, timeout=60).json()["choices"][0]
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body | {"stop": ["$"], "stream": True},
+                          timeout=60) as r:
+            streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                               if line.startswith("data: {"))
     assert ord("$") in ref["token_ids"][:MIN - 1]        # the stop string comes out before min_tokens
     tokens, reason = cut(ref["token_ids"], "$", MIN)
     assert (got["token_ids"], got["finish_reason"]) == (tokens, reason or ref["finish_reason"])
+    # the text is those tokens' (the early "$" in it), whole or streamed: never cut at the early "$"
+    assert "$" in got["text"] and ref["text"].startswith(got["text"]) and streamed == got["text"]
+    assert got["text"] == ref["text"] if reason is None else len(got["text"]) > ref["text"].index("$")
 
 
 def test_a_mask_that_leaves_no_token_is_refused_where_it_enters(tiny_llm):

@@ -27,8 +27,8 @@ def undecodable(e: Exception) -> str:
 class Detokenizer:
     """Text of a growing list of token ids: ``add`` a token, ``take`` what became visible."""
 
-    def __init__(self, decode, stop: tuple[str, ...] = ()):
-        self.decode, self.stop = decode, tuple(stop)
+    def __init__(self, decode, stop: tuple[str, ...] = (), min_tokens: int = 0):
+        self.decode, self.stop, self.min_tokens = decode, tuple(stop), min_tokens
         self.ids: list[int] = []           # the tokens of the text (a stop token or EOS is none)
         self.stop_at: int | None = None    # where the first stop string begins in the text
         self._prefix = self._read = 0      # ids[prefix:] are decoded each token, ids[:read] are text
@@ -46,12 +46,13 @@ class Detokenizer:
         """All the text taken so far."""
         return "".join(self._shown)
 
-    def add(self, token: int, look: bool = True) -> int | None:
+    def add(self, token: int) -> int | None:
         """A token of the text; returns where the first stop string begins once the text holds one.
-        ``look=False``: a stop string that ends in this token's text does not count (``min_tokens``)."""
+        Before ``min_tokens`` tokens are out, a stop string that ends in a token's text is text like
+        any other (vLLM's rule; the engine's stop and the endpoint's text both read it here)."""
         self.ids.append(token)
         window = self.decode(self.ids[self._prefix:])
-        self._made(window.rstrip(INCOMPLETE)[self._n_window:], look)
+        self._made(window.rstrip(INCOMPLETE)[self._n_window:], look=len(self.ids) >= self.min_tokens)
         if not window.endswith(INCOMPLETE):    # it ends on a whole character: text for good
             self._prefix, self._read = self._read, len(self.ids)
             self._n_context = self._n_window = len(window) - self._n_context

@@ -91,7 +91,7 @@ class Request:
         if stops and ((not p.ignore_eos and token == p.eos_token_id) or token in p.stop_token_ids):
             return "stop"
         if p.stop:
-            self.stop_at = self.detokenizer.add(token, look=stops)
+            self.stop_at = self.detokenizer.add(token)
             if self.stop_at is not None:
                 return "stop"
         return "length" if len(self.output) >= p.max_gen_tokens else None
@@ -102,7 +102,7 @@ class Request:
         if self._detokenizer is None:
             if self.detokenize is None:
                 raise RuntimeError(f"request {self.rid} has no tokenizer: its output is token ids only")
-            self._detokenizer = Detokenizer(self.detokenize, self.params.stop)
+            self._detokenizer = Detokenizer(self.detokenize, self.params.stop, self.params.min_tokens)
         return self._detokenizer
 
     def text_or_fail(self) -> str | None:

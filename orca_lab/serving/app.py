@@ -304,7 +304,7 @@ async def _streams(state: ServerState, body: CompletionRequest, arrival: float) 
             kept = isinstance(prompt, str) and body.truncate_prompt_tokens is None
             echo = "" if not body.echo else prompt if kept else _text(decode, ids, _where(body, i)) if decode else ""
             out.append(Stream(len(out), ids, params, arrival, q,
-                              detokenizer=None if decode is None else Detokenizer(decode, params.stop),
+                              detokenizer=None if decode is None else Detokenizer(decode, params.stop, params.min_tokens),
                               prompt_text=echo, echo_only=body.max_tokens == 0))
     return out
 
