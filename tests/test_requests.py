@@ -318,6 +318,11 @@ def test_a_stop_string_needs_a_tokenizer(tiny_llm):
     (dict(stop_token_ids=[-1]), "stop_token_ids=-1"), (dict(stop_token_ids="a"), "stop_token_ids"),
     (dict(ignore_eos=1), "ignore_eos"), (dict(seed=-1), "seed=-1"),
     (dict(stop=["ok", "a\ud800"]), r"stop\[1\] holds a lone surrogate"),      # no tokenizer could match it
+    # lists the engine reads at every token: capped where they enter (one request held others 3.5 s)
+    (dict(stop_token_ids=[1] * 1025), "stop_token_ids holds 1025 items: allowed at most 1024"),
+    (dict(stop=["a"] * 65), "stop holds 65 items: allowed at most 64"),
+    (dict(stop=["a" * 1025]), r"stop\[0\] is 1025 characters long: allowed at most 1024"),
+    (dict(logit_bias={i: 1.0 for i in range(1025)}), "logit_bias holds 1025 items: allowed at most 1024"),
 ])
 def test_new_sampling_params_are_validated(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -104,6 +104,9 @@ BAD = [  # (body, status, words the message must hold: the field, the value, the
     ({"prompt": "a", "logprobs": 21}, 400, ["logprobs=21", "[0, 20]"]),
     ({"prompt": "a", "best_of": 0}, 400, ["best_of=0", "not supported"]),              # 0 == False slipped through
     ({"prompt": "a", "use_beam_search": True, "stream": True}, 400, ["stream=True", "use_beam_search=true"]),
+    ({"prompt": "a", "stop_token_ids": [1] * 300_000}, 400, ["stop_token_ids holds 300000 items: allowed at most 1024"]),
+    ({"prompt": "a", "stop": ["a"] * 65}, 400, ["stop holds 65 items: allowed at most 64"]),
+    ({"prompt": "a", "logit_bias": {str(i): 1 for i in range(1025)}}, 400, ["logit_bias holds 1025 items"]),
 ]
 
 

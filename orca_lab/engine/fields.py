@@ -17,6 +17,12 @@ MAX_LOGPROBS = 20               # most likely tokens a request may ask for at ea
 MIN_REPETITION_PENALTY = 0.01   # vLLM takes any positive value; 5e-324 divides a logit to infinity
 MAX_GEN_TOKENS = 1 << 20
 MAX_LENGTH_PENALTY = 10.0       # beam search: a beam's score is its logprob / len ** length_penalty
+# Lists a request may hold, which the engine reads at every token: one request's 300,000 stop ids
+# held every other stream for 3.5 s (checked, then looked up each token). vLLM has no cap; OpenAI
+# takes 4 stop strings.
+MAX_IDS = 1024                  # stop_token_ids, logit_bias entries
+MAX_STOPS = 64                  # stop strings
+MAX_STOP_CHARS = 1024           # characters of one stop string (the text's end is searched each token)
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,7 @@ class Field:
     open_lo: bool = False               # lo itself is refused: (lo, hi]
     each: bool = False
     up_to: str | None = None            # hi is this other field's value, when it is given
+    most: int | None = None             # each: at most this many of them
 
     def limits(self, http: bool = False) -> tuple:
         return self.http_range[:2] if http and self.http_range else (self.lo, self.hi)
@@ -62,11 +69,11 @@ FIELDS = {f.name: f for f in (
     Field("seed", int, 0, 2 ** 63 - 1, "seed"),
     Field("n", int, 1, 16, "n"),                                          # the endpoint's: one request a sample
     Field("eos_token_id", int, 0, TOKEN_ID_MAX),                          # the model's (not an HTTP field)
-    Field("stop_token_ids", int, 0, TOKEN_ID_MAX, "stop_token_ids", each=True),
-    Field("stop", str, 1, None, "stop", each=True),                       # at least one character each
+    Field("stop_token_ids", int, 0, TOKEN_ID_MAX, "stop_token_ids", each=True, most=MAX_IDS),
+    Field("stop", str, 1, MAX_STOP_CHARS, "stop", each=True, most=MAX_STOPS),     # characters each
     Field("logprobs", int, 0, MAX_LOGPROBS, "logprobs"),
     Field("prompt_logprobs", int, 0, MAX_LOGPROBS, "prompt_logprobs"),
-    Field("logit_bias", float, -100.0, 100.0, "logit_bias", each=True),   # token id -> bias
+    Field("logit_bias", float, -100.0, 100.0, "logit_bias", each=True, most=MAX_IDS),   # token id -> bias
     Field("presence_penalty", float, -2.0, 2.0, "presence_penalty"),
     Field("frequency_penalty", float, -2.0, 2.0, "frequency_penalty"),
     Field("repetition_penalty", float, MIN_REPETITION_PENALTY, 100.0, "repetition_penalty"),
@@ -116,14 +123,16 @@ def check_token(name: str, token, vocab_size: int | None = None, where: str | No
 
 
 def check_text(name: str, text, where: str | None = None) -> str:
-    """Text of field ``name``: a string of at least ``lo`` characters that UTF-8 can encode (a lone
+    """Text of field ``name``: a string of ``lo`` to ``hi`` characters that UTF-8 can encode (a lone
     surrogate, valid in JSON's escapes and in a Python string, is no character: no tokenizer takes it)."""
     f = FIELDS.get(name)
-    where, lo = where or name, f.lo if f is not None and f.kind is str else None      # its least length
+    where, (lo, hi) = where or name, (f.lo, f.hi) if f is not None and f.kind is str else (None, None)
     if not isinstance(text, str):
         raise FieldError(f"{where}={shown(text)} must be a string", name)
     if lo and len(text) < lo:
         raise FieldError(f"{where}={text!r} is an empty string: needs >= {lo} character", name)
+    if hi and len(text) > hi:
+        raise FieldError(f"{where} is {len(text)} characters long: allowed at most {hi}", name)
     bad = lone_surrogate(text)
     if bad is not None:
         raise FieldError(f"{where} holds a lone surrogate ({text[bad]!r} at index {bad}), which is no character: "
@@ -132,8 +141,17 @@ def check_text(name: str, text, where: str | None = None) -> str:
 
 
 def check_stops(value) -> tuple[str, ...]:
-    """``stop``: one string or a list of them, each text of one character or more."""
-    return tuple(check_text("stop", s, f"stop[{i}]") for i, s in enumerate(as_tuple("stop", value, str)))
+    """``stop``: one string or a list of them (``MAX_STOPS``), each text of one character or more."""
+    stops = check_count("stop", as_tuple("stop", value, str))
+    return tuple(check_text("stop", s, f"stop[{i}]") for i, s in enumerate(stops))
+
+
+def check_count(name: str, items):
+    """``items`` of list field ``name`` if there are at most its ``most``, before any is read."""
+    most = FIELDS[name].most
+    if most is not None and len(items) > most:
+        raise FieldError(f"{name} holds {len(items)} items: allowed at most {most}", name)
+    return items
 
 
 def as_tuple(name: str, value, kind) -> tuple:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orca_lab.config import FieldError, check_bool, shown
-from orca_lab.engine.fields import as_tuple, check, check_stops, check_token
+from orca_lab.engine.fields import as_tuple, check, check_count, check_stops, check_token
 
 # the sampling fields that read a request's tokens or write its logprobs, and their "off" value
 HOST_STATE = (("logprobs", None), ("prompt_logprobs", None), ("logit_bias", ()), ("presence_penalty", 0.0),
@@ -62,7 +62,7 @@ class SamplingParams:
                 check(name, getattr(self, name))
         check_bool("ignore_eos", self.ignore_eos)
         check("min_tokens", self.min_tokens, hi=self.max_gen_tokens)
-        ids = as_tuple("stop_token_ids", self.stop_token_ids, int)
+        ids = check_count("stop_token_ids", as_tuple("stop_token_ids", self.stop_token_ids, int))
         for t in ids:
             check_token("stop_token_ids", t)
         object.__setattr__(self, "stop_token_ids", ids)     # tuples: the params stay hashable
@@ -93,7 +93,7 @@ def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
         pairs = [tuple(p) for p in items]
     except TypeError:
         pairs = None
-    if pairs is None or any(len(p) != 2 for p in pairs):
+    if pairs is None or any(len(p) != 2 for p in check_count("logit_bias", pairs)):
         raise FieldError(f"logit_bias={shown(value)} must map token ids to biases", "logit_bias")
     out = {}
     for t, b in pairs:

@@ -28,8 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 
 from orca_lab.config import FieldError
 from orca_lab.config import shown as _short
-from orca_lab.engine.fields import BY_HTTP, FIELDS, MAX_GEN_TOKENS, TOKEN_ID_MAX, check_stops, check_text, \
-    http_param, lone_surrogate
+from orca_lab.engine.fields import BY_HTTP, FIELDS, MAX_GEN_TOKENS, TOKEN_ID_MAX, check_count, check_stops, \
+    check_text, http_param, lone_surrogate
 from orca_lab.engine.request import FINISH_REASONS
 
 MAX_TOKENS = MAX_GEN_TOKENS
@@ -56,7 +56,8 @@ def limits(name: str, **schema) -> dict:
     f = BY_HTTP[name]
     lo, hi = f.limits(http=True)
     bound = {"exclusiveMinimum" if f.open_lo else "minimum": lo, "maximum": hi}
-    return bounds(**({"items": {"type": "integer", **bound}} if f.each else bound) | schema)
+    listed = {"items": {"type": "integer", **bound}} | ({"maxItems": f.most} if f.most else {})
+    return bounds(**(listed if f.each else bound) | schema)
 
 
 class Body(BaseModel):
@@ -99,6 +100,7 @@ NEUTRAL = {"suffix": None, "min_p": 0.0, "include_stop_str_in_output": False,
            "guided_choice": None, "guided_grammar": None, "logits_processors": None, "priority": 0}
 IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 TEXT = {"type": "string", "minLength": 1}
+STOP = {"type": "string", "minLength": 1, "maxLength": FIELDS["stop"].hi}
 
 
 class CompletionRequest(Body):
@@ -115,7 +117,8 @@ class CompletionRequest(Body):
     top_p: float | None = Field(1.0, **limits("top_p"))
     top_k: int | None = Field(None, **limits("top_k"))
     seed: int | None = Field(None, **limits("seed"))
-    stop: str | list[str] | None = Field(None, **bounds(anyOf=[TEXT, {"type": "array", "items": TEXT}, {"type": "null"}]))
+    stop: str | list[str] | None = Field(None, **bounds(anyOf=[STOP, {"type": "array", "items": STOP, "maxItems": FIELDS[
+        "stop"].most}, {"type": "null"}]))
     stop_token_ids: list[int] | None = Field(None, **limits("stop_token_ids"))
     n: int = Field(1, **limits("n"))
     stream: StrictBool = False
@@ -133,8 +136,9 @@ class CompletionRequest(Body):
                                         **limits("prompt_logprobs"))
     min_tokens: int | None = Field(0, description="at most max_tokens", **limits("min_tokens"))
     logit_bias: dict[str, float] | None = Field(None, description="token id -> bias added to its logit",
-                                                **bounds(additionalProperties={"type": "number", **dict(zip(
-                                                    ("minimum", "maximum"), FIELDS["logit_bias"].limits(http=True)))}))
+                                                **bounds(maxProperties=FIELDS["logit_bias"].most, additionalProperties={
+                                                    "type": "number", **dict(zip(("minimum", "maximum"),
+                                                                                 FIELDS["logit_bias"].limits(http=True)))}))
     best_of: int | None = Field(None, **bounds(enum=[None, 1]))
     user: str | None = None
     use_beam_search: StrictBool = Field(False, description="vLLM's: the n best sequences by beam search, n the beam "
@@ -172,8 +176,8 @@ class CompletionRequest(Body):
         if v is None:                                           # the default (``_null_is_default``)
             return v
         if f.each:                                              # stop_token_ids: pydantic refuses a non-list
-            return [f.check(_json_number(x, f.kind), http=True, where=f"{name}[{i}]") for i, x in enumerate(v)] \
-                if isinstance(v, list) else v
+            return [f.check(_json_number(x, f.kind), http=True, where=f"{name}[{i}]")
+                    for i, x in enumerate(check_count(f.name, v))] if isinstance(v, list) else v
         v = _json_number(v, f.kind)
         if name == "max_tokens" and v == 0:
             if info.data.get("echo") is True:                   # lm-eval's scoring request: the prompt only
@@ -251,7 +255,7 @@ class CompletionRequest(Body):
             return None
         if not isinstance(v, dict):
             raise ValueError(f"logit_bias={_short(v)} must be an object mapping token ids to biases")
-        for k, b in v.items():
+        for k, b in check_count("logit_bias", v).items():
             k = str(k)
             if not (k.isascii() and k.isdigit()):          # "²" is a digit to str.isdigit, not to int()
                 raise FieldError(f"logit_bias key {_short(k)} is not a token id: keys are token ids (0 or more)",
