@@ -381,14 +381,24 @@ def test_bad_new_fields_get_a_400_naming_the_field(server, body, field, words):
     assert err["param"] == field and words in err["message"], err
 
 
-def test_a_number_too_long_for_json_names_its_field(server):
+@pytest.mark.parametrize("body, field, message", [
+    ('{"prompt": "a", "max_tokens": 9N}', "max_tokens",
+     "max_tokens=99999999999... (5000 digits) is out of range: allowed [0, 1048576]"),
+    # in an item or entry of the field: the field, not a key inside it
+    ('{"prompt": "a", "logit_bias": {"1": 9N}}', "logit_bias",
+     "logit_bias holds 99999999999... (5000 digits), out of range: allowed [-100.0, 100.0]"),
+    ('{"prompt": [1, 9N]}', "prompt", "prompt holds 99999999999... (5000 digits), out of range: allowed [0, 16777215]"),
+    ('{"prompt": "a:\\"9N", "stop_token_ids": [-9N]}', "stop_token_ids",      # digits in a string are text
+     "stop_token_ids holds -9999999999... (5000 digits), out of range: allowed [0, 16777215]"),
+])
+def test_a_number_too_long_for_json_names_its_field(server, body, field, message):
     """Python reads no JSON integer of over 4,300 digits, so the body fails to parse; the 400 still
     names the field and its range."""
-    raw = '{"prompt": "a", "max_tokens": ' + "9" * 5000 + "}"
+    raw = body.replace("9N", "9" * 5000)
     r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
     err = r.json()["error"]
-    assert r.status_code == 400 and err["param"] == "max_tokens", r.text
-    assert err["message"] == "max_tokens=99999999999... (5000 digits) is out of range: allowed [0, 1048576]"
+    assert r.status_code == 400 and err["param"] == field, r.text
+    assert err["message"] == message
 
 
 def test_a_client_that_leaves_while_sending_its_body_leaves_no_traceback(server):
@@ -417,6 +427,21 @@ def test_a_token_id_out_of_the_vocabulary_is_a_400_on_every_route(server, route,
     r = httpx.post(server.url + route, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_a_chat_too_long_for_the_model_names_its_messages_and_bodies_not_json_say_why(server):
+    """A chat has no prompt field: its messages are at fault. A body not UTF-8, or JSON sent under
+    another content type, is refused saying which."""
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "a" * 5000}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages", err
+    assert err["message"].startswith("messages, as the chat template renders them: prompt (") and "max length" in \
+        err["message"]
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "a\xff"}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not UTF-8, as JSON text must be: byte 0xff at 13" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "a"}', headers={"content-type": "text/plain"})
+    assert r.status_code == 400 and "must be JSON sent as content-type: application/json, not 'text/plain'" in r.text
 
 
 def test_echo_scoring_a_prompt_with_no_room_names_max_tokens_as_sent(server):

@@ -31,7 +31,7 @@ from orca_lab.serving.protocol import (
     ModelList,
     RunPage,
     error_body,
-    unreadable_number,
+    unreadable_body,
     validation_error,
 )
 from orca_lab.serving.state import HTTPRecord, ServerState
@@ -75,11 +75,11 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
     @app.exception_handler(StarletteHTTPException)
     async def _starlette_error(request, e: StarletteHTTPException):
         """Starlette's own refusals (a body it cannot parse, an unknown path) in OpenAI's shape too; a
-        body unreadable for a number too long names that number's field."""
+        body unreadable for a number too long names that number's field, one not UTF-8 says so."""
         said = None
         if e.status_code == 400:
             try:
-                said = unreadable_number(await request.body())
+                said = unreadable_body(await request.body())
             except ClientDisconnect:             # the client left while sending it: nothing to read
                 pass
         message, param = said or (str(e.detail), None)
@@ -88,6 +88,9 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
         message, param = validation_error(e.errors())
+        kind = request.headers.get("content-type", "")
+        if param is None and kind.split(";")[0].strip().lower() != "application/json":   # JSON, not read as JSON
+            message = f"the request body must be JSON sent as content-type: application/json, not {kind or 'none'!r}"
         return JSONResponse(error_body(400, message, param), 400)
 
     @app.exception_handler(Exception)
@@ -165,7 +168,12 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
             raise HTTPError(400, *validation_error(e.errors())) from None
         except ValueError as e:
             raise HTTPError(400, *http_error(e)) from None
-        out = await _complete(state, comp, request, ChatLogprobs)
+        try:
+            out = await _complete(state, comp, request, ChatLogprobs)
+        except HTTPError as e:          # a chat has no prompt field: its messages made the prompt
+            if e.param != "prompt":
+                raise
+            raise HTTPError(e.status, f"messages, as the chat template renders them: {e.message}", "messages") from None
         if isinstance(out, StreamingResponse):
             started = set()
             events = out.body_iterator

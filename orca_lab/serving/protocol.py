@@ -441,20 +441,44 @@ def _sendable(text: str) -> str:
     return text if lone_surrogate(text) is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-# a number of more digits than Python converts (4,300): the body parser says only that it failed
-LONG_NUMBER = re.compile(r'"([^"\\]{1,64})"\s*:\s*(-?\d{%d,})' % (sys.get_int_max_str_digits() + 1))
+# a number of more digits than Python converts (4,300): the body parser says only that it failed.
+# JSON's tokens, strings whole (a digit in a string is text), to find that number and its field.
+JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[{}\[\]:]|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?')
+TOO_LONG = sys.get_int_max_str_digits()
+
+
+def unreadable_body(raw: bytes) -> tuple[str, str | None] | None:
+    """``(message, param)`` for a body the parser refused: text that is not UTF-8 (JSON's encoding),
+    or a number too long (``unreadable_number``); None if neither was why."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"the request body is not UTF-8, as JSON text must be: byte {raw[e.start]:#04x} at {e.start}", None
+    return unreadable_number(raw)
 
 
 def unreadable_number(raw: bytes) -> tuple[str, str | None] | None:
-    """``(message, param)`` for a body JSON could not read because of such a number: its field and,
-    for a field of the request, the allowed range; None if that was not why."""
-    found = LONG_NUMBER.search(raw.decode("utf-8", "replace"))
-    if found is None:
-        return None
-    key, digits = found.groups()
-    field = BY_HTTP.get(key)
-    allowed = f": allowed {field.range_text(http=True)}" if field is not None else ""
-    return f"{key}={digits[:11]}... ({len(digits.lstrip('-'))} digits) is out of range{allowed}", key
+    """``(message, param)`` for a body JSON could not read because of such a number: the body's
+    field that holds it (its value, or an item or entry of it) and, for a field of the request, the
+    allowed range; None if that was not why."""
+    depth, key, last = 0, None, None
+    for token in JSON_TOKENS.finditer(raw.decode("utf-8", "replace")):
+        t = token.group()
+        if t in "{[":
+            depth += 1
+        elif t in "}]":
+            depth -= 1
+        elif t == ":":
+            key = last if depth == 1 else key          # a field of the body (its value follows)
+        elif t[0] == '"':
+            last = t[1:-1]
+        elif len(t.lstrip("-")) > TOO_LONG and t.lstrip("-").isdigit() and key is not None:
+            field = BY_HTTP.get(key)
+            allowed = f": allowed {field.range_text(http=True)}" if field is not None else ""
+            n = len(t.lstrip("-"))
+            said = f"{key}={t[:11]}... ({n} digits) is" if depth == 1 else f"{key} holds {t[:11]}... ({n} digits),"
+            return f"{said} out of range{allowed}", key
+    return None
 
 
 def _field_path(err: dict) -> list[str]:
