@@ -72,8 +72,7 @@ def smoke(out: Path, size: str | None = None, dtype=None, tiles=None) -> bool:
     rather than crash or mismeasure. ``smoke.json``: a row per tile. Compiling here also warms the
     Triton cache the next steps read."""
     import torch
-    from orca_lab.kernels import bench, ragged_attention
-    from orca_lab.kernels import attention
+    from orca_lab.kernels import attention, bench, ragged_attention
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
     size, dtype = size or ("full" if on_gpu else "tiny"), dtype or (torch.bfloat16 if on_gpu else torch.float32)
