@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import torch
 
 from orca_lab import LLM, EngineConfig, SamplingParams
+from orca_lab.config import check_range
 from orca_lab.engine.batch import Batch
 from orca_lab.results import write_report
 from orca_lab.model import executor as executor_mod
@@ -29,6 +30,7 @@ from orca_lab.model import gpt as model_mod
 from orca_lab.workload import paper_trace
 
 PARTS = ("select", "metadata", "forward", "sampling", "bookkeeping")
+SMOKE = {"batch_sizes": [1, 4], "iters": 3, "scale": 0.05}
 
 
 class Timers:
@@ -135,6 +137,20 @@ def print_table(rows):
               + f" {r['bare_forward_ms']:12.3f} {r['overhead_pct']:8.1f}%")
 
 
+def check_args(p, args):
+    """Every number where it enters: out of range, ``p.error`` names the flag, its value and the
+    allowed range (check_range's words), exit 2, before a model is built."""
+    try:
+        for b in args.batch_sizes:
+            check_range("--batch-sizes", b, 1, 65536)             # EngineConfig's max_bs
+        check_range("--iters", args.iters, 1)                      # no iteration has no median
+        check_range("--scale", args.scale, 1e-3, 1000.0, kind=float)   # paper_trace's bound
+        check_range("--seed", args.seed, 0)
+        check_range("--threads", args.threads, 1)
+    except ValueError as e:
+        p.error(str(e))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny")
@@ -143,11 +159,13 @@ def main(argv=None):
     p.add_argument("--scale", type=float, default=0.25, help="the paper's lengths x scale")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--smoke", action="store_true", help="batch sizes 1 and 4, 3 iterations")
+    p.add_argument("--smoke", action="store_true", help="batch sizes 1 and 4, 3 iterations, scale 0.05, unless given")
     p.add_argument("--out", default="results/overhead.json")
     args = p.parse_args(argv)
-    if args.smoke:
-        args.batch_sizes, args.iters, args.scale = [1, 4], 3, 0.05
+    if args.smoke:            # the toy size for what was not given: a flag given is kept, and checked
+        p.set_defaults(**SMOKE)
+        args = p.parse_args(argv)
+    check_args(p, args)
     torch.set_num_threads(args.threads)
     llm = LLM(args.preset, seed=args.seed, engine=EngineConfig(max_bs=max(args.batch_sizes), n_slots=65536))
     print(f"ORCA engine, {args.preset}, increment phase, {torch.get_num_threads()} thread(s); median of "

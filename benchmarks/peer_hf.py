@@ -51,14 +51,17 @@ THREADS = 1
 
 if __name__ == "__main__":   # OpenMP reads this once, for every thread it will ever start
     _pre = argparse.ArgumentParser(add_help=False)
-    _pre.add_argument("--threads", default=THREADS)
-    os.environ["OMP_NUM_THREADS"] = str(_pre.parse_known_args()[0].threads)
+    _pre.add_argument("--threads", default=str(THREADS))
+    _threads = _pre.parse_known_args()[0].threads
+    if _threads.isdecimal() and int(_threads) >= 1:   # else main refuses it (libgomp would only warn)
+        os.environ["OMP_NUM_THREADS"] = _threads
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from orca_lab import LLM, EngineConfig
+from orca_lab.config import check_range
 from orca_lab.environment import environment
 from orca_lab.workload import paper_trace
 
@@ -66,6 +69,7 @@ SYSTEMS = ("orca", "ft", "hf_generate", "hf_cb")
 REFERENCE = "hf_cb"
 # Lengths are the paper's U{32..512} inputs and U{1..128} generated tokens times this scale.
 SCALES = {"tiny": 0.25, "gpt2": 0.125}
+SMOKE = {"presets": ["tiny"], "rounds": 1, "n_requests": 4, "scale": 0.05}
 
 
 # ------------------------------------------------------------------------------------ systems
@@ -332,6 +336,25 @@ def print_summary(preset, summary, ratios, cpu_ratios, floor):
           f"system, {floor['ratio_bound_to_hf_cb']:.2f}x hf_cb")
 
 
+def check_args(p, args):
+    """Every argument where it enters: out of range, ``p.error`` names the flag, its value and the
+    allowed range (check_range's words), exit 2, before a model is built."""
+    if args.device.split(":")[0] not in ("cpu", "cuda"):
+        p.error(f"--device={args.device!r}: use cpu, cuda or cuda:N")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device={args.device!r} but no CUDA device is available")
+    try:
+        check_range("--rounds", args.rounds, 1)                       # no round has no median
+        check_range("--n-requests", args.n_requests, 1, 10_000_000)   # paper_trace's bound
+        if args.scale is not None:                                    # (0 would read as "not given")
+            check_range("--scale", args.scale, 1e-3, 1000.0, kind=float)
+        check_range("--max-bs", args.max_bs, 1, 65536)                # EngineConfig's bound
+        check_range("--seed", args.seed, 0)
+        check_range("--threads", args.threads, 1)
+    except ValueError as e:
+        p.error(str(e))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", nargs="+", default=["tiny", "gpt2"])
@@ -343,15 +366,13 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=THREADS, help="torch intra-op threads for every system")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (both systems)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
-    p.add_argument("--smoke", action="store_true", help="tiny preset, 4 short requests, 1 round")
+    p.add_argument("--smoke", action="store_true", help="tiny preset, 4 short requests, 1 round, unless given")
     p.add_argument("--out", default="results/peer_hf.json")
     args = p.parse_args(argv)
-    if args.device.split(":")[0] not in ("cpu", "cuda"):
-        p.error(f"--device={args.device!r}: use cpu, cuda or cuda:N")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device={args.device!r} but no CUDA device is available")
-    if args.smoke:
-        args.presets, args.rounds, args.n_requests, args.scale = ["tiny"], 1, 4, 0.05
+    if args.smoke:            # the toy size for what was not given: a flag given is kept, and checked
+        p.set_defaults(**SMOKE)
+        args = p.parse_args(argv)
+    check_args(p, args)
     torch.set_num_threads(args.threads)
     _quiet_transformers()
     out = Path(args.out)

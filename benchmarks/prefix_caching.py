@@ -11,7 +11,9 @@ lengths (times ``--scale`` on ``tiny``, whose context is 1,024 tokens), served i
 has thought, and re-sends the whole history with the engine's own answers, as a chat client does.
 Each round serves the same chats once with caching and once without, the order alternating; the
 figures of a mode are over all its rounds. The issue's bar: TTFT p50 at least 2x lower with caching
-on ``tiny``; the script exits 1 if it is not met.
+on ``tiny``; the script exits 1 if it is not met, saying so. ``--smoke`` (a toy size: 3 chats of a few
+tokens, where caching has little prefill to save) checks that the script runs end to end, not the bar:
+it says so and exits 0.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 from orca_lab import LLM, EngineConfig
+from orca_lab.config import check_range
 from orca_lab.results import write_report
 from orca_lab.metrics import distribution, per_request
 from orca_lab.sim.sweep import Curve
@@ -30,6 +33,8 @@ from orca_lab.sim.backends import SimBackend
 from orca_lab.workload import multi_turn_conversations, serve_conversations
 
 MODES = ("with caching", "without")
+TARGET_RATIO = 2.0          # TTFT p50 without caching / with it, on tiny
+SMOKE = {"conversations": 3, "rate": 100.0, "scale": 0.03, "think_s": 0.0, "rounds": 1, "sim_conversations": 10}
 
 
 def summary(runs) -> dict:
@@ -93,6 +98,30 @@ def table(title: str, res: dict) -> str:
     return "\n".join(lines)
 
 
+def check_args(p, args):
+    """Every number where it enters: out of range, ``p.error`` names the flag, its value and the
+    allowed range (check_range's words; the workload's and EngineConfig's bounds), exit 2."""
+    try:
+        check_range("--conversations", args.conversations, 1, 1_000_000)
+        check_range("--rate", args.rate, 0.0, None, kind=float, open_lo=True)
+        check_range("--scale", args.scale, 1e-3, 1000.0, kind=float)
+        check_range("--think-s", args.think_s, 0.0, 1e6, kind=float)
+        check_range("--system-len", args.system_len, 0, 1022)          # tiny's chats: max_len 1024 - 2
+        check_range("--max-bs", args.max_bs, 1, 65536)
+        check_range("--n-slots", args.n_slots, 1, 1 << 31)
+        check_range("--block-size", args.block_size, 1, 512)           # <= max_num_batched_tokens
+        if args.n_slots % args.block_size:                              # a paged pool holds whole blocks
+            p.error(f"--block-size={args.block_size}: allowed a divisor of --n-slots={args.n_slots}")
+        check_range("--rounds", args.rounds, 1)
+        check_range("--seed", args.seed, 0)
+        check_range("--threads", args.threads, 1)
+        check_range("--sim-conversations", args.sim_conversations, 1, 1_000_000)
+        check_range("--sim-rate", args.sim_rate, 0.0, None, kind=float, open_lo=True)
+        check_range("--sim-max-bs", args.sim_max_bs, 1, 65536)
+    except ValueError as e:
+        p.error(str(e))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--conversations", type=int, default=24)
@@ -111,11 +140,13 @@ def main(argv=None):
     p.add_argument("--sim-rate", type=float, default=0.5, help="13B: conversations started per second")
     p.add_argument("--sim-max-bs", type=int, default=32)
     p.add_argument("--out", default="docs/results/prefix_caching_cpu.json")
-    p.add_argument("--smoke", action="store_true", help="a toy size, for the tests: 3 short chats, 1 round, 10 simulated")
+    p.add_argument("--smoke", action="store_true", help="a toy size, for the tests: 3 short chats, 1 round, "
+                   "10 simulated, unless given; the 2x bar is not checked")
     args = p.parse_args(argv)
-    if args.smoke:
-        args.conversations, args.rate, args.scale, args.think_s, args.rounds = 3, 100.0, 0.03, 0.0, 1
-        args.sim_conversations = 10
+    if args.smoke:            # the toy size for what was not given: a flag given is kept, and checked
+        p.set_defaults(**SMOKE)
+        args = p.parse_args(argv)
+    check_args(p, args)
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     chats = multi_turn_conversations(args.conversations, args.rate, scale=args.scale, think_s=args.think_s,
@@ -127,10 +158,24 @@ def main(argv=None):
     print(table(f"gpt3-13b on one A100-40GB, simulated, {args.system}({args.sim_max_bs})", sim))
     w, wo = tiny[MODES[0]], tiny[MODES[1]]
     report = {"tiny_measured": tiny, "gpt3_13b_simulated": sim,
-              "ttft_median_ratio": wo["ttft_median_ms"] / w["ttft_median_ms"], "target_ratio": 2.0,
+              "ttft_median_ratio": wo["ttft_median_ms"] / w["ttft_median_ms"], "target_ratio": TARGET_RATIO,
+              "target_checked": not args.smoke,
               "load_average_1_5_15min": {"before": load_before, "after": os.getloadavg()}}
     write_report(args.out, args, report)
-    return 0 if report["ttft_median_ratio"] >= 2.0 else 1
+    return verdict(report["ttft_median_ratio"], args.smoke)
+
+
+def verdict(ratio: float, smoke: bool) -> int:
+    """The exit status, printed with its reason: 1 when a full run misses the bar. A smoke run's chats
+    are a few tokens long, so caching has little prefill to save (its ratio is about 1): the ratio
+    says nothing about the bar, and the run checks the script goes end to end."""
+    if smoke:
+        print(f"smoke run: TTFT p50 ratio {ratio:.2f}x; the {TARGET_RATIO:g}x bar is checked at full size only")
+        return 0
+    met = ratio >= TARGET_RATIO
+    print(f"TTFT p50 {ratio:.2f}x lower with caching: the bar ({TARGET_RATIO:g}x) is "
+          f"{'met' if met else 'NOT met: exit status 1'}")
+    return 0 if met else 1
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import sys
 import time
 
 from orca_lab import SamplingParams
-from orca_lab.config import model_config
+from orca_lab.config import check_range, model_config
 from orca_lab.engine.engine import Engine
 from orca_lab.engine.policies import new_kv, new_scheduler
 from orca_lab.results import write_report
@@ -29,6 +29,7 @@ from orca_lab.sim.executor import SimExecutor
 CASES = {"orca": ("orca", 8192), "paged": ("paged", 8192), "chunked": ("chunked", 8192), "ft": ("ft", 8192),
          "paged-tight": ("paged", 256), "chunked-tight": ("chunked", 256)}
 COLUMNS = ("select_us", "step_us", "stats_us")
+SMOKE = {"waiting": [10, 1000], "steps": 5}
 
 
 def engine_with(case: str, n_waiting: int, max_bs: int) -> Engine:
@@ -73,17 +74,32 @@ def _timed(select, spent: list):
     return timed
 
 
+def check_args(p, args):
+    """Every number where it enters: out of range, ``p.error`` names the flag, its value and the
+    allowed range (check_range's words), exit 2. No batch (--max-bs 0) schedules nothing; no step
+    has no median."""
+    try:
+        for n in args.waiting:
+            check_range("--waiting", n, 0, 10_000_000)
+        check_range("--max-bs", args.max_bs, 1, 65536)      # EngineConfig's bound
+        check_range("--steps", args.steps, 1)
+    except ValueError as e:
+        p.error(str(e))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--waiting", type=int, nargs="+", default=[10, 1000, 100_000])
     p.add_argument("--systems", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--max-bs", type=int, default=8)
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--smoke", action="store_true", help="10 and 1,000 waiting, 5 steps")
+    p.add_argument("--smoke", action="store_true", help="10 and 1,000 waiting, 5 steps, unless given")
     p.add_argument("--out", default="results/select_scaling.json")
     args = p.parse_args(argv)
-    if args.smoke:
-        args.waiting, args.steps = [10, 1000], 5
+    if args.smoke:            # the toy size for what was not given: a flag given is kept, and checked
+        p.set_defaults(**SMOKE)
+        args = p.parse_args(argv)
+    check_args(p, args)
     rows = [row for case in args.systems for row in measure(case, args.waiting, args.max_bs, args.steps)]
     print(f"median of {args.steps} steps, max_bs={args.max_bs}, microseconds")
     print(f"{'system':>14s} {'waiting':>8s} " + " ".join(f"{c:>10s}" for c in COLUMNS) + f" {'preempted':>10s}")

@@ -44,12 +44,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from orca_lab import LLM, EngineConfig, SamplingParams
-from orca_lab.config import model_config
+from orca_lab.config import check_range, model_config
 from orca_lab.model import executor as executor_mod
 from orca_lab.model.cuda_graphs import DecodeGraphs
 from orca_lab.results import write_report
 
 SYSTEMS = ("orca", "ft")
+SMOKE = {"batch_sizes": [1, 3], "input": 8, "output": 4}
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
                 "cudaGraphLaunch", "cuGraphLaunch")
 
@@ -223,6 +224,24 @@ def build_llms(args) -> dict:
     return {s: first if s == SYSTEMS[0] else LLM(gpt=first.model, engine=ec) for s in SYSTEMS}
 
 
+def check_args(p, args):
+    """Every number where it enters: out of range, ``p.error`` names the flag, its value and the
+    allowed range (check_range's words), exit 2, before a model is built."""
+    if args.output < 2:
+        p.error(f"--output={args.output}: allowed >= 2 (a prefill step and at least one one-token step)")
+    try:
+        for b in args.batch_sizes:
+            check_range("--batch-sizes", b, 1, 65536)                  # EngineConfig's max_bs
+        check_range("--input", args.input, 1, 1 << 19)                   # input + output: a model's
+        check_range("--output", args.output, 2, 1 << 19)                 # max_seq_len, at most 2^20
+        if args.max_seq_len is not None:                                # FT's bound holds every request
+            check_range("--max-seq-len", args.max_seq_len, args.input + args.output, 1 << 20)
+        check_range("--seed", args.seed, 0)
+        check_range("--threads", args.threads, 1)
+    except ValueError as e:
+        p.error(str(e))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", "--preset", dest="preset", default="tiny", help="tiny on a CPU, gpt3-13b on a GPU")
@@ -236,15 +255,13 @@ def main(argv=None):
     p.add_argument("--graphs", choices=("on", "off"), default="on", help="decode graphs for both systems")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--smoke", action="store_true", help="batch sizes 1 and 3, input 8, output 4")
+    p.add_argument("--smoke", action="store_true", help="batch sizes 1 and 3, input 8, output 4, unless given")
     p.add_argument("--out", default="results/step_time.json")
     args = p.parse_args(argv)
-    if args.smoke:
-        args.batch_sizes, args.input, args.output = [1, 3], 8, 4
-    if args.output < 2:
-        p.error(f"--output={args.output}: allowed >= 2 (a prefill step and at least one one-token step)")
-    if args.input < 1 or min(args.batch_sizes) < 1:
-        p.error(f"--input={args.input}, --batch-sizes={args.batch_sizes}: allowed >= 1")
+    if args.smoke:            # the toy size for what was not given: a flag given is kept, and checked
+        p.set_defaults(**SMOKE)
+        args = p.parse_args(argv)
+    check_args(p, args)
     torch.set_num_threads(args.threads)
     llms = build_llms(args)
     llm = llms["orca"]

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from orca_lab.config import PRESETS, EngineConfig, check_range
+from orca_lab.config import PRESETS, EngineConfig, check_out_dir, check_range
 from orca_lab.engine.policies import REGISTRY, system
 from orca_lab.environment import environment
 from orca_lab.serving.watchdog import STALL_S
@@ -160,19 +160,23 @@ def main(argv=None):
 
 
 def _check_checkpoint(args):
-    """``--checkpoint DIR`` (compare, serve) must be a checkpoint directory of a supported family:
-    refused here, naming the flag, before a model or a server is started."""
-    if getattr(args, "checkpoint", None) is None:
-        return
-    if args.cmd == "serve" and args.model is not None:
+    """``--checkpoint DIR`` (compare, serve), or serve's ``--model`` naming a directory, must be a
+    checkpoint directory of a supported family: refused here, naming the flag, before a model or a
+    server is started."""
+    flag, path = "--checkpoint", getattr(args, "checkpoint", None)
+    if args.cmd == "serve" and path is not None and args.model is not None:
         raise ValueError(f"--model {args.model} and --checkpoint {args.checkpoint}: give one of them")
+    if args.cmd == "serve" and path is None and args.model is not None and Path(args.model).is_dir():
+        flag, path = "--model", args.model
+    if path is None:
+        return
     from orca_lab.model.families import checkpoint_config
     try:
-        checkpoint_config(args.checkpoint)
+        checkpoint_config(path)
     except (OSError, ValueError) as e:
-        raise ValueError(f"--checkpoint {args.checkpoint}: {e}") from None
+        raise ValueError(f"{flag} {path}: {e}") from None
     except KeyError as e:
-        raise ValueError(f"--checkpoint {args.checkpoint}: config.json has no field {e}") from None
+        raise ValueError(f"{flag} {path}: config.json has no field {e}") from None
 
 
 def _check_compare(args):
@@ -180,6 +184,9 @@ def _check_compare(args):
     if args.cmd != "compare":
         return
     check_range("n_requests", args.n_requests, 2, 100_000)
+    check_range("threads", args.threads, 1, 1024)
+    check_range("seed", args.seed, 0, 2 ** 63 - 1)
+    check_out_dir("out", args.out)
     check_range("probe_requests", args.probe_requests, 2, 100_000)
     check_range("tp", args.tp, 1, 1024)
     check_range("pp", args.pp, 1, 1024)

@@ -45,6 +45,20 @@ def shown(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def check_out_dir(name: str, out) -> str:
+    """A results folder ``out`` of parameter ``name``: made now, so a path that cannot be one (a file,
+    a folder this user cannot write) fails before the run rather than after it."""
+    if not isinstance(out, (str, os.PathLike)) or not str(out).strip():
+        raise FieldError(f"{name}={out!r} must be a non-empty path", name)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise FieldError(f"{name}={str(out)!r}: cannot make that folder ({e.strerror or e})", name) from None
+    if not os.access(out, os.W_OK):
+        raise FieldError(f"{name}={str(out)!r}: this user cannot write there", name)
+    return str(out)
+
+
 def check_choice(name: str, value, choices):
     if value not in choices:
         raise FieldError(f"{name}={value!r} is not allowed: choose one of {', '.join(map(repr, choices))}", name)

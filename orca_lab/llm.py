@@ -27,7 +27,7 @@ from orca_lab.model.cuda_graphs import decode_graphs_for
 from orca_lab.model.executor import LocalExecutor
 from orca_lab.model.families import checkpoint_config, from_pretrained, random_model
 from orca_lab.model.gpt import GPT
-from orca_lab.model.kv_sizing import rank_shares, size_kv_pool
+from orca_lab.model.kv_sizing import check_host_fits, rank_shares, size_kv_pool
 from orca_lab.tokenizer import default_tokenizer, load_tokenizer
 from orca_lab.workload import warm_up_traces
 
@@ -35,12 +35,17 @@ from orca_lab.workload import warm_up_traces
 def kv_slots_on_gpu(cfg: ModelConfig, ec: EngineConfig) -> int:
     """``ec.n_slots``, or as many as fit on the GPU (the rank that holds most, with workers); a
     ValueError naming bytes needed and available when the weights and the pool cannot fit."""
+    n = size_kv_pool(*_ranks(cfg, ec), ec.n_slots, cfg.max_seq_len, ec.device, ec.gpu_memory_utilization)
+    return n if ec.n_slots is not None else n - n % ec.block_size    # whole blocks for paged / chunked
+
+
+def _ranks(cfg: ModelConfig, ec: EngineConfig) -> tuple[str, list]:
+    """What the model is called in a refusal, and each rank's ``(weight bytes, bytes per slot)``."""
     workers = uses_workers(ec)
     stages = split_layers(cfg.n_layers, ec.pipeline_parallel) if workers else [(0, cfg.n_layers)]
     shares = rank_shares(cfg, ec.tensor_parallel if workers else 1, stages, getattr(torch, ec.dtype).itemsize)
-    what = f"{cfg.name} in {ec.dtype} (tensor_parallel x pipeline_parallel = {ec.tensor_parallel} x {ec.pipeline_parallel})"
-    n = size_kv_pool(what, shares, ec.n_slots, cfg.max_seq_len, ec.device, ec.gpu_memory_utilization)
-    return n if ec.n_slots is not None else n - n % ec.block_size    # whole blocks for paged / chunked
+    return (f"{cfg.name} in {ec.dtype} (tensor_parallel x pipeline_parallel = {ec.tensor_parallel} x "
+            f"{ec.pipeline_parallel})", shares)
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,8 @@ class LLM:
             ec = self.engine_config = ec.replace(n_slots=_check_lent_pool(kv_pool, cfg, ec))
         elif ec.device.startswith("cuda"):      # before any allocation: refuse what cannot fit
             ec = self.engine_config = ec.replace(n_slots=kv_slots_on_gpu(cfg, ec))
+        elif gpt is None:                       # the CPU: the host's memory, every rank on it
+            check_host_fits(*_ranks(cfg, ec), ec.n_slots, ec.tensor_parallel if uses_workers(ec) else 1)
         dtype = getattr(torch, ec.dtype)
         # Where the workers' weights come from: (checkpoint or None for random, seed). With workers, the
         # master keeps shapes only (a meta model) and each worker reads its own shard; a model passed

@@ -32,14 +32,20 @@ class TraceItem:
         return len(self.prompt) + self.max_gen_tokens
 
 
+def check_rate(rate, name: str = "rate"):
+    """``rate`` if it is a finite number of requests/s > 0, or None (an offline trace)."""
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate)
+                             or rate <= 0):
+        raise ValueError(f"{name}={rate!r} is not allowed: a finite number of requests/s > 0, "
+                         "or None for an offline trace")
+    return rate
+
+
 def arrivals(n: int, rate: float | None, rng: np.random.Generator, cv: float = 1.0) -> np.ndarray:
     """Arrival times of ``n`` requests at ``rate`` req/s; None = offline (all at time 0).
     ``cv`` is the inter-arrival coefficient of variation: 1 is Poisson, above 1 is bursty (gamma)."""
-    if rate is None:
+    if check_rate(rate) is None:
         return np.zeros(n)
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
-        raise ValueError(f"rate={rate!r} is not allowed: a finite number of requests/s > 0, "
-                         "or None for an offline trace")
     check_range("cv", cv, 1e-3, 100.0, kind=float)
     shape = 1.0 / cv ** 2
     gaps = rng.gamma(shape, 1.0 / (rate * shape), size=n)

@@ -49,6 +49,25 @@ def test_compare_refuses_bad_input_with_a_message(capsys):
     with pytest.raises(SystemExit) as e:
         main(["compare", "--tp", "0"])
     assert e.value.code == 2 and "tp=0 is out of range" in capsys.readouterr().err
+    for flags, words in {("--threads", "0"): "threads=0 is out of range", ("--seed", "-1"): "seed=-1 is out of range",
+                         ("--out", "/proc/nope"): "out='/proc/nope': cannot make that folder"}.items():
+        with pytest.raises(SystemExit) as e:       # before a model is built
+            main(["compare", *flags])
+        assert e.value.code == 2 and words in capsys.readouterr().err, flags
+
+
+def test_serve_refuses_an_address_it_cannot_take_and_a_folder_that_is_no_checkpoint(tmp_path, capsys):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flags, words in {("--port", "70000"): "port=70000 is out of range: allowed [0, 65535]",
+                             ("--port", str(port)): f"--port {port}: cannot listen there (Address already in use)",
+                             ("--model", str(tmp_path)): f"--model {tmp_path}: {tmp_path} is not a checkpoint"}.items():
+            with pytest.raises(SystemExit) as e:
+                main(["serve", *flags])
+            assert e.value.code == 2 and words in capsys.readouterr().err, flags
 
 
 def test_the_baseline_delivers_at_batch_end_and_its_held_rows_are_not_useful_tokens():

@@ -277,3 +277,47 @@ def test_the_watchdog_names_where_a_turn_is_stuck_and_when_it_returns(tmp_path):
 
 def _completion(req):
     return Completion(req.prompt, req.output, None, req.finish_reason, error=req.error)
+
+
+ORPHAN = """
+import multiprocessing as mp, sys, threading, time
+from orca_lab.serving.engine_core import _end_if_orphaned
+
+def engine():                  # loading a model: nothing reads the pipe yet
+    _end_if_orphaned(mp.parent_process().pid, threading.Event(), every_s=0.05)
+    time.sleep(60)
+
+if __name__ == "__main__":
+    child = mp.get_context("spawn").Process(target=engine)
+    child.start()
+    print(child.pid, flush=True)
+    time.sleep(60)
+"""
+
+
+def test_an_engine_whose_endpoint_is_killed_while_the_model_loads_ends_too(tmp_path):
+    """An endpoint killed before its engine serves (a SIGTERM to it alone; the engine ignores
+    SIGTERM) leaves no engine building a model no one will use: it ends within its watch's period."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    (tmp_path / "orphan.py").write_text(ORPHAN)
+    endpoint = subprocess.Popen([sys.executable, str(tmp_path / "orphan.py")], stdout=subprocess.PIPE, text=True)
+    child = int(endpoint.stdout.readline())
+    endpoint.send_signal(signal.SIGKILL)
+    endpoint.wait()
+
+    def gone():
+        try:
+            return open(f"/proc/{child}/stat").read().split(")")[-1].split()[0] == "Z"    # a zombie: it ended
+        except FileNotFoundError:
+            return True
+    deadline = time.monotonic() + 20
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    outlived = not gone()
+    if outlived:
+        os.kill(child, signal.SIGKILL)
+    assert not outlived, f"the engine (pid {child}) outlived its endpoint"

@@ -54,6 +54,23 @@ def test_a_model_that_cannot_fit_is_refused_before_any_allocation(gpu):
     assert kv_slots_on_gpu(PRESETS["gpt3-13b"], EngineConfig(device="cuda", dtype="float16", tensor_parallel=8)) > 2048
 
 
+def test_a_model_too_big_for_the_hosts_memory_is_refused_before_any_allocation(monkeypatch):
+    """On the CPU the host's available memory is the bound: weights and K/V of every rank on it (a
+    175B model otherwise grew until the OOM killer stopped it). Where the host does not say, no check."""
+    cfg = PRESETS["gpt2"]
+    need = 4 * cfg.n_params + 16384 * cfg.kv_bytes_per_token(4)
+    monkeypatch.setattr("orca_lab.model.kv_sizing.host_memory", lambda: need // 2)
+    with pytest.raises(ValueError, match=r"gpt2 in float32 .* does not fit in this host's memory: it needs "
+                                         r"[\d,]+ bytes of weights and K/V \(n_slots=16384\) but [\d,]+ bytes"):
+        LLM("gpt2")
+    with pytest.raises(ValueError, match=r"tensor_parallel x pipeline_parallel = 2 x 1\) does not fit"):
+        LLM("gpt2", engine=EngineConfig(tensor_parallel=2, n_slots=16384))   # two ranks, each a half: the whole
+    monkeypatch.setattr("orca_lab.model.kv_sizing.host_memory", lambda: 2 * need)
+    assert LLM("gpt2", engine=EngineConfig(n_slots=64)).cfg.name == "gpt2"
+    monkeypatch.setattr("orca_lab.model.kv_sizing.host_memory", lambda: None)
+    assert LLM("gpt2", engine=EngineConfig(n_slots=64)).cfg.name == "gpt2"
+
+
 def test_a_worker_that_fails_at_start_up_names_its_error(tiny_llm, monkeypatch):
     """Start-up errors come before a worker's report channel exists: the master reads them from the
     store when it sees the process exit."""

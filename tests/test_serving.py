@@ -193,6 +193,26 @@ def test_bench_takes_the_base_url_the_openai_client_takes(server, tmp_path):
     assert [(row["n_requests"], row["n_failed"]) for row in report["summary"]] == [(2, 0)]
 
 
+def test_bench_refuses_what_it_cannot_use_naming_it_and_fails_a_run_of_failed_requests(server, tmp_path, capsys):
+    """Bad numbers and unusable servers are named before any request; a run whose every request
+    failed exits 2 with the first error (its report written), never 0 with a table of NaN."""
+    from orca_lab.cli import main
+    bad = {("--seed", "-1"): "seed=-1 is out of range", ("--slo-ttft-ms", "nan"): "slo_ttft_ms=nan",
+           ("--sweep-rates", "1", "nan"): "sweep_rates=nan is not allowed", ("--vocab-size", "0"): "vocab_size=0",
+           ("--out", str(tmp_path / "bench.json")): "cannot make that folder",
+           ("--base-url", "http://127.0.0.1:1"): "GET http://127.0.0.1:1/v1/models failed (ConnectError"}
+    (tmp_path / "bench.json").write_text("{}")
+    for flags, words in bad.items():
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "--base-url", server.url, "--n-requests", "2", *flags])
+        assert e.value.code == 2 and words in capsys.readouterr().err, flags
+    with pytest.raises(SystemExit) as e:        # ids past the model's vocabulary: each request a 400
+        main(["bench", "--base-url", server.url, "--n-requests", "2", "--dataset", "fixed", "--input-len", "4",
+              "--output-len", "2", "--vocab-size", "100000", "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and "every request failed (2); the first: HTTP 400" in capsys.readouterr().err
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["summary"][0]["n_failed"] == 2
+
+
 def test_debug_run_pages_give_new_records_only(server, client):
     """Each page of /debug/run holds what is new since the previous one: here one completion, its
     engine request and its iterations; then nothing."""

@@ -12,6 +12,19 @@ def gpu_memory(device) -> tuple[int, int]:
     return torch.cuda.mem_get_info(torch.device(device))
 
 
+def host_memory() -> int | None:
+    """Bytes the host can still give without swapping (Linux's MemAvailable), or None where that is
+    not known: the one place that asks (tests replace it)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def rank_shares(cfg, tp: int, stages: list[tuple[int, int]], dtype_bytes: int) -> list[tuple[int, int]]:
     """Per pipeline stage, what each of its ranks holds: ``(weight bytes, bytes per K/V slot)``.
     Matrices split over ``tp`` ranks (K/V heads replicated past their number); norms, biases and
@@ -50,3 +63,15 @@ def size_kv_pool(what: str, shares, n_slots: int | None, min_slots: int, device,
             f"gpu_memory_utilization={utilization})")
     return want if n_slots is not None else fits
 
+
+
+def check_host_fits(what: str, shares, n_slots: int, ranks_per_stage: int = 1):
+    """A model on the CPU, every rank on this host (``ranks_per_stage`` of each stage's ``shares``) with
+    ``n_slots`` K/V slots each, against the memory the host has available: a ValueError with bytes
+    needed against bytes available, before anything is allocated (a 175B model otherwise grows until
+    the kernel's OOM killer stops it, or the host swaps)."""
+    available = host_memory()
+    need = ranks_per_stage * sum(w + s * n_slots for w, s in shares)
+    if available is not None and need > available:
+        raise ValueError(f"{what} does not fit in this host's memory: it needs {need:,} bytes of weights and "
+                         f"K/V (n_slots={n_slots}) but {available:,} bytes are available")

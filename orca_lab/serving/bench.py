@@ -19,11 +19,11 @@ from pathlib import Path
 
 import httpx
 
-from orca_lab.config import check_choice, check_range
+from orca_lab.config import check_choice, check_out_dir, check_range
 from orca_lab.engine.engine import _progress
 from orca_lab.environment import environment
 from orca_lab.metrics import summarize
-from orca_lab.workload import few_shot_trace, homogeneous_trace, paper_trace
+from orca_lab.workload import check_rate, few_shot_trace, homogeneous_trace, paper_trace
 
 DATASETS = ("paper", "fixed", "few-shot")
 
@@ -151,15 +151,40 @@ async def _send(client: httpx.AsyncClient, model, i: int, item, start: float) ->
 
 
 def server_card(base_url: str) -> dict:
-    """The first model of ``GET /v1/models`` (this server adds vocab_size, system, max_bs)."""
-    resp = httpx.get(server_root(base_url) + "/v1/models", timeout=30)
-    resp.raise_for_status()
-    return resp.json()["data"][0]
+    """The first model of ``GET /v1/models`` (this server adds vocab_size, system, max_bs); a server
+    that cannot be reached or answers no model list is a ValueError saying which."""
+    url = server_root(base_url) + "/v1/models"
+    try:
+        resp = httpx.get(url, timeout=30)
+        resp.raise_for_status()
+        models = resp.json()["data"]
+    except httpx.HTTPStatusError as e:
+        raise ValueError(f"--base-url {base_url}: GET {url} answered {e.response.status_code}") from None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:     # (httpx.InvalidURL is a ValueError)
+        raise ValueError(f"--base-url {base_url}: GET {url} failed ({type(e).__name__}: {e})") from None
+    if not isinstance(models, list) or not models or not isinstance(models[0], dict) or "id" not in models[0]:
+        raise ValueError(f"--base-url {base_url}: GET {url} lists no model")
+    return models[0]
+
+
+def check_args(args):
+    """What bench is given, each named with its range, before the server is asked anything."""
+    check_range("seed", args.seed, 0, 2 ** 63 - 1)
+    if args.vocab_size is not None:
+        check_range("vocab_size", args.vocab_size, 2, 1 << 24)
+    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        if getattr(args, name) is not None:
+            check_range(name, getattr(args, name), 0.0, 1e9, kind=float, open_lo=True)
+    for rate in args.sweep_rates or [args.rate]:        # every rate before the first run (inf: all at once)
+        check_rate(None if rate == math.inf else rate, "sweep_rates" if args.sweep_rates else "rate")
+    check_out_dir("out", args.out)
 
 
 def run(args) -> dict:
     """The CLI's bench: one run, or one per rate of ``--sweep-rates``; a table on stdout, JSON
-    (and with a sweep, the curve as HTML) under ``--out``."""
+    (and with a sweep, the curve as HTML) under ``--out``. A run in which every request failed
+    ends in a ValueError with the first error, after the JSON is written."""
+    check_args(args)
     card = server_card(args.base_url)
     vocab = args.vocab_size or card.get("vocab_size")
     if vocab is None:
@@ -186,6 +211,9 @@ def run(args) -> dict:
         from orca_lab.viz import export
         export(sweep_figure(rows, card), path)
         print(f"wrote {path}")
+    failed = [r.error for res in runs for r in res.requests if r.error is not None]
+    if failed and all(res.n_failed == len(res.requests) for res in runs):
+        raise ValueError(f"every request failed ({len(failed)}); the first: {failed[0]}")
     return report
 
 

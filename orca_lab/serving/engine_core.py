@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing as mp
+import os
 import queue
 import signal
 import threading
@@ -100,6 +101,8 @@ def engine_main(recipe: EngineArgs, inbox, outbox, t0: float, history: int = 0):
     # requests first and then stops us, or we stop when it is gone (the pipe closes).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    serving = threading.Event()
+    _end_if_orphaned(mp.parent_process().pid, serving)
     try:
         llm = recipe.build()
         if llm.engine_config.device.startswith("cuda"):
@@ -116,7 +119,21 @@ def engine_main(recipe: EngineArgs, inbox, outbox, t0: float, history: int = 0):
     engine.clock.t0 = t0                       # one clock for both processes (perf_counter is system-wide)
     outbox.send(("ready", EngineInfo(llm.cfg, llm.engine_config, llm.tokenizer, llm.eos_token_ids)))
     outbox.send(("stats", engine.stats()))      # the gauges from the start (kv_slots_total)
+    serving.set()                               # from here a closed pipe ends the loop
     EngineLoop(engine, inbox, outbox, history, recipe.stall_s, recipe.plugins, loop, recipe.stall_s).run()
+
+
+def _end_if_orphaned(parent_pid: int, serving: threading.Event, every_s: float = 0.5):
+    """Until the engine serves, nothing reads the pipe: an endpoint killed while the model loads (a
+    SIGTERM to it alone, which this process ignores) would leave it building a model no one will use,
+    growing to the host's memory for a large one. Then it ends, its workers first."""
+    def watch():
+        while not serving.wait(every_s):
+            if os.getppid() != parent_pid:
+                for child in mp.active_children():
+                    child.kill()
+                os._exit(1)
+    threading.Thread(target=watch, name="orca-engine-orphan-watch", daemon=True).start()
 
 
 def plug_learner(engine, plugins: str, tensor_ranks: int = 1, bound_s: float | None = None):

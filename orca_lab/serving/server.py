@@ -21,6 +21,7 @@ import sys
 
 from fastapi import FastAPI
 
+from orca_lab.config import check_range
 from orca_lab.serving.app import build_app
 from orca_lab.serving.engine_core import HISTORY, EngineArgs, EngineProcess
 
@@ -88,12 +89,18 @@ def _exit_0(sig, frame):
 
 
 def listen(host: str, port: int):
-    """A bound socket; port 0 lets the OS choose (read it back with ``getsockname``)."""
+    """A bound socket; port 0 lets the OS choose (read it back with ``getsockname``). An address it
+    cannot take (a port in use, a host not of this machine) is a ValueError naming both."""
     import socket
+    check_range("port", port, 0, 65535)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:    # (socket.gaierror too: a host name that does not resolve)
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
     sock.listen(2048)       # now: a client that read the printed URL connects before uvicorn accepts
     return sock
 

@@ -6,6 +6,7 @@ import math
 import re
 
 from orca_lab.config import DTYPES, PRESETS, check_choice, check_range
+from orca_lab.config import check_out_dir as check_out_dir_of
 from orca_lab.sim.calibration import efficiency
 from orca_lab.sim.cost import DEVICES, PAPER_PARALLELISM, Efficiency
 from orca_lab.sim.sweep import Curve
@@ -146,9 +147,7 @@ def check_budget(budget_s, mode: str) -> float | None:
 
 
 def check_out_dir(out_dir) -> str:
-    if not isinstance(out_dir, str) or not out_dir.strip():
-        raise ValueError(f"out_dir={out_dir!r} must be a non-empty path")
-    return out_dir
+    return check_out_dir_of("out_dir", out_dir)
 
 
 def check_efficiency(overrides, cost: str = "calibrated") -> Efficiency:
