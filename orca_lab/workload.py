@@ -17,6 +17,8 @@ import numpy as np
 from orca_lab.config import check_range
 from orca_lab.engine.sampling_params import SamplingParams
 
+MAX_TRACE_REQUESTS = 10_000_000     # requests a trace may hold
+
 
 @dataclass(frozen=True)
 class TraceItem:
@@ -57,7 +59,7 @@ def paper_trace(n: int, rate: float | None = None, seed: int = 0, input_range=(3
                 cv: float = 1.0) -> list[TraceItem]:
     """The paper's workload: input ~ U{input_range}, max_gen_tokens ~ U{gen_range}, lengths
     multiplied by ``scale``."""
-    check_range("n", n, 1, 10_000_000)
+    check_range("n", n, 1, MAX_TRACE_REQUESTS)
     check_range("scale", scale, 1e-3, 1000.0, kind=float)
     lo_in, hi_in = (_scaled(x, scale) for x in input_range)
     lo_gen, hi_gen = (_scaled(x, scale) for x in gen_range)
@@ -114,7 +116,7 @@ def real_trace(shape: str, n: int, rate: float | None = None, seed: int = 0, sca
     As in the paper's workload, every request generates exactly its max_gen_tokens."""
     from orca_lab.config import check_choice
     check_choice("shape", shape, tuple(REAL_SHAPES))
-    check_range("n", n, 1, 10_000_000)
+    check_range("n", n, 1, MAX_TRACE_REQUESTS)
     check_range("scale", scale, 1e-3, 1000.0, kind=float)
     check_range("max_len", max_len, 2, 1 << 20)
     s = REAL_SHAPES[shape]
@@ -128,7 +130,7 @@ def real_trace(shape: str, n: int, rate: float | None = None, seed: int = 0, sca
 def homogeneous_trace(n: int, input_len: int, gen_len: int, rate: float | None = None, seed: int = 0,
                       vocab_size: int = 50257, cv: float = 1.0) -> list[TraceItem]:
     """Every request with the same input length and max_gen_tokens (the paper's Figure 11)."""
-    check_range("n", n, 1, 10_000_000)
+    check_range("n", n, 1, MAX_TRACE_REQUESTS)
     check_range("input_len", input_len, 1, 1 << 20)
     check_range("gen_len", gen_len, 1, 1 << 20)
     rng = np.random.default_rng(seed)
@@ -147,7 +149,7 @@ def few_shot_trace(n: int, prefix_len: int = 512, question_len=(16, 64), gen_len
     """Every request is one shared prefix (the same few-shot examples or system prompt) followed by
     its own question, lengths ~ U{question_len}, max_gen_tokens ~ U{gen_len}. The defaults are
     assumptions chosen to make the prefix dominate the prompt, not measurements."""
-    check_range("n", n, 1, 10_000_000)
+    check_range("n", n, 1, MAX_TRACE_REQUESTS)
     check_range("prefix_len", prefix_len, 0, 1 << 20)
     rng = np.random.default_rng(seed)
     prefix = rng.integers(0, vocab_size, size=prefix_len).tolist()

@@ -53,9 +53,9 @@ MEASURE = {
                   ["scheme", "utilization", "mean_reserved_slots", "peak_reserved_slots", "rate"]),
 }
 BAD = {     # a bad parameter, and the message it must stop with (every check: tests/test_sim.py)
-    "fig_e2e": (dict(models=["gpt3-999b"]), "unknown model 'gpt3-999b'"),
+    "fig_e2e": (dict(headline_model="gpt3-175B"), "headline_model: unknown model 'gpt3-175B'"),
     "fig11_homogeneous": (dict(rates=[1.0, -2.0]), "rates: -2.0 is not allowed"),
-    "kv_memory": (dict(rates=[]), "rates=[] is an empty sweep"),
+    "kv_memory": (dict(declared_gen=4096), "declared_gen=4096 is out of range: allowed [1, 2047]"),
     "policies": (dict(traces=["paper", "lmsys"]), "traces='lmsys' is not allowed"),
     "sim_fidelity": (dict(device="a100-40gb"), "device='a100-40gb' is not allowed in measure mode: choose one of"),
 }

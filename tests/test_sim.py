@@ -210,6 +210,12 @@ def test_grouped_queries_read_only_their_k_v_heads_and_swiglu_has_three_matrices
     (lambda: P.check_formats([]), "formats=\\[\\] is an empty sweep"),
     (lambda: P.check_budget(60.0, "simulate"), "budget_s=60.0 is for mode='measure'"),
     (lambda: P.check_budget(0.5, "measure"), "budget_s=0.5"),
+    # counts past what the trace, the pool of processes or the pages take: named at the first cell
+    (lambda: P.check_counts(n_requests=20_000_000), "n_requests=20000000 is out of range: allowed \\[1, 10000000\\]"),
+    (lambda: P.check_counts(n_procs=100_000), "n_procs=100000 is out of range: allowed \\[1, 256\\]"),
+    (lambda: P.check_counts(seed=-1), "seed=-1 is out of range"),
+    (lambda: P.check_out_dir("/proc/nope"), "out_dir='/proc/nope': cannot make that folder"),
+    (lambda: P.check_out_dir(""), "out_dir='' must be a non-empty path"),
 ])
 def test_bad_parameters_are_refused_with_a_clear_message(make, match):
     with pytest.raises(ValueError, match=match):

@@ -10,6 +10,7 @@ from orca_lab.config import check_out_dir as check_out_dir_of
 from orca_lab.sim.calibration import efficiency
 from orca_lab.sim.cost import DEVICES, PAPER_PARALLELISM, Efficiency
 from orca_lab.sim.sweep import Curve
+from orca_lab.workload import MAX_TRACE_REQUESTS
 
 MODES = ("simulate", "measure")
 FIGURE_FORMATS = ("html", "png", "svg", "pdf")
@@ -130,10 +131,17 @@ def check_rates(rates, loads) -> tuple[list[float] | None, list[float]]:
     return rates, loads
 
 
+# A notebook's counts, each refused at its first cell with its own name: past these the trace, the
+# process pool or the K/V pool would refuse it later, under another name, after work has run.
+COUNTS = {"n_requests": (1, MAX_TRACE_REQUESTS), "reservation_requests": (1, MAX_TRACE_REQUESTS),
+          "seed": (0, 2 ** 63 - 1), "n_procs": (1, 256), "torch_threads": (1, 1024),
+          "block_size": (1, 1 << 16), "repeats": (1, 1000), "max_tries": (1, 1000)}
+
+
 def check_counts(**counts):
-    """Positive integers: ``n_requests``, ``seed`` (>= 0), ``n_procs``..."""
+    """Integers in their ranges (``COUNTS``): ``n_requests``, ``seed`` (>= 0), ``n_procs``..."""
     for name, v in counts.items():
-        check_range(name, v, 0 if name == "seed" else 1, None)
+        check_range(name, v, *COUNTS.get(name, (1, None)))
 
 
 def check_budget(budget_s, mode: str) -> float | None:
