@@ -180,7 +180,8 @@ def _check_checkpoint(args):
 
 
 def _check_compare(args):
-    """Bad numbers stop here, each named with its range, before a model is built."""
+    """Bad numbers stop here, each named with its range, and ``--out`` is made (or refused), before a
+    model is built."""
     if args.cmd != "compare":
         return
     check_range("n_requests", args.n_requests, 2, 100_000)

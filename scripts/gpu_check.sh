@@ -10,9 +10,10 @@
 #   bash scripts/gpu_check.sh                # both parts, one after the other
 #
 # The plan (PLAN below): predicted seconds on one H100, from the H200 run
-# (docs/results/gpu_h200: steps.txt, 2026-11-27); a step's limit is its prediction with
-# 10-45 s to spare, and never past what is left of its part (WINDOW_1, WINDOW_2: each within one call
-# of at most 10 minutes, together 12 minutes). A step cut by its limit exits 124; the others still run.
+# (docs/results/gpu_h200: steps.txt, 2026-11-27); a step's limit is its prediction with up to
+# 25 s to spare (none for the tests, the last), and never past what is left of its part (WINDOW_1,
+# WINDOW_2: each within one call of at most 10 minutes, together 12 minutes). A step cut by its limit
+# exits 124 (137 if it had to be killed 10 s later); the others still run.
 # aot --full compiles on the CPU beside the tests and is cut with them: it needs no GPU, and it is
 # 5,444 compiles (2,776 launches for sm_90, all but the TMA's 108 for sm_80 too), so it prints and
 # writes its rows as it goes. Here it checks the GPU image's own Triton; a CPU machine runs it whole
@@ -28,9 +29,11 @@
 # predicted, limit, seconds since the start); the benchmarks and notebooks write their rows as each
 # ends, so a step cut by its limit keeps them; with PACK_TO set, after each step the whole folder is
 # packed into $PACK_TO/gpu_results.tgz (paths from the repository's root) and steps.txt copied beside
-# it. The smoke step runs the prefill tiles that read through the Tensor Memory Accelerator once each
-# against the reference; if one fails it writes tma_off, and the steps after it read through pointers
-# (ORCA_LAB_TMA=0). Environment: PYTHON (default python3), OUT_DIR, PACK_TO, STEPS (a subset, by name).
+# it. The default folder may be one committed with an earlier run: set OUT_DIR to keep it. The smoke
+# step runs the prefill tiles that read through the Tensor Memory Accelerator once each against the
+# reference; if one fails it exits 1 and writes tma_off, and part 1's steps after it read through
+# pointers (ORCA_LAB_TMA=0; part 2's tests check the tiles themselves). Environment: PYTHON (default
+# python3), OUT_DIR, PACK_TO, STEPS (a subset, by name).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -54,7 +57,7 @@ PLAN="
 1     fig9          85      95       H200: 80 s (gpt3-13b, bf16, 12 points measured, then simulated); now FT also at batch 16 and 32
 1     step_time     52      60       H200: 52 s, benchmarks/step_time.py at Figure 9's points, ORCA and FT, one model build
 1     fig10        125     150       H200: 115 s at budget_s=140; now the notebook's budget_s=130 (it sizes itself to end within it) + its start
-1     bench         40      45       H200: 27 s, plus the fresh prompts' 9 TMA tiles compiled (~2 s each where fig9 has not) and timed, sdpa-causal
+1     bench         40      45       H200: 27 s, plus the fresh prompts' 9 TMA tiles compiled (~2 s each where smoke has not) and timed, sdpa-causal
 1     workers       45      60       H200: 12.7 s serving, cut at 40 s with the start (12 requests on gpt2, in process and on a worker over NCCL)
 2     setup         10      20       as above, on a fresh machine (H200: 6 s)
 2     tests        240     240       H200: 240 s for 434 tests on 8 workers, test_cuda_safe included (about 30 more since, most a forced tile each)
@@ -114,7 +117,7 @@ step() {
     local t0=$SECONDS
     if declare -F "$1" >/dev/null; then export -f "$1"; set -- bash -c "$1"; fi
     # cut by SIGINT, not SIGTERM: pytest then still writes its JUnit XML of the tests that finished
-    LIMIT=$limit timeout -s INT -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    STEP_PART=$part LIMIT=$limit timeout -s INT -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
     local rc=${PIPESTATUS[0]}
     [ "$rc" -ge 124 ] && free_gpu
     echo "$name $rc $((SECONDS - t0)) $predicted $limit $((SECONDS - T0 + START))" >> "$OUT/steps.txt"
@@ -136,7 +139,7 @@ free_gpu() {   # after a cut: a notebook's kernel runs in a session of its own, 
 }
 
 setup() {   # the kernel papermill starts, and the record of the machine (part 2's beside part 1's)
-    local suffix=$([ "$PART" = 2 ] && echo _part2)
+    local suffix=$([ "$STEP_PART" = 2 ] && echo _part2)
     "$PY" -m ipykernel install --user > /dev/null || echo "no ipykernel: the notebook steps will fail (carry .whl/)"
     nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.max.sm --format=csv > "$OUT/nvidia_smi$suffix.txt"
     "$PY" scripts/gpu_check.py environment "$OUT" "$COMMAND" "environment$suffix.json"
@@ -172,18 +175,22 @@ if [ "$DRY" = 1 ]; then
     ENDS=0
     echo "The GPU check's plan: part 1 within ${WINDOW_1} s, part 2 within ${WINDOW_2} s (each one call of at most 10 minutes)"
 else     # a fresh folder: nothing of an earlier run (the repository's copy) is packed with this one's
-    if [ "$PART" != 2 ] || [ "$(cat "$RUN_MARK" 2>/dev/null)" != "$OUT" ]; then rm -rf "$OUT"; fi
+    if [ "$PART" != 2 ] || [ "$(cat "$RUN_MARK" 2>/dev/null)" != "$OUT" ]; then
+        [ -e "$OUT" ] && echo "gpu_check: emptying $OUT (an earlier run's files: point OUT_DIR elsewhere to keep them)"
+        rm -rf "$OUT"
+    fi
     [ "$PART" = 2 ] || echo "$OUT" > "$RUN_MARK"
     mkdir -p "$OUT" && touch "$OUT/steps.txt"
 fi
 step 1 setup setup
 step 1 smoke "$PY" scripts/gpu_check.py smoke "$OUT"
-[ -f "$OUT/tma_off" ] && [ "$PART" != 2 ] && export ORCA_LAB_TMA=0     # the steps after it, through pointers
+[ -f "$OUT/tma_off" ] && [ "$PART" != 2 ] && export ORCA_LAB_TMA=0     # part 1's steps after it, through pointers
 step 1 fig9 fig9
 step 1 step_time "$PY" benchmarks/step_time.py --model gpt3-13b --device cuda --dtype bfloat16 --out "$OUT/step_time.json"
 step 1 fig10 fig10
 step 1 bench "$PY" -m orca_lab.kernels.bench --out "$OUT/kernels_bench.json"
 step 1 workers "$PY" scripts/gpu_check.py workers "$OUT"
+unset ORCA_LAB_TMA        # part 2's tests check the TMA tiles themselves
 step 2 setup setup
 step 2 tests tests
 

@@ -209,7 +209,7 @@ def test_bench_refuses_what_it_cannot_use_naming_it_and_fails_a_run_of_failed_re
     with pytest.raises(SystemExit) as e:        # ids past the model's vocabulary: each request a 400
         main(["bench", "--base-url", server.url, "--n-requests", "2", "--dataset", "fixed", "--input-len", "4",
               "--output-len", "2", "--vocab-size", "100000", "--out", str(tmp_path / "out")])
-    assert e.value.code == 2 and "every request failed (2); the first: HTTP 400" in capsys.readouterr().err
+    assert e.value.code == 2 and "every request failed (2) at inf req/s; the first: HTTP 400" in capsys.readouterr().err
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["summary"][0]["n_failed"] == 2
 
 

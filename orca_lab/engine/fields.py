@@ -141,7 +141,8 @@ def check_text(name: str, text, where: str | None = None) -> str:
 
 
 def check_stops(value) -> tuple[str, ...]:
-    """``stop``: one string or a list of them (``MAX_STOPS``), each text of one character or more."""
+    """``stop``: one string or a list of them (``MAX_STOPS``), each text of 1 to ``MAX_STOP_CHARS``
+    characters."""
     stops = check_count("stop", as_tuple("stop", value, str))
     return tuple(check_text("stop", s, f"stop[{i}]") for i, s in enumerate(stops))
 

@@ -21,7 +21,10 @@ class SamplingParams:
     ``top_k`` (0 = off) and ``top_p`` (1 = off) narrow the distribution after ``temperature``;
     ``seed`` makes a sampled request draw the same tokens whatever it is batched with. A request
     stops at ``max_gen_tokens``, at EOS unless ``ignore_eos``, at any of ``stop_token_ids``, or once
-    its detokenized output contains one of the ``stop`` strings (the engine needs a tokenizer then).
+    its detokenized output contains one of the ``stop`` strings (the engine needs a tokenizer then);
+    a stop string that ends before ``min_tokens`` tokens are out is text like any other. At most
+    1,024 ``stop_token_ids`` and ``logit_bias`` entries, 64 ``stop`` strings of up to 1,024 characters
+    (``fields.py``: the engine reads them at every token).
 
     ``logprobs=k`` (0..MAX_LOGPROBS): each generated token's log-probability and the ``k`` most
     likely tokens at its position; ``prompt_logprobs=k``: the same for every prompt token but the

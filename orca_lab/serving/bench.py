@@ -168,7 +168,8 @@ def server_card(base_url: str) -> dict:
 
 
 def check_args(args):
-    """What bench is given, each named with its range, before the server is asked anything."""
+    """The seed, the SLOs, ``--vocab-size``, every rate and ``--out``, each named with its range, before
+    the server is asked anything (the trace's own fields are checked when the first trace is made)."""
     check_range("seed", args.seed, 0, 2 ** 63 - 1)
     if args.vocab_size is not None:
         check_range("vocab_size", args.vocab_size, 2, 1 << 24)
@@ -182,8 +183,8 @@ def check_args(args):
 
 def run(args) -> dict:
     """The CLI's bench: one run, or one per rate of ``--sweep-rates``; a table on stdout, JSON
-    (and with a sweep, the curve as HTML) under ``--out``. A run in which every request failed
-    ends in a ValueError with the first error, after the JSON is written."""
+    (and with a sweep, the curve as HTML) under ``--out``. A run (a rate of a sweep) in which every
+    request failed ends it in a ValueError with the first error, after the JSON is written."""
     check_args(args)
     card = server_card(args.base_url)
     vocab = args.vocab_size or card.get("vocab_size")
@@ -211,9 +212,10 @@ def run(args) -> dict:
         from orca_lab.viz import export
         export(sweep_figure(rows, card), path)
         print(f"wrote {path}")
-    failed = [r.error for res in runs for r in res.requests if r.error is not None]
-    if failed and all(res.n_failed == len(res.requests) for res in runs):
-        raise ValueError(f"every request failed ({len(failed)}); the first: {failed[0]}")
+    for rate, res in zip(rates, runs):
+        if res.requests and res.n_failed == len(res.requests):
+            raise ValueError(f"every request failed ({res.n_failed}) at {rate:g} req/s; the first: "
+                             f"{res.requests[0].error}")
     return report
 
 

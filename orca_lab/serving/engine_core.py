@@ -98,7 +98,8 @@ class EngineInfo:
 # -- the engine's side (the child process) ---------------------------------------------------------
 def engine_main(recipe: EngineArgs, inbox, outbox, t0: float, history: int = 0):
     # Ctrl-C and a service manager's SIGTERM reach the whole process group: the endpoint drains its
-    # requests first and then stops us, or we stop when it is gone (the pipe closes).
+    # requests first and then stops us, or we stop when it is gone (the pipe closes; before we serve,
+    # the orphan watch).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     serving = threading.Event()
