@@ -284,7 +284,8 @@ import multiprocessing as mp, sys, threading, time
 from orca_lab.serving.engine_core import _end_if_orphaned
 
 def engine():                  # loading a model: nothing reads the pipe yet
-    _end_if_orphaned(mp.parent_process().pid, threading.Event(), every_s=0.05)
+    _end_if_orphaned(mp.parent_process().pid, threading.Event())
+    print("watching", flush=True)
     time.sleep(60)
 
 if __name__ == "__main__":
@@ -297,7 +298,7 @@ if __name__ == "__main__":
 
 def test_an_engine_whose_endpoint_is_killed_while_the_model_loads_ends_too(tmp_path):
     """An endpoint killed before its engine serves (a SIGTERM to it alone; the engine ignores
-    SIGTERM) leaves no engine building a model no one will use: it ends within its watch's period."""
+    SIGTERM) leaves no engine building a model no one will use: it ends at once."""
     import os
     import signal
     import subprocess
@@ -306,6 +307,7 @@ def test_an_engine_whose_endpoint_is_killed_while_the_model_loads_ends_too(tmp_p
     (tmp_path / "orphan.py").write_text(ORPHAN)
     endpoint = subprocess.Popen([sys.executable, str(tmp_path / "orphan.py")], stdout=subprocess.PIPE, text=True)
     child = int(endpoint.stdout.readline())
+    assert endpoint.stdout.readline() == "watching\n"       # (killed before, it ends on its first look)
     endpoint.send_signal(signal.SIGKILL)
     endpoint.wait()
 

@@ -31,6 +31,7 @@ where the engine is stuck (``watchdog.py``); "progress", that it returned after 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -124,17 +125,29 @@ def engine_main(recipe: EngineArgs, inbox, outbox, t0: float, history: int = 0):
     EngineLoop(engine, inbox, outbox, history, recipe.stall_s, recipe.plugins, loop, recipe.stall_s).run()
 
 
-def _end_if_orphaned(parent_pid: int, serving: threading.Event, every_s: float = 0.5):
+PR_SET_PDEATHSIG = 1      # Linux's prctl option: a signal for this process when its parent dies
+
+
+def _end_if_orphaned(parent_pid: int, serving: threading.Event):
     """Until the engine serves, nothing reads the pipe: an endpoint killed while the model loads (a
     SIGTERM to it alone, which this process ignores) would leave it building a model no one will use,
-    growing to the host's memory for a large one. Then it ends, its workers first."""
-    def watch():
-        while not serving.wait(every_s):
-            if os.getppid() != parent_pid:
-                for child in mp.active_children():
-                    child.kill()
-                os._exit(1)
-    threading.Thread(target=watch, name="orca-engine-orphan-watch", daemon=True).start()
+    growing to the host's memory for a large one. Linux signals us when the parent dies (no thread:
+    one would change the process's memory); then the engine ends, its workers first. Elsewhere, the
+    pipe alone ends it, once it serves."""
+    def orphaned(sig=None, frame=None):
+        if serving.is_set() or os.getppid() == parent_pid:    # serving: the closed pipe ends the loop
+            return
+        for child in mp.active_children():
+            child.kill()
+        os._exit(1)
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    signal.signal(signal.SIGUSR1, orphaned)
+    prctl(PR_SET_PDEATHSIG, signal.SIGUSR1)
+    orphaned()                   # (the parent may have died before we asked)
 
 
 def plug_learner(engine, plugins: str, tensor_ranks: int = 1, bound_s: float | None = None):
