@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from orca_lab.config import PRESETS, EngineConfig, check_out_dir, check_range
+from orca_lab.engine.fields import check
 from orca_lab.engine.policies import REGISTRY, system
 from orca_lab.environment import environment
 from orca_lab.serving.watchdog import STALL_S
@@ -186,7 +187,7 @@ def _check_compare(args):
         return
     check_range("n_requests", args.n_requests, 2, 100_000)
     check_range("threads", args.threads, 1, 1024)
-    check_range("seed", args.seed, 0, 2 ** 63 - 1)
+    check("seed", args.seed)
     check_out_dir("out", args.out)
     check_range("probe_requests", args.probe_requests, 2, 100_000)
     check_range("tp", args.tp, 1, 1024)

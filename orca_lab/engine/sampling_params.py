@@ -96,8 +96,9 @@ def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
         pairs = [tuple(p) for p in items]
     except TypeError:
         pairs = None
-    if pairs is None or any(len(p) != 2 for p in check_count("logit_bias", pairs)):
+    if pairs is None or any(len(p) != 2 for p in pairs):
         raise FieldError(f"logit_bias={shown(value)} must map token ids to biases", "logit_bias")
+    check_count("logit_bias", pairs)
     out = {}
     for t, b in pairs:
         check("logit_bias", b, where=f"logit_bias[{shown(t)}]")

@@ -102,9 +102,9 @@ def _fastest(candidates, launch, answer=None):
             continue
         if answer is not None:
             got = answer().clone()
-            first = (cfg, got) if first is None else first
-            off = _disagreement(got, first[1])
-            if off:
+            if first is None:
+                first = (cfg, got)
+            elif off := _disagreement(got, first[1]):
                 warnings.warn(f"launch configuration {cfg} answers other than {first[0]} ({off}): skipped",
                               RuntimeWarning, stacklevel=3)
                 continue

@@ -64,7 +64,6 @@ def size_kv_pool(what: str, shares, n_slots: int | None, min_slots: int, device,
     return want if n_slots is not None else fits
 
 
-
 def check_host_fits(what: str, shares, n_slots: int, ranks_per_stage: int = 1):
     """A model on the CPU, every rank on this host (``ranks_per_stage`` of each stage's ``shares``) with
     ``n_slots`` K/V slots each, against the memory the host has available: a ValueError with bytes

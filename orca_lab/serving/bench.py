@@ -21,6 +21,7 @@ import httpx
 
 from orca_lab.config import check_choice, check_out_dir, check_range
 from orca_lab.engine.engine import _progress
+from orca_lab.engine.fields import check
 from orca_lab.environment import environment
 from orca_lab.metrics import summarize
 from orca_lab.workload import check_rate, few_shot_trace, homogeneous_trace, paper_trace
@@ -170,7 +171,7 @@ def server_card(base_url: str) -> dict:
 def check_args(args):
     """The seed, the SLOs, ``--vocab-size``, every rate and ``--out``, each named with its range, before
     the server is asked anything (the trace's own fields are checked when the first trace is made)."""
-    check_range("seed", args.seed, 0, 2 ** 63 - 1)
+    check("seed", args.seed)
     if args.vocab_size is not None:
         check_range("vocab_size", args.vocab_size, 2, 1 << 24)
     for name in ("slo_ttft_ms", "slo_tpot_ms"):

@@ -451,18 +451,18 @@ def unreadable_body(raw: bytes) -> tuple[str, str | None] | None:
     """``(message, param)`` for a body the parser refused: text that is not UTF-8 (JSON's encoding),
     or a number too long (``unreadable_number``); None if neither was why."""
     try:
-        raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         return f"the request body is not UTF-8, as JSON text must be: byte {raw[e.start]:#04x} at {e.start}", None
-    return unreadable_number(raw)
+    return unreadable_number(text)
 
 
-def unreadable_number(raw: bytes) -> tuple[str, str | None] | None:
+def unreadable_number(text: str) -> tuple[str, str | None] | None:
     """``(message, param)`` for a body JSON could not read because of such a number: the body's
     field that holds it (its value, or an item or entry of it) and, for a field of the request, the
     allowed range; None if that was not why."""
     depth, key, last = 0, None, None
-    for token in JSON_TOKENS.finditer(raw.decode("utf-8", "replace")):
+    for token in JSON_TOKENS.finditer(text):
         t = token.group()
         if t in "{[":
             depth += 1
