@@ -22,7 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
-from orca_lab.config import check_range
+from orca_lab.config import check_range, parsed_args
 from orca_lab.engine.detokenizer import Detokenizer
 from orca_lab.results import write_report
 from orca_lab.tokenizer import ByteTokenizer, gpt2_tokenizer
@@ -70,16 +70,14 @@ def per_token_us(fn, decode, ids, min_tokens: int) -> float:
     return (time.perf_counter() - t0) / (runs * len(ids)) * 1e6
 
 
-def check_args(p, args):
+def check_args(args):
     """Every number where it enters (an empty length divides by zero, no round has no median): out of
-    range, ``p.error`` names the flag, its value and the allowed range (check_range's words), exit 2."""
-    try:
-        for n in args.lengths:
-            check_range("--lengths", n, 1)
-        check_range("--repeats", args.repeats, 1)
-        check_range("--min-tokens", args.min_tokens, 1)
-    except ValueError as e:
-        p.error(str(e))
+    range, a ValueError names the flag, its value and the allowed range (check_range's words): exit 2
+    (``parsed_args``)."""
+    for n in args.lengths:
+        check_range("--lengths", n, 1)
+    check_range("--repeats", args.repeats, 1)
+    check_range("--min-tokens", args.min_tokens, 1)
 
 
 def main(argv=None):
@@ -88,8 +86,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--min-tokens", type=int, default=8192, help="tokens per measurement")
     p.add_argument("--out", default="docs/results/detokenization_cpu.json")
-    args = p.parse_args(argv)
-    check_args(p, args)
+    args = parsed_args(p, argv, check_args)
     tokenizers = {"bytes (tiny)": ByteTokenizer(), "gpt2 BPE (tiktoken)": gpt2_tokenizer()}
     cases = {(name, n): text_tokens(tok, n) for name, tok in tokenizers.items() for n in args.lengths}
     for (name, _), ids in cases.items():

@@ -19,7 +19,7 @@ import time
 import torch
 
 from orca_lab import LLM, EngineConfig
-from orca_lab.config import check_range, model_config
+from orca_lab.config import check_range, model_config, parsed_args
 from orca_lab.results import write_report
 
 MODES = ("reused", "allocated per call")
@@ -69,17 +69,14 @@ def measure(llm, rounds: int, prompt_len: int) -> dict:
     return rows
 
 
-def check_args(p, args):
-    """Every number where it enters: out of range, ``p.error`` names the flag, its value and the
-    allowed range (check_range's words), exit 2, before a model is built."""
-    try:
-        cfg = model_config(args.preset)
-        check_range("--prompt-len", args.prompt_len, 1, cfg.max_seq_len - 1)   # and the one token generated
-        check_range("--n-slots", args.n_slots, args.prompt_len + 1, 1 << 31)   # orca reserves prompt + 1
-        check_range("--rounds", args.rounds, 1)
-        check_range("--threads", args.threads, 1)
-    except ValueError as e:
-        p.error(str(e))
+def check_args(args):
+    """Every number where it enters: out of range, a ValueError names the flag, its value and the
+    allowed range (check_range's words): exit 2 (``parsed_args``), before a model is built."""
+    cfg = model_config(args.preset)
+    check_range("--prompt-len", args.prompt_len, 1, cfg.max_seq_len - 1)   # and the one token generated
+    check_range("--n-slots", args.n_slots, args.prompt_len + 1, 1 << 31)   # orca reserves prompt + 1
+    check_range("--rounds", args.rounds, 1)
+    check_range("--threads", args.threads, 1)
 
 
 def main(argv=None):
@@ -92,11 +89,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--smoke", action="store_true", help="1,024 slots, 3 rounds, unless given")
     p.add_argument("--out", default="results/generate_overhead.json")
-    args = p.parse_args(argv)
-    if args.smoke:            # the toy size for what was not given: a flag given is kept, and checked
-        p.set_defaults(**SMOKE)
-        args = p.parse_args(argv)
-    check_args(p, args)
+    args = parsed_args(p, argv, check_args, SMOKE)    # --smoke: the toy size for what was not given
     torch.set_num_threads(args.threads)
     llm = LLM(args.preset, engine=EngineConfig(max_bs=8, n_slots=args.n_slots, device=args.device))
     pool_mb = 2 * llm.cfg.n_layers * args.n_slots * llm.cfg.d_model * torch.tensor([], dtype=getattr(

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import torch
 
 from orca_lab import LLM, EngineConfig, SamplingParams
-from orca_lab.config import check_range
+from orca_lab.config import check_range, parsed_args
 from orca_lab.engine.batch import Batch
 from orca_lab.results import write_report
 from orca_lab.model import executor as executor_mod
@@ -137,18 +137,15 @@ def print_table(rows):
               + f" {r['bare_forward_ms']:12.3f} {r['overhead_pct']:8.1f}%")
 
 
-def check_args(p, args):
-    """Every number where it enters: out of range, ``p.error`` names the flag, its value and the
-    allowed range (check_range's words), exit 2, before a model is built."""
-    try:
-        for b in args.batch_sizes:
-            check_range("--batch-sizes", b, 1, 65536)             # EngineConfig's max_bs
-        check_range("--iters", args.iters, 1)                      # no iteration has no median
-        check_range("--scale", args.scale, 1e-3, 1000.0, kind=float)   # paper_trace's bound
-        check_range("--seed", args.seed, 0)
-        check_range("--threads", args.threads, 1)
-    except ValueError as e:
-        p.error(str(e))
+def check_args(args):
+    """Every number where it enters: out of range, a ValueError names the flag, its value and the
+    allowed range (check_range's words): exit 2 (``parsed_args``), before a model is built."""
+    for b in args.batch_sizes:
+        check_range("--batch-sizes", b, 1, 65536)             # EngineConfig's max_bs
+    check_range("--iters", args.iters, 1)                      # no iteration has no median
+    check_range("--scale", args.scale, 1e-3, 1000.0, kind=float)   # paper_trace's bound
+    check_range("--seed", args.seed, 0)
+    check_range("--threads", args.threads, 1)
 
 
 def main(argv=None):
@@ -161,11 +158,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--smoke", action="store_true", help="batch sizes 1 and 4, 3 iterations, scale 0.05, unless given")
     p.add_argument("--out", default="results/overhead.json")
-    args = p.parse_args(argv)
-    if args.smoke:            # the toy size for what was not given: a flag given is kept, and checked
-        p.set_defaults(**SMOKE)
-        args = p.parse_args(argv)
-    check_args(p, args)
+    args = parsed_args(p, argv, check_args, SMOKE)    # --smoke: the toy size for what was not given
     torch.set_num_threads(args.threads)
     llm = LLM(args.preset, seed=args.seed, engine=EngineConfig(max_bs=max(args.batch_sizes), n_slots=65536))
     print(f"ORCA engine, {args.preset}, increment phase, {torch.get_num_threads()} thread(s); median of "

@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from orca_lab import LLM, EngineConfig
-from orca_lab.config import check_range
+from orca_lab.config import check_range, parsed_args
 from orca_lab.environment import environment
 from orca_lab.workload import paper_trace
 
@@ -336,23 +336,20 @@ def print_summary(preset, summary, ratios, cpu_ratios, floor):
           f"system, {floor['ratio_bound_to_hf_cb']:.2f}x hf_cb")
 
 
-def check_args(p, args):
-    """Every argument where it enters: out of range, ``p.error`` names the flag, its value and the
-    allowed range (check_range's words), exit 2, before a model is built."""
+def check_args(args):
+    """Every argument where it enters: out of range, a ValueError names the flag, its value and the
+    allowed range (check_range's words): exit 2 (``parsed_args``), before a model is built."""
     if args.device.split(":")[0] not in ("cpu", "cuda"):
-        p.error(f"--device={args.device!r}: use cpu, cuda or cuda:N")
+        raise ValueError(f"--device={args.device!r}: use cpu, cuda or cuda:N")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device={args.device!r} but no CUDA device is available")
-    try:
-        check_range("--rounds", args.rounds, 1)                       # no round has no median
-        check_range("--n-requests", args.n_requests, 1, 10_000_000)   # paper_trace's bound
-        if args.scale is not None:                                    # (0 would read as "not given")
-            check_range("--scale", args.scale, 1e-3, 1000.0, kind=float)
-        check_range("--max-bs", args.max_bs, 1, 65536)                # EngineConfig's bound
-        check_range("--seed", args.seed, 0)
-        check_range("--threads", args.threads, 1)
-    except ValueError as e:
-        p.error(str(e))
+        raise ValueError(f"--device={args.device!r} but no CUDA device is available")
+    check_range("--rounds", args.rounds, 1)                       # no round has no median
+    check_range("--n-requests", args.n_requests, 1, 10_000_000)   # paper_trace's bound
+    if args.scale is not None:                                    # (0 would read as "not given")
+        check_range("--scale", args.scale, 1e-3, 1000.0, kind=float)
+    check_range("--max-bs", args.max_bs, 1, 65536)                # EngineConfig's bound
+    check_range("--seed", args.seed, 0)
+    check_range("--threads", args.threads, 1)
 
 
 def main(argv=None):
@@ -368,11 +365,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--smoke", action="store_true", help="tiny preset, 4 short requests, 1 round, unless given")
     p.add_argument("--out", default="results/peer_hf.json")
-    args = p.parse_args(argv)
-    if args.smoke:            # the toy size for what was not given: a flag given is kept, and checked
-        p.set_defaults(**SMOKE)
-        args = p.parse_args(argv)
-    check_args(p, args)
+    args = parsed_args(p, argv, check_args, SMOKE)    # --smoke: the toy size for what was not given
     torch.set_num_threads(args.threads)
     _quiet_transformers()
     out = Path(args.out)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from orca_lab import LLM, EngineConfig
-from orca_lab.config import check_range
+from orca_lab.config import check_range, parsed_args
 from orca_lab.results import write_report
 from orca_lab.metrics import distribution, per_request
 from orca_lab.sim.sweep import Curve
@@ -98,28 +98,26 @@ def table(title: str, res: dict) -> str:
     return "\n".join(lines)
 
 
-def check_args(p, args):
-    """Every number where it enters: out of range, ``p.error`` names the flag, its value and the
-    allowed range (check_range's words; the workload's and EngineConfig's bounds), exit 2."""
-    try:
-        check_range("--conversations", args.conversations, 1, 1_000_000)
-        check_range("--rate", args.rate, 0.0, None, kind=float, open_lo=True)
-        check_range("--scale", args.scale, 1e-3, 1000.0, kind=float)
-        check_range("--think-s", args.think_s, 0.0, 1e6, kind=float)
-        check_range("--system-len", args.system_len, 0, 1022)          # tiny's chats: max_len 1024 - 2
-        check_range("--max-bs", args.max_bs, 1, 65536)
-        check_range("--n-slots", args.n_slots, 1, 1 << 31)
-        check_range("--block-size", args.block_size, 1, 512)           # <= max_num_batched_tokens
-        if args.n_slots % args.block_size:                              # a paged pool holds whole blocks
-            p.error(f"--block-size={args.block_size}: allowed a divisor of --n-slots={args.n_slots}")
-        check_range("--rounds", args.rounds, 1)
-        check_range("--seed", args.seed, 0)
-        check_range("--threads", args.threads, 1)
-        check_range("--sim-conversations", args.sim_conversations, 1, 1_000_000)
-        check_range("--sim-rate", args.sim_rate, 0.0, None, kind=float, open_lo=True)
-        check_range("--sim-max-bs", args.sim_max_bs, 1, 65536)
-    except ValueError as e:
-        p.error(str(e))
+def check_args(args):
+    """Every number where it enters: out of range, a ValueError names the flag, its value and the
+    allowed range (check_range's words; the workload's and EngineConfig's bounds): exit 2
+    (``parsed_args``)."""
+    check_range("--conversations", args.conversations, 1, 1_000_000)
+    check_range("--rate", args.rate, 0.0, None, kind=float, open_lo=True)
+    check_range("--scale", args.scale, 1e-3, 1000.0, kind=float)
+    check_range("--think-s", args.think_s, 0.0, 1e6, kind=float)
+    check_range("--system-len", args.system_len, 0, 1022)          # tiny's chats: max_len 1024 - 2
+    check_range("--max-bs", args.max_bs, 1, 65536)
+    check_range("--n-slots", args.n_slots, 1, 1 << 31)
+    check_range("--block-size", args.block_size, 1, 512)           # <= max_num_batched_tokens
+    if args.n_slots % args.block_size:                              # a paged pool holds whole blocks
+        raise ValueError(f"--block-size={args.block_size}: allowed a divisor of --n-slots={args.n_slots}")
+    check_range("--rounds", args.rounds, 1)
+    check_range("--seed", args.seed, 0)
+    check_range("--threads", args.threads, 1)
+    check_range("--sim-conversations", args.sim_conversations, 1, 1_000_000)
+    check_range("--sim-rate", args.sim_rate, 0.0, None, kind=float, open_lo=True)
+    check_range("--sim-max-bs", args.sim_max_bs, 1, 65536)
 
 
 def main(argv=None):
@@ -142,11 +140,7 @@ def main(argv=None):
     p.add_argument("--out", default="docs/results/prefix_caching_cpu.json")
     p.add_argument("--smoke", action="store_true", help="a toy size, for the tests: 3 short chats, 1 round, "
                    "10 simulated, unless given; the 2x bar is not checked")
-    args = p.parse_args(argv)
-    if args.smoke:            # the toy size for what was not given: a flag given is kept, and checked
-        p.set_defaults(**SMOKE)
-        args = p.parse_args(argv)
-    check_args(p, args)
+    args = parsed_args(p, argv, check_args, SMOKE)    # --smoke: the toy size for what was not given
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     chats = multi_turn_conversations(args.conversations, args.rate, scale=args.scale, think_s=args.think_s,

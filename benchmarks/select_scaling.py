@@ -19,7 +19,7 @@ import sys
 import time
 
 from orca_lab import SamplingParams
-from orca_lab.config import check_range, model_config
+from orca_lab.config import check_range, model_config, parsed_args
 from orca_lab.engine.engine import Engine
 from orca_lab.engine.policies import new_kv, new_scheduler
 from orca_lab.results import write_report
@@ -74,17 +74,14 @@ def _timed(select, spent: list):
     return timed
 
 
-def check_args(p, args):
-    """Every number where it enters: out of range, ``p.error`` names the flag, its value and the
-    allowed range (check_range's words), exit 2. No batch (--max-bs 0) schedules nothing; no step
-    has no median."""
-    try:
-        for n in args.waiting:
-            check_range("--waiting", n, 0, 10_000_000)
-        check_range("--max-bs", args.max_bs, 1, 65536)      # EngineConfig's bound
-        check_range("--steps", args.steps, 1)
-    except ValueError as e:
-        p.error(str(e))
+def check_args(args):
+    """Every number where it enters: out of range, a ValueError names the flag, its value and the
+    allowed range (check_range's words): exit 2 (``parsed_args``). No batch (--max-bs 0) schedules
+    nothing; no step has no median."""
+    for n in args.waiting:
+        check_range("--waiting", n, 0, 10_000_000)
+    check_range("--max-bs", args.max_bs, 1, 65536)      # EngineConfig's bound
+    check_range("--steps", args.steps, 1)
 
 
 def main(argv=None):
@@ -95,11 +92,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--smoke", action="store_true", help="10 and 1,000 waiting, 5 steps, unless given")
     p.add_argument("--out", default="results/select_scaling.json")
-    args = p.parse_args(argv)
-    if args.smoke:            # the toy size for what was not given: a flag given is kept, and checked
-        p.set_defaults(**SMOKE)
-        args = p.parse_args(argv)
-    check_args(p, args)
+    args = parsed_args(p, argv, check_args, SMOKE)    # --smoke: the toy size for what was not given
     rows = [row for case in args.systems for row in measure(case, args.waiting, args.max_bs, args.steps)]
     print(f"median of {args.steps} steps, max_bs={args.max_bs}, microseconds")
     print(f"{'system':>14s} {'waiting':>8s} " + " ".join(f"{c:>10s}" for c in COLUMNS) + f" {'preempted':>10s}")

@@ -44,7 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from orca_lab import LLM, EngineConfig, SamplingParams
-from orca_lab.config import check_range, model_config
+from orca_lab.config import check_range, model_config, parsed_args
 from orca_lab.model import executor as executor_mod
 from orca_lab.model.cuda_graphs import DecodeGraphs
 from orca_lab.results import write_report
@@ -224,22 +224,19 @@ def build_llms(args) -> dict:
     return {s: first if s == SYSTEMS[0] else LLM(gpt=first.model, engine=ec) for s in SYSTEMS}
 
 
-def check_args(p, args):
-    """Every number where it enters: out of range, ``p.error`` names the flag, its value and the
-    allowed range (check_range's words), exit 2, before a model is built."""
+def check_args(args):
+    """Every number where it enters: out of range, a ValueError names the flag, its value and the
+    allowed range (check_range's words): exit 2 (``parsed_args``), before a model is built."""
     if args.output < 2:
-        p.error(f"--output={args.output}: allowed >= 2 (a prefill step and at least one one-token step)")
-    try:
-        for b in args.batch_sizes:
-            check_range("--batch-sizes", b, 1, 65536)                  # EngineConfig's max_bs
-        check_range("--input", args.input, 1, 1 << 19)                   # input + output: a model's
-        check_range("--output", args.output, 2, 1 << 19)                 # max_seq_len, at most 2^20
-        if args.max_seq_len is not None:                                # FT's bound holds every request
-            check_range("--max-seq-len", args.max_seq_len, args.input + args.output, 1 << 20)
-        check_range("--seed", args.seed, 0)
-        check_range("--threads", args.threads, 1)
-    except ValueError as e:
-        p.error(str(e))
+        raise ValueError(f"--output={args.output}: allowed >= 2 (a prefill step and at least one one-token step)")
+    for b in args.batch_sizes:
+        check_range("--batch-sizes", b, 1, 65536)                  # EngineConfig's max_bs
+    check_range("--input", args.input, 1, 1 << 19)                   # input + output: a model's
+    check_range("--output", args.output, 2, 1 << 19)                 # max_seq_len, at most 2^20
+    if args.max_seq_len is not None:                                # FT's bound holds every request
+        check_range("--max-seq-len", args.max_seq_len, args.input + args.output, 1 << 20)
+    check_range("--seed", args.seed, 0)
+    check_range("--threads", args.threads, 1)
 
 
 def main(argv=None):
@@ -257,11 +254,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--smoke", action="store_true", help="batch sizes 1 and 3, input 8, output 4, unless given")
     p.add_argument("--out", default="results/step_time.json")
-    args = p.parse_args(argv)
-    if args.smoke:            # the toy size for what was not given: a flag given is kept, and checked
-        p.set_defaults(**SMOKE)
-        args = p.parse_args(argv)
-    check_args(p, args)
+    args = parsed_args(p, argv, check_args, SMOKE)    # --smoke: the toy size for what was not given
     torch.set_num_threads(args.threads)
     llms = build_llms(args)
     llm = llms["orca"]

@@ -59,6 +59,21 @@ def check_out_dir(name: str, out) -> str:
     return str(out)
 
 
+def parsed_args(parser, argv, check, smoke: dict | None = None):
+    """A script's arguments: with ``--smoke``, ``smoke``'s values for the flags not given (one given
+    is kept, and checked); then ``check(args)``, whose ValueError (a flag named with its range) exits
+    2 with that message through ``parser.error``, before anything is built."""
+    args = parser.parse_args(argv)
+    if smoke and args.smoke:
+        parser.set_defaults(**smoke)
+        args = parser.parse_args(argv)
+    try:
+        check(args)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
 def check_choice(name: str, value, choices):
     if value not in choices:
         raise FieldError(f"{name}={value!r} is not allowed: choose one of {', '.join(map(repr, choices))}", name)

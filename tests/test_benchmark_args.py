@@ -51,7 +51,7 @@ def test_smoke_keeps_a_flag_given_and_sets_the_rest(monkeypatch):
     """--smoke's toy size is the default of what was not given: a value given is the one run."""
     bench, got = load("overhead"), {}
 
-    def stop(p, args):                  # the parsed arguments, before anything is built
+    def stop(args):                     # the parsed arguments, before anything is built
         got.update(vars(args))
         raise SystemExit(0)
     monkeypatch.setattr(bench, "check_args", stop)
