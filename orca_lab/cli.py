@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from orca_lab.config import PRESETS, EngineConfig, check_out_dir, check_range
+from orca_lab.config import MAX_THREADS, PRESETS, EngineConfig, check_out_dir, check_range
 from orca_lab.engine.fields import check
 from orca_lab.engine.policies import REGISTRY, system
 from orca_lab.environment import environment
@@ -64,7 +64,7 @@ def serve(args):
     from orca_lab.serving.server import EngineDied, serve as run
     check_range("max_queue", args.max_queue, 1, 1 << 20)
     check_range("drain_s", args.drain_s, 0.0, 3600.0, kind=float)
-    check_range("threads", args.threads, 1, 1024)
+    check_range("threads", args.threads, 1, MAX_THREADS)
     engine = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots, tensor_parallel=args.tp,
                           pipeline_parallel=args.pp, device=args.device, dtype=args.dtype,
                           block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -186,7 +186,7 @@ def _check_compare(args):
     if args.cmd != "compare":
         return
     check_range("n_requests", args.n_requests, 2, 100_000)
-    check_range("threads", args.threads, 1, 1024)
+    check_range("threads", args.threads, 1, MAX_THREADS)
     check("seed", args.seed)
     check_out_dir("out", args.out)
     check_range("probe_requests", args.probe_requests, 2, 100_000)

@@ -263,6 +263,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 EXECUTORS = ("auto", "local", "workers")
 CPU_SLOTS = 16384           # n_slots on CPU unless given
+MAX_THREADS = 1024          # torch intra-op threads a command or notebook may ask for
 
 
 @dataclass(frozen=True)

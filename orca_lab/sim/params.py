@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from orca_lab.config import DTYPES, PRESETS, check_choice, check_range
+from orca_lab.config import DTYPES, MAX_THREADS, PRESETS, check_choice, check_range
 from orca_lab.config import check_out_dir as check_out_dir_of
 from orca_lab.engine.fields import FIELDS
 from orca_lab.sim.calibration import efficiency
@@ -135,7 +135,7 @@ def check_rates(rates, loads) -> tuple[list[float] | None, list[float]]:
 # A notebook's counts, each refused at its first cell with its own name: past these the trace, the
 # process pool or the K/V pool would refuse it later, under another name, after work has run.
 COUNTS = {"n_requests": (1, MAX_TRACE_REQUESTS), "reservation_requests": (1, MAX_TRACE_REQUESTS),
-          "seed": FIELDS["seed"].limits(), "n_procs": (1, 256), "torch_threads": (1, 1024),
+          "seed": FIELDS["seed"].limits(), "n_procs": (1, 256), "torch_threads": (1, MAX_THREADS),
           "block_size": (1, 1 << 16), "repeats": (1, 1000), "max_tries": (1, 1000)}
 
 
