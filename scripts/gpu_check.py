@@ -13,6 +13,7 @@ for the same GPU.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -108,7 +109,9 @@ def smoke(out: Path, size: str | None = None, dtype=None, tiles=None) -> bool:
 
 def workers(out: Path) -> dict:
     """``executor="workers"`` on one GPU (a worker process, NCCL) gives the in-process engine's tokens;
-    so does tensor parallelism over two GPUs where there are two."""
+    so does tensor parallelism over two GPUs where there are two. Untuned (``ORCA_LAB_TUNE=0``): every
+    process then runs the same first tile of each kernel, and none spends the step's limit timing tiles."""
+    os.environ["ORCA_LAB_TUNE"] = "0"
     import torch
     from orca_lab import LLM, EngineConfig
     from orca_lab.workload import paper_trace

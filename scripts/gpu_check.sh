@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check, planned for a short window (12 minutes of one H100, in two calls of at most 10):
+# The GPU check, planned for a short window (12.5 minutes of one H100 or H200, in two calls of at most
+# 10; the device tool lends 15 minutes, the machine's start included):
 # the steps in the order of their value, each under a time limit taken from its predicted time, the
 # results packed as each step ends, so a run cut anywhere keeps every step finished before the cut.
 #
@@ -9,10 +10,10 @@
 #   bash scripts/gpu_check.sh --part 2       # on the GPU: the suite's CUDA tests, aot --full beside them
 #   bash scripts/gpu_check.sh                # both parts, one after the other
 #
-# The plan (PLAN below): predicted seconds on one H100, from the H200 run
-# (docs/results/gpu_h200: steps.txt, 2026-11-27); a step's limit is its prediction with up to
+# The plan (PLAN below): predicted seconds on one H100, from the H200 runs
+# (docs/results/gpu_h200*: steps.txt); a step's limit is its prediction with up to
 # 25 s to spare (none for the tests, the last), and never past what is left of its part (WINDOW_1,
-# WINDOW_2: each within one call of at most 10 minutes, together 12 minutes). A step cut by its limit
+# WINDOW_2: each within one call of at most 10 minutes, together 750 s). A step cut by its limit
 # exits 124 (137 if it had to be killed 10 s later); the others still run.
 # aot --full compiles on the CPU beside the tests and is cut with them: it needs no GPU, and it is
 # 5,444 compiles (2,776 launches for sm_90, all but the TMA's 108 for sm_80 too), so it prints and
@@ -24,12 +25,15 @@
 # rest at the lock's versions (papermill, ipykernel, plotly, the serving stack) into .whl/, on a machine
 # with a registry; carry .whl/ to the GPU machine. The setup step installs them into /tmp/site.
 #
-# Results: docs/results/gpu_<device>/ (OUT_DIR), emptied when part 1 starts (and when part 2 starts on
-# a machine that did not run part 1): <step>.log per step, steps.txt (step, exit status, seconds,
-# predicted, limit, seconds since the start); the benchmarks and notebooks write their rows as each
-# ends, so a step cut by its limit keeps them; with PACK_TO set, after each step the whole folder is
-# packed into $PACK_TO/gpu_results.tgz (paths from the repository's root) and steps.txt copied beside
-# it. The default folder may be one committed with an earlier run: set OUT_DIR to keep it. The smoke
+# Results: docs/results/gpu_<device>/ (OUT_DIR), emptied when part 1 starts, and when part 2 starts
+# where part 1's files are not (another machine, or the device tool's copy of the working tree put the
+# committed folder back between the calls): <step>.log per step, steps.txt (part 1's steps: name, exit
+# status, seconds, predicted, limit, seconds since the start) and steps_part2.txt; the benchmarks and
+# notebooks write their rows as each ends, so a step cut by its limit keeps them; with PACK_TO set,
+# after each step the whole folder is packed into $PACK_TO/gpu_results.tgz (paths from the repository's
+# root) and the steps files copied beside it. The two parts' files have different names, so their two
+# packs unpack into one folder. The default folder may be one committed with an earlier run: set
+# OUT_DIR to keep it. The smoke
 # step runs the prefill tiles that read through the Tensor Memory Accelerator once each against the
 # reference; if one fails it exits 1 and writes tma_off, and part 1's steps after it read through
 # pointers (ORCA_LAB_TMA=0; part 2's tests check the tiles themselves). Environment: PYTHON (default
@@ -52,18 +56,18 @@ T0=$SECONDS
 
 # part  step       predicted limit   (predicted: where it comes from)
 PLAN="
-1     setup         10      20       the carried wheels installed first (H200: 5 s), the kernel spec, environment.json
-1     smoke         25      30       the TMA's prefill tiles (9 on sm_90), compiled (~2 s each, cached for the steps after) and run once
-1     fig9          85      95       H200: 80 s (gpt3-13b, bf16, 12 points measured, then simulated); now FT also at batch 16 and 32
-1     step_time     52      60       H200: 52 s, benchmarks/step_time.py at Figure 9's points, ORCA and FT, one model build
-1     fig10        125     150       H200: 115 s at budget_s=140; now the notebook's budget_s=130 (it sizes itself to end within it) + its start
-1     bench         40      45       H200: 27 s, plus the fresh prompts' 9 TMA tiles compiled (~2 s each where smoke has not) and timed, sdpa-causal
-1     workers       45      60       H200: 12.7 s serving, cut at 40 s with the start (12 requests on gpt2, in process and on a worker over NCCL)
-2     setup         10      20       as above, on a fresh machine (H200: 6 s)
-2     tests        240     240       H200: 240 s for 434 tests on 8 workers, test_cuda_safe included (about 30 more since, most a forced tile each)
+1     setup         10      20       the carried wheels installed first (H200: 6 s), the kernel spec, environment.json
+1     smoke         20      30       H200: 16 s, the TMA's 9 prefill tiles on sm_90 compiled (cached for the steps after) and run once
+1     fig9          70      95       H200: 66 s (gpt3-13b, bf16, 24 points measured, then simulated)
+1     step_time     54      60       H200: 54 s, benchmarks/step_time.py at Figure 9's points, ORCA and FT, one model build
+1     fig10        110     150       H200: 108 s, the notebook's budget_s=130 (it sizes itself to end within it) + its start
+1     bench         35      45       H200: 33 s with the TMA tiles timed and sdpa-causal
+1     workers       45      60       H200: 12.7 s serving; cut at 60 s timing tiles, now untimed (ORCA_LAB_TUNE=0)
+2     setup_part2   10      20       setup, on the machine as part 2 finds it (H200: 5 s)
+2     tests        270     270       H200: 452 of 482 in 237 s on 8 workers; test_cuda_safe and the tile tests now first
 "
 WINDOW_1=460      # part 1: its limits add up to 460 s
-WINDOW_2=260      # part 2: 720 s, 12 minutes, in all
+WINDOW_2=290      # part 2: 750 s in all, 12.5 minutes of the 15 lent, the start and transfers beside
 export FIG10_BUDGET=130
 START=$([ "$PART" = 2 ] && echo "$WINDOW_1" || echo 0)     # where this run starts on the plan's clock
 
@@ -84,21 +88,22 @@ else
 fi
 export PY SIM COMMAND PART OUT=${OUT_DIR:-docs/results/gpu_$DEVICE}
 FAILED=()
-RUN_MARK=/tmp/gpu_check_part1     # this machine ran part 1 into $OUT: part 2 adds to it
+RUN_MARK=.run_id     # part 1 writes one id here and in /tmp: part 2 adds to $OUT only where both still hold it
 
 pack() {   # the results so far, where they come back from (an interrupted pack leaves the last whole one)
     [ -n "${PACK_TO:-}" ] || return 0
-    tar czf "$PACK_TO/gpu_results.tgz.part" "$OUT" 2>/dev/null && mv "$PACK_TO/gpu_results.tgz.part" "$PACK_TO/gpu_results.tgz"
-    cp "$OUT/steps.txt" "$PACK_TO/" 2>/dev/null
+    tar czf "$PACK_TO/gpu_results.tgz.part" --exclude "$RUN_MARK" "$OUT" 2>/dev/null \
+        && mv "$PACK_TO/gpu_results.tgz.part" "$PACK_TO/gpu_results.tgz"
+    cp "$OUT"/steps*.txt "$PACK_TO/" 2>/dev/null
 }
 
 # step PART NAME COMMAND...: under its limit, and never past the end of its part's window; the
-# output in $OUT/NAME.log, a line in steps.txt, the results packed. COMMAND may be a function below.
+# output in $OUT/NAME.log, a line in its part's steps file, the results packed. COMMAND may be a function below.
 step() {
     local part=$1 name=$2; shift 2
     [ "$PART" = all ] || [ "$PART" = "$part" ] || return 0
     case " ${STEPS:-$name} " in *" $name "*) ;; *) return 0 ;; esac
-    local predicted limit why
+    local predicted limit why steps=$OUT/steps$([ "$part" = 2 ] && echo _part2).txt
     read -r predicted limit why < <(awk -v p="$part" -v n="$name" '$1 == p && $2 == n {$1 = $2 = ""; print}' <<< "$PLAN")
     if [ "$DRY" = 1 ]; then
         [ "$part" = 2 ] && [ "$ENDS" -lt "$WINDOW_1" ] && ENDS=$WINDOW_1
@@ -111,7 +116,7 @@ step() {
     [ "$limit" -gt "$left" ] && limit=$left
     if [ "$limit" -lt 5 ]; then
         echo "== $name: skipped, its part's window is spent"
-        echo "$name skipped 0 $predicted 0 $now" >> "$OUT/steps.txt"; pack; return 0
+        echo "$name skipped 0 $predicted 0 $now" >> "$steps"; pack; return 0
     fi
     echo "== $name: limit $limit s (predicted $predicted): $*"
     local t0=$SECONDS
@@ -120,7 +125,7 @@ step() {
     STEP_PART=$part LIMIT=$limit timeout -s INT -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
     local rc=${PIPESTATUS[0]}
     [ "$rc" -ge 124 ] && free_gpu
-    echo "$name $rc $((SECONDS - t0)) $predicted $limit $((SECONDS - T0 + START))" >> "$OUT/steps.txt"
+    echo "$name $rc $((SECONDS - t0)) $predicted $limit $((SECONDS - T0 + START))" >> "$steps"
     echo "== $name: exit $rc after $((SECONDS - t0)) s"
     [ "$rc" = 0 ] || FAILED+=("$name")
     pack
@@ -159,13 +164,14 @@ fig10() {   # measured on gpt2, sized by the notebook to budget_s; the simulator
         -p mode measure -p preset gpt2 -p device cuda -p n_requests 60 -p budget_s "$FIG10_BUDGET" \
         -y '{curves: ["orca(8)", "orca(32)", "ft(8,8)"], loads: [0.25, 0.5, 1.0, 2.0], formats: [html]}'
 }
-tests() {   # the suite's CUDA tests on 8 workers; aot --full compiles beside them on the CPU (3 jobs: the tests'
-    # own compiles need the cores), cut before the step
+tests() {   # the suite's CUDA tests on 8 workers, those the CPU cannot stand in for first (xdist hands tests
+    # out in this order); aot --full compiles beside them on the CPU (3 jobs: the tests' own compiles
+    # need the cores), cut before the step
     timeout $(( LIMIT > 10 ? LIMIT - 5 : LIMIT / 2 )) env TRITON_INTERPRET=0 "$PY" -m orca_lab.kernels.aot --full --jobs 3 --json "$OUT/aot_full.json" \
         > "$OUT/aot.log" 2>&1 &
-    "$PY" -m pytest -q -p no:cacheprovider -n 8 --junitxml "$OUT/tests.xml" tests/test_llama.py tests/test_kernels_llama.py \
-        tests/test_kernels.py tests/test_decode_attention.py tests/test_engine.py tests/test_model.py tests/test_kv_pool.py \
-        tests/test_kv_sizing.py tests/test_prefix_caching.py tests/test_sharding.py tests/test_cuda_safe.py
+    "$PY" -m pytest -q -p no:cacheprovider -n 8 --junitxml "$OUT/tests.xml" tests/test_cuda_safe.py tests/test_kernels.py \
+        tests/test_decode_attention.py tests/test_sharding.py tests/test_prefix_caching.py tests/test_model.py \
+        tests/test_engine.py tests/test_kv_pool.py tests/test_kv_sizing.py tests/test_kernels_llama.py tests/test_llama.py
     local rc=$?
     wait $!; echo "aot --full: exit $? (124: cut 5 s before the step's limit)"
     return $rc
@@ -175,12 +181,13 @@ if [ "$DRY" = 1 ]; then
     ENDS=0
     echo "The GPU check's plan: part 1 within ${WINDOW_1} s, part 2 within ${WINDOW_2} s (each one call of at most 10 minutes)"
 else     # a fresh folder: nothing of an earlier run (the repository's copy) is packed with this one's
-    if [ "$PART" != 2 ] || [ "$(cat "$RUN_MARK" 2>/dev/null)" != "$OUT" ]; then
+    RUN_ID=/tmp/gpu_check_run_id
+    if [ "$PART" != 2 ] || [ ! -s "$RUN_ID" ] || ! cmp -s "$RUN_ID" "$OUT/$RUN_MARK"; then
         [ -e "$OUT" ] && echo "gpu_check: emptying $OUT (an earlier run's files: point OUT_DIR elsewhere to keep them)"
         rm -rf "$OUT"
     fi
-    [ "$PART" = 2 ] || echo "$OUT" > "$RUN_MARK"
-    mkdir -p "$OUT" && touch "$OUT/steps.txt"
+    mkdir -p "$OUT" || exit 1
+    [ "$PART" = 2 ] || { echo "$OUT $(date +%s%N) $$" > "$RUN_ID" && cp "$RUN_ID" "$OUT/$RUN_MARK"; }
 fi
 step 1 setup setup
 step 1 smoke "$PY" scripts/gpu_check.py smoke "$OUT"
@@ -191,12 +198,12 @@ step 1 fig10 fig10
 step 1 bench "$PY" -m orca_lab.kernels.bench --out "$OUT/kernels_bench.json"
 step 1 workers "$PY" scripts/gpu_check.py workers "$OUT"
 unset ORCA_LAB_TMA        # part 2's tests check the TMA tiles themselves
-step 2 setup setup
+step 2 setup_part2 setup
 step 2 tests tests
 
 if [ "$DRY" = 1 ]; then
     awk '$1 ~ /^[12]$/ {p += $3; l += $4} END {printf "total: predicted %d s, limits %d s\n", p, l}' <<< "$PLAN"
-    echo "window: $((WINDOW_1 + WINDOW_2)) s, 12 minutes; carry .whl/: python3 scripts/gpu_check.py wheels"
+    echo "window: $((WINDOW_1 + WINDOW_2)) s of the 900 s lent, the machine's start beside; carry .whl/: python3 scripts/gpu_check.py wheels"
     exit 0
 fi
 if [ ${#FAILED[@]} -gt 0 ]; then

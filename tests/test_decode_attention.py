@@ -124,6 +124,19 @@ def test_tuner_uses_the_fixed_config_in_the_interpreter_and_caches_per_bucket():
     assert [bucket(n) for n in (1, 2, 3, 8, 9)] == [1, 2, 4, 8, 16]
 
 
+def test_tune_off_takes_the_first_candidate_on_a_gpu_untimed(monkeypatch):
+    """``ORCA_LAB_TUNE=0`` (the GPU check's workers, whose processes must run the same tiles): on a
+    GPU too, each bucket takes the first candidate and nothing is launched to time it."""
+    import triton
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: pytest.fail("timed with tuning off"))
+    monkeypatch.setenv("ORCA_LAB_TUNE", "0")
+    tuner, launched = LaunchTuner(), []
+    assert tuner.choose(("k", 8), ["first", "fast"], launched.append, on_gpu=True) == "first" and launched == []
+    monkeypatch.setenv("ORCA_LAB_TUNE", "1")
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or {"first": 2.0, "fast": 1.0}[launched[-1]])
+    assert LaunchTuner().choose(("k", 8), ["first", "fast"], launched.append, on_gpu=True) == "fast"
+
+
 def test_tuner_times_each_candidate_once_and_skips_what_does_not_fit(monkeypatch):
     """The GPU path of the tuner, its timer replaced: the fastest config that runs wins, a config
     that needs too much shared memory is skipped, and the bucket is not timed again."""

@@ -3,6 +3,7 @@ Python helpers on small inputs. The script itself runs on a CUDA machine (docs/r
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -36,9 +37,10 @@ def test_without_cuda_it_refuses_cleanly_and_writes_nothing(tmp_path):
     assert not (tmp_path / "out").exists() and "Traceback" not in proc.stderr
 
 
-def test_the_dry_run_plans_a_12_minute_window_by_value_each_step_under_a_limit():
+def test_the_dry_run_plans_the_lent_window_by_value_each_step_under_a_limit():
     """Figure 9, the step times and Figure 10 first, then kernels, workers, then the CUDA tests with aot
-    beside them; each limit at least its prediction; each part one call of at most 10 minutes, 12 in all."""
+    beside them; each limit at least its prediction; each part one call of at most 10 minutes, 12.5
+    minutes in all (15 are lent, the machine's start and the transfers included)."""
     proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     rows = [re.match(r"\[(\w+)\] part (\d): predicted (\d+) s, limit (\d+) s, ends by (\d+) s", line)
@@ -46,12 +48,12 @@ def test_the_dry_run_plans_a_12_minute_window_by_value_each_step_under_a_limit()
     assert all(rows), proc.stdout
     steps = [(r[1], int(r[2])) for r in rows]
     assert steps == [("setup", 1), ("smoke", 1), ("fig9", 1), ("step_time", 1), ("fig10", 1), ("bench", 1),
-                     ("workers", 1), ("setup", 2), ("tests", 2)]
+                     ("workers", 1), ("setup_part2", 2), ("tests", 2)]
     predicted, limits, ends = ([int(r[i]) for r in rows] for i in (3, 4, 5))
-    assert all(p <= lim for p, lim in zip(predicted, limits)) and ends[-1] <= 720
+    assert all(p <= lim for p, lim in zip(predicted, limits)) and ends[-1] <= 750
     part1 = sum(lim for (_, part), lim in zip(steps, limits) if part == 1)
     assert part1 <= ends[6] <= 600 and ends[-1] - ends[6] <= 600
-    assert f"total: predicted {sum(predicted)} s, limits {sum(limits)} s" in proc.stdout and sum(limits) <= 720
+    assert f"total: predicted {sum(predicted)} s, limits {sum(limits)} s" in proc.stdout and sum(limits) <= 750
     out = proc.stdout
     assert "-m pytest" in out and "-n 8" in out and "kernels.aot --full" in out and "-m orca_lab.kernels.bench" in out
     assert "gpu_check.py workers" in out and "fig9-compare" in out and "benchmarks/step_time.py --model gpt3-13b" in out
@@ -61,6 +63,45 @@ def test_the_dry_run_plans_a_12_minute_window_by_value_each_step_under_a_limit()
     assert "--device cuda --dtype bfloat16 --out docs/results/gpu_example_gpu/step_time.json" in out
     for bad in (["--bogus"], ["--part", "3"]):
         assert subprocess.run(["bash", str(SCRIPT), *bad], capture_output=True).returncode == 2
+
+
+@pytest.mark.skipif(ON_GPU, reason="the fake python stands in for a CUDA machine's")
+def test_the_two_parts_packs_unpack_into_one_folder_with_no_file_of_an_earlier_run(tmp_path):
+    """The script's bookkeeping, its steps run by a python that answers yes to everything: part 2 adds
+    to part 1's folder only where part 1's files still are; where the device tool's copy of the
+    working tree put the committed folder back between the calls, part 2 empties it, and its pack holds
+    its own files, named apart from part 1's (steps_part2.txt, setup_part2.log)."""
+    import tarfile
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\ncase "$*" in *slug*) echo fake ;; *sim-device*) echo none ;; esac\nexit 0\n')
+    fake.chmod(0o755)
+    out, pack = tmp_path / "gpu_fake", tmp_path / "pack"
+    pack.mkdir()
+    run_id = Path("/tmp/gpu_check_run_id")
+    saved = run_id.read_bytes() if run_id.exists() else None
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "OUT_DIR": str(out), "PACK_TO": str(pack)}
+
+    def part(n, steps):
+        proc = subprocess.run(["bash", str(SCRIPT), "--part", n], capture_output=True, text=True, timeout=120,
+                              env={**env, "STEPS": steps}, cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        with tarfile.open(pack / "gpu_results.tgz") as tar:
+            return {Path(m).name for m in tar.getnames() if m != str(out).lstrip("/")}
+
+    try:
+        out.mkdir()
+        (out / "stale.json").write_text("{}")                  # a committed run's file
+        first = {"setup.log", "nvidia_smi.txt", "bench.log", "steps.txt"}
+        second = {"setup_part2.log", "nvidia_smi_part2.txt", "steps_part2.txt"}
+        assert part("1", "setup bench") == first
+        assert part("2", "setup_part2") == first | second
+        shutil.rmtree(out)                                      # the tree copied anew between the calls
+        out.mkdir()
+        (out / "stale.json").write_text("{}")
+        assert part("2", "setup_part2") == second
+        assert [line.split()[0] for line in (pack / "steps_part2.txt").read_text().splitlines()] == ["setup_part2"]
+    finally:
+        run_id.write_bytes(saved) if saved is not None else run_id.unlink(missing_ok=True)
 
 
 def test_the_wheels_to_carry_are_what_the_gpu_image_lacks_at_the_locks_versions(capsys):

@@ -14,11 +14,20 @@ model shape, and only a shape with no such neighbour is still timed.
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
 
 import triton  # noqa: E402  (callers import _backend first, which picks the interpreter on CPU)
+
+
+def timing_allowed() -> bool:
+    """``ORCA_LAB_TUNE=0``: every bucket takes its kernel's first candidate untimed, as under the
+    interpreter. For runs that compare tokens across processes (the GPU check's workers): tuned
+    separately, two processes may pick different tiles, whose rounding can part greedy tokens, and each
+    pays its own timing (the workers' step was cut at its limit compiling candidates)."""
+    return os.environ.get("ORCA_LAB_TUNE", "1") != "0"
 
 
 def bucket(n: int) -> int:
@@ -50,7 +59,7 @@ class LaunchTuner:
         near = self.borrow(key, candidates, like, as_own) if self.settled else None
         if near is not None:
             got = near
-        elif not on_gpu or len(candidates) == 1:
+        elif not on_gpu or len(candidates) == 1 or not timing_allowed():
             got = candidates[0]
         elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return candidates[0]           # no timing inside a CUDA graph capture: warm up first

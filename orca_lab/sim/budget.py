@@ -40,8 +40,9 @@ MIN_LOADS = 2         # loads kept at the least: one below saturation and one pa
 MARGIN = 0.85         # share of the budget the prediction may fill
 RUN_S = {"cpu": 0.05, "cuda": 0.3}    # per run: an engine built, the device synchronized, the row made
 WARM_S = {"cpu": 0.5, "cuda": 4.0}    # per curve: its warm-up (graph captures, a K/V pool, LLM.warm_up)
-# ... and once, on a GPU: Triton's JIT and launch tuning. On the H200 (docs/results/gpu_h200,
-# 2026-11-27) they fell inside the first curve's capacity run: 27.2 s against the model's 2.7 s.
+# ... and once, on a GPU: Triton's JIT and launch tuning. On the H200 (docs/results/gpu_h200_2026-11-27_3f7e19b)
+# they fell inside the first curve's capacity run: 27.2 s against the model's 2.7 s; with LLM.warm_up
+# meeting every shape first (gpu_h200), that run still took 27 s.
 FIRST_WARM_S = {"cpu": 0.0, "cuda": 25.0}
 AFTER_S = 10.0        # the cells after the sweep: tables, the headline, the HTML figure (plotly
                       # imported and drawn: 8 s on the loaded 2-core CPU)
