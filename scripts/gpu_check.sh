@@ -57,12 +57,12 @@ T0=$SECONDS
 # part  step       predicted limit   (predicted: where it comes from)
 PLAN="
 1     setup         10      20       the carried wheels installed first (H200: 6 s), the kernel spec, environment.json
-1     smoke         20      30       H200: 16 s, the TMA's 9 prefill tiles on sm_90 compiled (cached for the steps after) and run once
-1     fig9          70      95       H200: 66 s (gpt3-13b, bf16, 24 points measured, then simulated)
+1     smoke         20      25       H200: 16 s, the TMA's 9 prefill tiles on sm_90 compiled (cached for the steps after) and run once
+1     fig9          70      85       H200: 66 s (gpt3-13b, bf16, 24 points measured, then simulated)
 1     step_time     54      60       H200: 54 s, benchmarks/step_time.py at Figure 9's points, ORCA and FT, one model build
 1     fig10        110     150       H200: 108 s, the notebook's budget_s=130 (it sizes itself to end within it) + its start
 1     bench         35      45       H200: 33 s with the TMA tiles timed and sdpa-causal
-1     workers       45      60       H200: 12.7 s serving; cut at 60 s timing tiles, now untimed (ORCA_LAB_TUNE=0)
+1     workers       50      75       H200: 12.7 s serving; cut at 60 s timing tiles for gpt2, now untimed (ORCA_LAB_TUNE=0)
 2     setup_part2   10      20       setup, on the machine as part 2 finds it (H200: 5 s)
 2     tests        270     270       H200: 452 of 482 in 237 s on 8 workers; test_cuda_safe and the tile tests now first
 "
