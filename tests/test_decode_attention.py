@@ -110,6 +110,42 @@ def test_mixed_batch_splits_between_the_kernels(decode):
         torch.testing.assert_close(ragged_attention_triton(*args, 0.3, ragged_only), both)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_ragged_kernel_can_take_the_one_token_requests(dtype):
+    """``decode`` forced to a ``PrefillConfig``: the ragged kernel over a mixed batch's one-token
+    requests in the decode kernel's place (the GPU tuner times it beside the decode kernel's launches),
+    against float64; its work map is the plan's, cached for a CUDA graph's replays."""
+    plan = check([7, 1, 0, 1, 5, 1], [7, 40, 3, 1, 23, 33], 2, 13, dtype, prefill=PrefillConfig(16, 16, 1, 1),
+                 decode=PrefillConfig(16, 16, 1, 1))
+    assert plan.n_decode == 3 and plan.works[16, 1, "decode"].cpu().tolist() == [[1, 3, 5], [0, 0, 0]]
+
+
+def test_the_ragged_kernel_takes_one_token_requests_of_grouped_heads():
+    """Four query heads over two K/V heads: a block holds one request's group, as the decode kernel's
+    grouped program does; both against PyTorch's attention."""
+    g = torch.Generator().manual_seed(3)
+    q_lens, kv_lens, D = [1, 1, 1], [1, 30, 47], 16
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)
+    q, k_pool, v_pool = rand(3, 4, D), rand(90, 2, D), rand(90, 2, D)
+    slots = torch.randperm(90, generator=g)[:sum(kv_lens)].to(DEVICE)
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]) for x in (q_lens, kv_lens))
+    args = (q, k_pool, v_pool, slots, *(torch.from_numpy(c.astype(np.int32)).to(DEVICE) for c in (cu_q, cu_k)))
+    ref = ragged_attention_ref(*args, 0.25)
+    for route in (PrefillConfig(16, 16, 1, 1), attention.interpreter_decode(4, 2)):
+        got = ragged_attention_triton(*args, 0.25, triton_plan(cu_q, cu_k, DEVICE), decode=route)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_the_gpu_tuner_times_the_ragged_kernel_for_one_token_requests_too():
+    """The decode kernel's launches first (the first serves untuned, in a graph captured before any
+    timing), then the ragged kernel's 16-row tile of the prefill table, where it fits."""
+    for arch, elem in ((90, 2), (80, 2), (90, 4)):
+        routes, own = attention.decode_routes(128, 40, 1, elem, arch), attention.decode_candidates(128, 40, 1)
+        ragged = [c for c in attention.prefill_candidates(128, elem, arch) if c.block_m == 16]
+        assert routes == own + ragged and routes[0] == own[0]
+    assert attention.decode_routes(128, 40, 1, 2, 90)[-1] == PrefillConfig(16, 64, 4, 3)
+
+
 def test_work_map_is_built_once_per_block_size():
     plan = triton_plan([0, 19, 20, 23], [0, 19, 40, 30 + 23 - 20], DEVICE)
     work = plan.work_map(16)

@@ -570,6 +570,17 @@ def decode_candidates(head_size: int, n_heads: int, group: int = 1) -> list[Deco
     return out
 
 
+def decode_routes(head_size: int, n_heads: int, group: int, elem_bytes: int, arch: int) -> list:
+    """What the GPU tuner times for the one-token requests: the decode kernel's launches (the first
+    serves untuned), then the ragged kernel's 16-row query tile over them, the same tile the prefill
+    tuner times. On an H200 the ragged kernel read the benchmark's decode case at 88% of the bandwidth
+    floor and the decode kernel at 40-49% (docs/results/gpu_h200/): compiled for sm_90, the decode
+    kernel keeps no copy in flight, its slot ids, K and V waited for in turn, while the ragged kernel
+    prefetches slot ids a block ahead and pipelines K and V through shared memory."""
+    ragged = [c for c in prefill_candidates(head_size, elem_bytes, arch) if c.block_m == 16]
+    return [*decode_candidates(head_size, n_heads, group), *ragged]
+
+
 def _dot_precision(dtype, tf32: bool) -> str:
     """fp32 keeps IEEE dots unless TF32 was asked for; fp16/bf16 inputs are tensor-core native."""
     return "tf32" if tf32 or dtype != torch.float32 else "ieee"
@@ -604,18 +615,22 @@ class TritonPlan:
     max_q: int                       # their longest query
     n_prefill_tokens: int
     decode_reqs: torch.Tensor | None  # [n_decode] int32 on the device: requests with one new token
+    decode_host: np.ndarray          # ... and on the host
     n_decode: int
     max_kv: int                      # >= every decode request's context
     device: torch.device
     works: dict = field(default_factory=dict)
 
-    def work_map(self, block_m: int, group: int = 1, fresh: bool | None = None) -> torch.Tensor:
+    def work_map(self, block_m: int, group: int = 1, fresh: bool | str | None = None) -> torch.Tensor:
         """Program id -> (request, query block): the per-request grids concatenated into one launch.
         A block holds ``block_m`` (query, head) rows of a K/V head's ``group`` query heads. ``fresh``:
-        only the fresh prefill requests (True) or only the others (False); None: all of them."""
+        only the fresh prefill requests (True) or only the others (False); None: all of them;
+        ``"decode"``: the one-token requests, for the ragged kernel to take in the decode kernel's place.
+        Cached on the plan, so a CUDA graph's replays read the map its eager run made."""
         work = self.works.get((block_m, group, fresh))
         if work is None:
-            reqs = self.prefill_reqs if fresh is None else self.prefill_reqs[self.fresh == fresh]
+            reqs = self.decode_host if fresh == "decode" else \
+                self.prefill_reqs if fresh is None else self.prefill_reqs[self.fresh == fresh]
             q_lens = np.diff(self.cu_q)[reqs]
             n_blocks = -(-(q_lens * group) // block_m)
             req = np.repeat(reqs, n_blocks)
@@ -637,7 +652,7 @@ def triton_plan(cu_q, cu_k, device, *, decode: bool = True, max_kv: int | None =
     if max_kv is None:
         max_kv = int(np.diff(cu_k)[dec].max(initial=0))
     return TritonPlan(cu_q, pre, q_lens[pre] == np.diff(cu_k)[pre], int(q_lens[pre].max(initial=0)),
-                      int(q_lens[pre].sum()), decode_reqs, int(dec.size), max_kv, torch.device(device))
+                      int(q_lens[pre].sum()), decode_reqs, dec, int(dec.size), max_kv, torch.device(device))
 
 
 # ------------------------------------------------------------------------------------ launchers
@@ -646,9 +661,11 @@ _TUNER = LaunchTuner()
 
 def ragged_attention_triton(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlens_k, scale,
                             plan: TritonPlan, *, tf32: bool = False, prefill: PrefillConfig | None = None,
-                            decode: DecodeConfig | None = None, k=None, v=None, tma: bool = True):
+                            decode: DecodeConfig | PrefillConfig | None = None, k=None, v=None,
+                            tma: bool = True):
     """Both kernels over one batch, no checks and no reads from the device (``plan`` holds what the
-    host needs). ``prefill``/``decode`` force a launch configuration (tests); else it is tuned.
+    host needs). ``prefill``/``decode`` force a launch configuration (tests; ``decode`` a
+    ``PrefillConfig`` sends the one-token requests through the ragged kernel); else it is tuned.
     ``k, v``: the new tokens' keys and values ``[T, n_kv_heads, D]`` (already written to the pools):
     the fresh prefill requests read theirs there, contiguous, not through their slot ids; ``tma``:
     through tensor descriptors where they allow it (``tma_ready``), else (False) through pointers."""
@@ -661,7 +678,8 @@ def ragged_attention_triton(q, k_pool, v_pool, slot_ids, cu_seqlens_q, cu_seqlen
                 _launch_prefill(q, keys, values, out, slot_ids, cu_seqlens_q, cu_seqlens_k, scale, plan,
                                 _dot_precision(q.dtype, tf32), prefill, fresh, tma)
     if plan.n_decode:
-        _launch_decode(q, k_pool, v_pool, out, slot_ids, cu_seqlens_q, cu_seqlens_k, scale, plan, decode)
+        _launch_decode(q, k_pool, v_pool, out, slot_ids, cu_seqlens_q, cu_seqlens_k, scale, plan, decode,
+                       _dot_precision(q.dtype, tf32))
     return out
 
 
@@ -696,20 +714,11 @@ def _launch_prefill(q, keys, values, out, slot_ids, cu_q, cu_k, scale, plan, pre
     H, D = q.shape[1:]
     n_kv = keys.shape[1]
     on_gpu = q.is_cuda
-    block_d = next_pow2(D, 16)  # the GPU compiler wants tl.dot dimensions >= 16
     boxes = bool(fresh) and tma and tma_allowed() and tma_ready(keys, values)
 
     def launch(c: PrefillConfig):
         work = plan.work_map(c.block_m, H // n_kv, fresh)
-        c = c if boxes or not c.tma else replace(c, tma=False)
-        _ragged_attention_kernel[(work.shape[1], n_kv)](
-            q, *(kv_descriptors(keys, values, c.block_n) if c.tma else (keys, values)), out, slot_ids, cu_q,
-            cu_k, work[0], work[1],
-            *q.stride(), *keys.stride(), *values.stride(), *out.stride(),
-            scale * math.log2(math.e), D, H // n_kv,
-            DOT_PRECISION=precision, FRESH=bool(fresh), TMA=c.tma, EVEN_D=D == block_d, BLOCK_M=c.block_m,
-            BLOCK_N=c.block_n, BLOCK_D=block_d, INTERPRETED=not on_gpu, num_warps=c.num_warps,
-            num_stages=c.num_stages)
+        _ragged(q, keys, values, out, slot_ids, cu_q, cu_k, scale, work, precision, c, bool(fresh), boxes)
 
     if cfg is None:
         arch = compute_capability(q.device.index) if on_gpu else None
@@ -726,6 +735,24 @@ def _launch_prefill(q, keys, values, out, slot_ids, cu_q, cu_k, scale, plan, pre
     launch(cfg)
 
 
+def _ragged(q, keys, values, out, slot_ids, cu_q, cu_k, scale, work, precision, c: PrefillConfig,
+            fresh: bool, boxes: bool):
+    """One launch of the ragged kernel over ``work``'s (request, query block) programs; a ``c.tma``
+    configuration reads through tensor descriptors only where ``boxes`` allows, else through pointers."""
+    H, D = q.shape[1:]
+    n_kv = keys.shape[1]
+    block_d = next_pow2(D, 16)  # the GPU compiler wants tl.dot dimensions >= 16
+    c = c if boxes or not c.tma else replace(c, tma=False)
+    _ragged_attention_kernel[(work.shape[1], n_kv)](
+        q, *(kv_descriptors(keys, values, c.block_n) if c.tma else (keys, values)), out, slot_ids, cu_q,
+        cu_k, work[0], work[1],
+        *q.stride(), *keys.stride(), *values.stride(), *out.stride(),
+        scale * math.log2(math.e), D, H // n_kv,
+        DOT_PRECISION=precision, FRESH=fresh, TMA=c.tma, EVEN_D=D == block_d, BLOCK_M=c.block_m,
+        BLOCK_N=c.block_n, BLOCK_D=block_d, INTERPRETED=not q.is_cuda, num_warps=c.num_warps,
+        num_stages=c.num_stages)
+
+
 def settle_tuning():
     """Time no more launch configurations: a shape bucket not yet met borrows its nearest timed
     neighbour's (``LaunchTuner.settle``). Called once an engine's warm-up has met its shapes."""
@@ -739,14 +766,19 @@ def tuned_launches() -> list[dict]:
             for key, cfg in _TUNER.best.items()]
 
 
-def _launch_decode(q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, scale, plan, cfg):
+def _launch_decode(q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, scale, plan, cfg, precision):
+    """The one-token requests: the decode kernel's launch ``cfg``, or the ragged kernel's (a
+    ``PrefillConfig``, ``decode_routes``) over them; ``None``: tuned."""
     H, D = q.shape[1:]
     n_kv = k_pool.shape[1]
     group = H // n_kv
     on_gpu, n = q.is_cuda, plan.n_decode
     block_d = next_pow2(D, 16)
 
-    def launch(c: DecodeConfig):
+    def launch(c: DecodeConfig | PrefillConfig):
+        if isinstance(c, PrefillConfig):
+            work = plan.work_map(c.block_m, group, "decode")
+            return _ragged(q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, scale, work, precision, c, False, False)
         if group > 1 and c.block_h != next_pow2(group):
             raise ValueError(f"{c} cannot hold a group of {group} query heads: block_h must be {next_pow2(group)}")
         n_splits = max(1, -(-plan.max_kv // c.partition)) if c.partition else 1
@@ -767,7 +799,8 @@ def _launch_decode(q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, scale, plan, cf
 
     if cfg is None:
         key = ("decode", H, n_kv, D, q.dtype, bucket(n), bucket(plan.max_kv))
-        cands = decode_candidates(D, H, group) if on_gpu else [interpreter_decode(H, group)]
+        cands = decode_routes(D, H, group, q.dtype.itemsize, compute_capability(q.device.index)) if on_gpu \
+            else [interpreter_decode(H, group)]
         cfg = _TUNER.choose(key, cands, launch, on_gpu, answer=lambda: out)
     launch(cfg)
 
