@@ -19,7 +19,7 @@ from orca_lab.sim.fitted import FittedCost
 from orca_lab.sim.memory import SCHEMES, kv_study, reservation_table
 from orca_lab.sim.sweep import CSV_COLUMNS, Curve, Sweep, TraceSpec, batch_time, capacity
 from orca_lab.sim.backends import SimBackend
-from orca_lab.sim.headline import headline, throughput_at
+from orca_lab.sim.headline import describe, headline, throughput_at
 from orca_lab.workload import TraceItem
 
 
@@ -348,6 +348,11 @@ def test_throughput_at_interpolates_on_log_latency_and_headline_picks_the_best_c
     assert (h["orca_curve"], h["ft_curve"]) == ("orca(32)", "ft(1,1)") and h["ratio"] == pytest.approx(20.0)
     with pytest.raises(ValueError, match="not in the sweep"):
         headline(pd.DataFrame(rows), "other")
+    assert "never reached" not in describe(h) and "best ORCA orca(32) 40 req/s: 20.0x" in describe(h)
+    assert describe({**h, "ft_reached": False}).endswith(
+        "(FT never reached 100 ms/token in this sweep: its highest throughput counted)")
+    assert "(FT and ORCA never reached 1000 ms/token in this sweep: each highest" in \
+        describe(headline(pd.DataFrame(rows), "m", 1000.0))
 
 
 def test_kv_occupancy_matches_the_engine_and_orders_the_schemes():

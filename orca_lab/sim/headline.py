@@ -44,3 +44,17 @@ def headline(df: pd.DataFrame, model: str, latency_ms: float = 190.0) -> dict:
     out["ratio"] = out["orca_rps"] / out["ft_rps"] if out["ft_rps"] else math.nan
     return out
 
+
+
+def describe(h: dict) -> str:
+    """``headline``'s result as one line, saying which curve never reached the latency within the
+    sweep: its highest throughput counts, so a sweep that stays far below the latency compares the
+    peaks it reached, not throughput at the paper's point."""
+    line = (f"{h['model']} at {h['latency_ms']:g} ms/token: best FT {h['ft_curve']} {h['ft_rps']:.3g} req/s, "
+            f"best ORCA {h['orca_curve']} {h['orca_rps']:.3g} req/s: {h['ratio']:.1f}x")
+    short = [name for name in ("ft", "orca") if not h[f"{name}_reached"]]
+    if short:
+        names = " and ".join(name.upper() for name in short)
+        line += (f" ({names} never reached {h['latency_ms']:g} ms/token in this sweep: "
+                 f"{'each' if len(short) > 1 else 'its'} highest throughput counted)")
+    return line
