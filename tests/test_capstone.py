@@ -150,10 +150,10 @@ def test_right_pieces_written_otherwise_serve_the_packages_tokens(package):
         plug.assemble(engine, {**{n: pieces[n] for n in ("cached_prefix",) if system == "paged"},
                                **{n: otherwise[n] for n in names}})
         assert [r.output for r in engine.run(trace).requests] == want, system
-    engine = LLM("tiny", seed=0).new_engine()
     from tests.test_graders import loop_with
-    with pytest.raises(guards.PieceFault, match="your loop .* handed back tokens other than its batch's"):
-        ch03.run_loop(engine, loop_with(off_by_one=True), trace)
+    for mistake in ("off_by_one", "in_place"):      # (in place: the truth kept is the engine's, not the loop's list)
+        with pytest.raises(guards.PieceFault, match="your loop .* handed back tokens other than its batch's"):
+            ch03.run_loop(LLM("tiny", seed=0).new_engine(), loop_with(**{mistake: True}), trace)
 
 
 @pytest.mark.parametrize("wrong", ["BlockLRU", "BlockRefs", "leaky BlockRefs"])

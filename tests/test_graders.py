@@ -869,7 +869,7 @@ class OffByOne(int):
 
 
 def loop_with(hand_back=True, turns=None, wait_again=False, submit_twice=False, zero_tokens=False, no_exit=False,
-              off_by_one=False):
+              off_by_one=False, in_place=False):
     """Algorithm 1's loop with one batch in flight (chapter 03's), with one of a learner's mistakes."""
     def loop(scheduler, executor, n_workers):
         turn = 0
@@ -883,6 +883,8 @@ def loop_with(hand_back=True, turns=None, wait_again=False, submit_twice=False, 
             if submit_twice:
                 executor.submit(batch)
             done = executor.wait()
+            if in_place:            # the completion's own list changed: it is no longer the batch's tokens
+                done.tokens[:] = [None if t is None else t + 1 for t in done.tokens]
             if hand_back:
                 tokens = [0] * len(done.tokens) if zero_tokens else done.tokens
                 tokens = [None if t is None else OffByOne(t + 1) for t in tokens] if off_by_one else tokens
@@ -951,6 +953,7 @@ LOOPS = {
     "hands back other tokens": (ch03.check_loop, loop_with(zero_tokens=True), "the tokens the batch returned"),
     "hands back tokens that say they are others": (ch03.check_loop, loop_with(off_by_one=True),
                                                    "the tokens the batch returned"),
+    "changes the tokens in place": (ch03.check_loop, loop_with(in_place=True), "the tokens the batch returned"),
     "goes on after the work is done": (ch03.check_loop, loop_with(no_exit=True), "every request has finished"),
     "catches the refusal": (ch03.check_loop, catches_the_refusal, "with no batch in flight"),
     "one in flight with n_workers > 1": (ch08.check_in_flight, solution("03", "loop"),

@@ -8,7 +8,7 @@ import random
 
 from orca_lab.config import EngineConfig, ModelConfig
 from orca_lab.course.bounded import PackageCode, TooSlow, refuse_package_code, run_bounded
-from orca_lab.course.guards import guarded, same_tokens, select_answer, token_ids
+from orca_lab.course.guards import guarded, handed_out, same_tokens, select_answer, token_ids
 from orca_lab.course.harness import (N_CASES, Mismatch, Piece, check_by_hand, correct, differ, mismatch, place_on, read,
                                      request)
 from orca_lab.engine.batch import Batch
@@ -329,7 +329,7 @@ class _Executor(LoopExecutor):
         done = super().wait()
         c.returned.append(done)
         c.idle = 0
-        return done
+        return handed_out(done)
 
 
 class _Scheduler:
