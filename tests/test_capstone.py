@@ -309,6 +309,34 @@ def test_the_capstone_grades_apart_a_piece_that_ends_its_process_naming_how(pack
     assert all("code 3" in p.now and "importing the package" in p.now for p in report)
 
 
+def test_a_package_neither_grades_itself_nor_outlasts_its_graders_bounds(package, monkeypatch):
+    """A package whose import replaces the grading child's ``_verdict`` with one that always passes
+    is graded all the same; a grader stuck in a C call that holds the interpreter (no thread's stop
+    lands there) is killed past its bound, named so, and the pieces after it graded in a fresh child;
+    a piece that takes 6 GB fails with MemoryError, named."""
+    (package / "select.py").write_text(
+        "import sys\n__all__ = ['select']\n__verdict__ = 'passed'\n"
+        "for _m in (sys.modules.get('__main__'), sys.modules.get('orca_lab.course.regrade')):\n"
+        "    if _m is not None and hasattr(_m, '_verdict'):\n"
+        "        _m._verdict = lambda *a, **k: 'passed'\n\n\n"
+        "def select(pool, n_rsrv, max_bs, n_slots):\n    raise NotImplementedError('select: never written')\n")
+    report = {p.name: p for p in regrade.apart(package, dict.fromkeys(plug.PIECES, mine.PASSED), ("select",))}
+    assert not report["select"].done and "NotImplementedError: select: never written" in report["select"].now
+    (package / "select.py").write_text("__all__ = ['select']\n__verdict__ = 'passed'\n\n\n"
+                                       "def select(pool, n_rsrv, max_bs, n_slots):\n    return sum(range(10**13)), 0\n")
+    monkeypatch.setattr(regrade, "SLACK_S", 1.0)
+    t = time.monotonic()
+    report = {p.name: p for p in regrade.apart(package, dict.fromkeys(plug.PIECES, mine.PASSED),
+                                                ("select", "form_batch"), timeout_s=2.0)}
+    assert time.monotonic() - t < 60 and [p.done for p in report.values()] == [False, True]
+    assert "ran past its bound of 2 s and its process was killed" in report["select"].now
+    (package / "select.py").write_text("__all__ = ['select']\n__verdict__ = 'passed'\n_held = []\n\n\n"
+                                       "def select(pool, n_rsrv, max_bs, n_slots):\n"
+                                       "    _held.append(bytearray(6 * 10**9))\n    return [], 0\n")
+    report = regrade.apart(package, dict.fromkeys(plug.PIECES, mine.PASSED), ("select",))
+    assert "MemoryError: it ran out of memory (a grading child may map 4 GiB" in report[0].now
+
+
 def test_an_exercise_records_its_graders_verdict(tmp_path, monkeypatch):
     """Saved "not graded" (an unsolved stub runs: it only defines), "failed" after a check that
     raised, "passed" after one that ran through."""

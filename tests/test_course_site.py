@@ -50,10 +50,20 @@ def site(tmp_path_factory):
     """(html folder, what each chapter's figures became) of a fresh build, or of ORCA_LAB_COURSE_SITE."""
     if os.environ.get("ORCA_LAB_COURSE_SITE"):
         return Path(os.environ["ORCA_LAB_COURSE_SITE"]).resolve() / "html", None
+    from orca_lab.course import mine
     from orca_lab.course.site import build
     out = tmp_path_factory.mktemp("course")
-    first = build(out / "a", only=CHAPTERS, log=lambda *a: None)
+    learner = out / "learners_own"          # a learner's package, one exercise written: the build leaves it
+    learner.mkdir()
+    (learner / "select.py").write_text("__verdict__ = 'not graded'\n")
+    before, os.environ[mine.ENV] = os.environ.get(mine.ENV), str(learner)
+    try:
+        first = build(out / "a", only=CHAPTERS, log=lambda *a: None)
+    finally:
+        os.environ.pop(mine.ENV) if before is None else os.environ.update({mine.ENV: before})
     assert all(r["cells_with_errors"] == 0 for r in first["runs"]), first["runs"]
+    assert [p.name for p in learner.iterdir()] == ["select.py"] and "not graded" in (learner / "select.py").read_text()
+    assert "def ft_iterations" in (out / "a" / "my_orca" / "ft_iterations.py").read_text()     # the build's own
     again = build(out / "b", executed=out / "a" / "executed", only=CHAPTERS, log=lambda *a: None)
     assert again["runs"] is None and again["figures"] == first["figures"]
     return again["html"], again["figures"]

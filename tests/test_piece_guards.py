@@ -2,6 +2,7 @@
 one bug a grader may miss; assembled into the engine, the engine stops within its bound naming the
 piece, and served with ``--plugins`` no request gets 200 OK with wrong text."""
 import textwrap
+import time
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 
@@ -173,6 +174,35 @@ def test_a_piece_that_never_returns_is_stopped_within_its_bound_naming_the_line(
         raise NotImplementedError("a stub")
     with pytest.raises(NotImplementedError):
         run_bounded(stub, timeout_s=5.0, references=(describe,))
+
+
+def drops_full_batches(scheduler, executor, n_workers):
+    """Algorithm 1's loop that drops a full batch: it selects on and on, submitting nothing."""
+    while scheduler.has_work():
+        batch = scheduler.select(executor.clock.now())
+        if batch is None or len(batch) >= 2:
+            continue
+        executor.submit(batch)
+        done = executor.wait()
+        scheduler.on_batch_return(done.batch, done.tokens, executor.clock.now())
+
+
+def test_a_loop_that_makes_no_progress_is_stopped_though_it_keeps_calling_the_scheduler():
+    """The loop's bound runs between batches submitted or come back: each select used to restart
+    it, so a loop spinning on selects ran (and a server hung) for ever."""
+    from orca_lab.course import ch03_iteration_level_scheduling as ch03
+    from orca_lab.workload import TraceItem
+    engine = LLM("tiny", seed=0, engine=EngineConfig(max_bs=2, n_slots=256)).new_engine()
+    trace = [TraceItem(0.0, (1, 2, 3), 3), TraceItem(0.0, (4, 5), 3)]
+    t = time.monotonic()
+    with pytest.raises(PieceFault, match=r"your loop \(.*\) made no progress \(no batch submitted, come back or "
+                                         r"handed back\) within 0\.3 s") as e:
+        ch03.run_loop(engine, drops_full_batches, trace, bound_s=0.3)
+    assert e.value.piece == "loop" and time.monotonic() - t < 10
+    engine = LLM("tiny", seed=0, engine=EngineConfig(max_bs=2, n_slots=256)).new_engine()
+    from tests.test_graders import loop_with
+    done = ch03.run_loop(engine, loop_with(), trace, bound_s=0.3)     # each batch is progress
+    assert [len(r.output) for r in done.requests] == [3, 3]
 
 
 @contextmanager

@@ -15,19 +15,23 @@ import os
 import resource
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import nbformat
 
+from orca_lab.course import mine
 from orca_lab.course.chapters import Chapter
 
 TIMEOUT_S = 900   # per cell
 SAMPLE_S = 0.25
 
 
-def execute(chapter: Chapter, source: Path, out: Path, out_dir: Path) -> dict:
-    """Execute ``source`` (the chapter's notebook) into ``out``; reproductions export into ``out_dir``.
-    Returns the chapter's run: when, wall and CPU seconds, cells, cells that raised."""
+def execute(chapter: Chapter, source: Path, out: Path, out_dir: Path, package: Path) -> dict:
+    """Execute ``source`` (the chapter's notebook) into ``out``; reproductions export into ``out_dir``;
+    its exercise cells save into ``package`` (the kernel's ``$ORCA_LAB_MY_ORCA``), never into the
+    learner's own ``my_orca``, which a solved chapter would overwrite with its solutions. Returns
+    the chapter's run: when, wall and CPU seconds, cells, cells that raised."""
     import papermill as pm
     from nbclient import NotebookClient
     params = dict(chapter.parameters)
@@ -39,7 +43,7 @@ def execute(chapter: Chapter, source: Path, out: Path, out_dir: Path) -> dict:
     client = NotebookClient(nb, timeout=TIMEOUT_S, kernel_name="python3", allow_errors=True,
                             resources={"metadata": {"path": str(source.parent)}})
     started, load = time.strftime("%Y-%m-%dT%H:%M:%S%z"), os.getloadavg()[0]
-    with DescendantsCPU() as sampled:
+    with _kernel_env(mine.ENV, str(package)), DescendantsCPU() as sampled:
         cpu0, t0 = _children_cpu(), time.perf_counter()
         client.execute()
         wall, cpu = time.perf_counter() - t0, _children_cpu() - cpu0
@@ -49,6 +53,17 @@ def execute(chapter: Chapter, source: Path, out: Path, out_dir: Path) -> dict:
     return {"notebook": chapter.path, "parameters": dict(chapter.parameters), "started": started,
             "load_average_1min_before": round(load, 2), "wall_s": round(wall, 1),
             "cpu_s": round(max(cpu, sampled.total()), 1), "code_cells": len(code), "cells_with_errors": len(errors)}
+
+
+@contextmanager
+def _kernel_env(name: str, value: str):
+    """``name=value`` in the environment the kernel starts with (it inherits this process's)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name) if before is None else os.environ.update({name: before})
 
 
 def _children_cpu() -> float:

@@ -10,8 +10,9 @@ state, which would give wrong text with 200 OK.
   pieces several times an iteration); one watcher thread for the process stops a call past its
   deadline with an asynchronous exception (``bounded.interrupt``, as graders stop theirs), and the
   call raises ``PieceFault`` "did not return within ...", naming the line it was stopped at. Where a
-  piece calls back into the package (the learner's ``loop`` driving the scheduler and executor),
-  the package's time does not count: the bound is on the learner's own code between two calls.
+  piece calls back into the package, the package's time does not count: the bound is on the
+  learner's own code between two calls. The learner's ``loop``, which drives the scheduler and
+  executor, is bounded in its time without progress: between two batches submitted or come back.
 - The checks, with the truth each wrapper keeps:
   ``SlotManager`` (ch. 05): slots handed out are ``n`` distinct ids of the pool held by no other
   request; ``n_reserved`` and ``can_reserve`` agree with what is held; once no request holds a slot,
@@ -65,11 +66,11 @@ class PieceFault(AssertionError):
 
 # -- the bound -------------------------------------------------------------------------------------
 class _Call:
-    __slots__ = ("bound_s", "deadline", "fired")
+    __slots__ = ("bound_s", "deadline", "fired", "start")
 
     def __init__(self, bound_s: float | None):
-        self.bound_s, self.fired = bound_s, False
-        self.deadline = None if bound_s is None else time.monotonic() + bound_s
+        self.bound_s, self.fired, self.start = bound_s, False, time.monotonic()
+        self.deadline = None if bound_s is None else self.start + bound_s
 
 
 class _Watcher:
@@ -81,10 +82,11 @@ class _Watcher:
         self.stacks: dict[int, list[_Call]] = {}
         self.thread: threading.Thread | None = None
 
-    def run(self, fn, bound_s, args, kwargs):
-        """``fn(*args, **kwargs)`` under ``bound_s`` (None: unbounded, the outer call's clock paused);
-        ``_Stopped`` if it ran past it."""
-        tid, call = threading.get_ident(), _Call(bound_s)
+    def run(self, fn, bound_s, args, kwargs, then=None):
+        """``fn(*args, **kwargs)`` under ``bound_s`` (None: unbounded); ``_Stopped`` if it ran past it.
+        ``then(value)``: what its return does to the outer call's clock: "restart" it (the default),
+        "pause" it (the call's time not counted), or "count" (the call's time counted)."""
+        tid, call, outer = threading.get_ident(), _Call(bound_s), "restart"
         try:
             with self.lock:
                 self.stacks.setdefault(tid, []).append(call)
@@ -92,13 +94,14 @@ class _Watcher:
                     self.thread = threading.Thread(target=self._watch, name="orca-piece-bound", daemon=True)
                     self.thread.start()
             value = fn(*args, **kwargs)
+            outer = then(value) if then else outer
         finally:
-            self._leave(tid, call)
+            self._leave(tid, call, outer)
         if call.fired:              # it returned past its bound, before the stop landed
             raise _Stopped
         return value
 
-    def _leave(self, tid: int, call: _Call):
+    def _leave(self, tid: int, call: _Call, outer: str):
         popped = False
         while True:                 # a stop raised while leaving lands here: leave all the same
             try:
@@ -107,8 +110,11 @@ class _Watcher:
                         stack = self.stacks.get(tid, [])
                         if stack and stack[-1] is call:
                             stack.pop()
-                            if stack and stack[-1].bound_s is not None:      # the outer call's clock runs again
-                                stack[-1].deadline = time.monotonic() + stack[-1].bound_s
+                            up = stack[-1] if stack else None
+                            if up is not None and up.bound_s is not None:    # the outer call's clock runs on
+                                now = time.monotonic()
+                                up.deadline = now + up.bound_s if outer == "restart" else \
+                                    up.deadline + (now - call.start) if outer == "pause" else up.deadline
                             if not stack:
                                 del self.stacks[tid]
                     popped = True
@@ -160,12 +166,12 @@ class Piece:
         return PieceFault(self.name, f"your {self.where(member)} {symptom}: the engine stops here "
                           "(its state can no longer be trusted)")
 
-    def call(self, fn, *args, member: str | None = None, **kwargs):
+    def call(self, fn, *args, member: str | None = None, stalled: str = "did not return", **kwargs):
         bound_s = bounded.TIMEOUT_S if self.bound_s is None else self.bound_s
         try:
             return _WATCHER.run(fn, bound_s, args, kwargs)
         except _Stopped as e:
-            raise self.fault(f"did not return within {bound_s:g} s{self._stopped_at(e)}", member) from None
+            raise self.fault(f"{stalled} within {bound_s:g} s{self._stopped_at(e)}", member) from None
 
     def _stopped_at(self, e: BaseException) -> str:
         """Where the learner's code was when stopped: its innermost frame outside this package."""
@@ -457,16 +463,24 @@ def _checked_victim(piece: Piece):
     return victim
 
 
+# What each of the loop's calls does to its clock: the bound is on the loop's time without progress.
+# A batch submitted, one come back or handed back restarts it; ``has_work`` pauses it (a server's
+# scheduler waits there for requests); any other call counts, so a loop spinning on selects that
+# make no batch, or dropping the batches they make, is stopped (each select used to restart it).
+_PROGRESS = {"submit": lambda value: "restart", "on_batch_return": lambda value: "restart",
+             "wait": lambda done: "count" if done is None else "restart", "has_work": lambda value: "pause"}
+
+
 def _bounded_loop(piece: Piece):
-    """The learner's loop bounded between its calls into the scheduler and the executor, the tokens it
-    hands back checked against those its batch came back with (the scheduler gets those, read as
-    ints); a fault of another piece met there stops the run even if the loop catches it."""
+    """The learner's loop bounded in its time without progress (``_PROGRESS``), the tokens it hands
+    back checked against those its batch came back with (the scheduler gets those, read as ints); a
+    fault of another piece met there stops the run even if the loop catches it."""
     faults = []
 
-    def between(fn):
+    def between(fn, then):
         def call(*args, **kwargs):
             try:
-                return _WATCHER.run(fn, None, args, kwargs)
+                return _WATCHER.run(fn, None, args, kwargs, then)
             except PieceFault as e:
                 faults.append(e)
                 raise
@@ -478,7 +492,7 @@ def _bounded_loop(piece: Piece):
 
         def __getattr__(self, name):
             attr = self.checked.get(name) or getattr(self.obj, name)
-            return between(attr) if callable(attr) else attr
+            return between(attr, _PROGRESS.get(name, lambda value: "count")) if callable(attr) else attr
 
     def loop(scheduler, executor, n_workers):
         came_back = {}                 # id(batch) -> the tokens it came back with
@@ -498,7 +512,8 @@ def _bounded_loop(piece: Piece):
             return scheduler.on_batch_return(batch, tokens if truth is None else truth, now)
 
         value = piece.call(piece.obj, Between(scheduler, on_batch_return=on_batch_return),
-                           Between(executor, wait=wait), n_workers)
+                           Between(executor, wait=wait), n_workers,
+                           stalled="made no progress (no batch submitted, come back or handed back)")
         if faults:
             raise faults[0]
         return value

@@ -11,7 +11,11 @@ The capstone grades the saved package apart (``apart``), in a child process, as 
 kernel of its own: a thread can stop a loop but not code that ends its process (``os._exit``, a crash
 in C such as a recursion past the C stack), and what the learner prints goes nowhere. A child that
 ends fails the piece it was grading, named with how it ended; the pieces after it are graded in a
-fresh child.
+fresh child. The parent watches each grader's start (the child's records): one that outlives its
+bound where no thread's stop can land (a C call holding the interpreter) is killed, named so. The
+child's address space is capped (``GRADE_MEMORY`` past its start-up), so a piece that allocates
+without end fails with MemoryError; and what it grades with is taken before the package is imported,
+so a package replacing the graders in ``sys.modules`` changes nothing.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from orca_lab.course import mine
@@ -32,6 +37,7 @@ from orca_lab.course.mine import PASSED
 from orca_lab.course.plug import PIECES
 
 GRADE_S = 120.0      # one grader's whole run (each of its cases has its own, shorter bound)
+GRADE_MEMORY = 4 << 30    # address space a grading child may take past its start-up (the graders' models are tiny)
 
 
 class NotDone(AssertionError):
@@ -57,11 +63,13 @@ class Verdict:
         return f"  {self.name:14s} chapter {self.chapter}  NOT DONE ({why})"
 
 
-def _verdict(grader, objects, what: str, chapter: str, timeout_s: float | None) -> str:
+def _verdict(grader, objects, what: str, chapter: str, timeout_s: float | None, run=run_bounded) -> str:
     try:
         with contextlib.redirect_stdout(io.StringIO()):          # each grader's "correct: ..." line
-            run_bounded(grader, *objects, timeout_s=GRADE_S if timeout_s is None else timeout_s,
-                        case=f"chapter {chapter}'s grader", what=what)
+            run(grader, *objects, timeout_s=GRADE_S if timeout_s is None else timeout_s,
+                case=f"chapter {chapter}'s grader", what=what)
+    except MemoryError:
+        return f"failed: MemoryError: it ran out of memory (a grading child may map {GRADE_MEMORY >> 30} GiB past its start)"
     except Exception as e:                  # noqa: BLE001  (any failure of the learner's code is a verdict)
         return f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
     return PASSED
@@ -72,19 +80,27 @@ def _takes(name: str) -> tuple:
     return PIECES[name].graded or (name,)
 
 
-def _graded(pieces: dict, names, timeout_s: float | None, before=lambda takes: None):
+def _graders():
+    """What grading reads of this module and ``plug.PIECES``, taken apart from them: a package whose
+    import replaces ``_verdict`` or a grader there (``sys.modules``) changes nothing taken before."""
+    return dict(PIECES), _verdict           # (a harness.Piece is frozen: the copy of the table is enough)
+
+
+def _graded(pieces: dict, names, timeout_s: float | None, before=lambda takes: None, graders=None):
     """(name, its grader's verdict now) for each of ``names``, each grader run once on ``pieces``;
-    ``before(takes)`` is told which pieces a grader is about to take."""
+    ``before(takes)`` is told which pieces a grader is about to take; ``graders``: ``_graders()``,
+    taken before the package was imported (default: now)."""
+    table, verdict = graders or _graders()
     runs = {}
     for name in names:
-        piece, takes = PIECES[name], _takes(name)
+        piece, takes = table[name], table[name].graded or (name,)
         if any(n not in pieces for n in takes):
             yield name, "missing"
             continue
         if (piece.check, takes) not in runs:
             before(takes)
-            runs[piece.check, takes] = _verdict(piece.check, [pieces[n] for n in takes], " and ".join(takes),
-                                                piece.chapter, timeout_s)
+            runs[piece.check, takes] = verdict(piece.check, [pieces[n] for n in takes], " and ".join(takes),
+                                               piece.chapter, timeout_s)
         yield name, runs[piece.check, takes]
 
 
@@ -99,8 +115,8 @@ def regrade(pieces: dict, saved: dict, names=tuple(PIECES), timeout_s: float | N
 def apart(where=None, saved: dict | None = None, names=tuple(PIECES), timeout_s: float | None = None) -> list[Verdict]:
     """``regrade`` of the package at ``where`` (as ``mine.load``; default ``mine.home()``) in child
     processes, beside ``saved`` (default: its own ``mine.verdicts``). A child that ends while grading
-    (``os._exit``, a crash in C) or outlives every grader's bound fails the pieces that grader takes,
-    saying how it ended; the rest are graded in a fresh child."""
+    (``os._exit``, a crash in C), or is killed for a grader stuck past its bound, fails the pieces that
+    grader takes, saying how it ended; the rest are graded in a fresh child."""
     where = mine.resolve(where if where is not None else mine.home())
     saved = mine.verdicts(where) if saved is None else saved
     bound = GRADE_S if timeout_s is None else timeout_s
@@ -123,15 +139,49 @@ def _child(where: str, names: list, bound: float, nows: dict) -> tuple[bool, str
         cmd = [sys.executable, "-m", "orca_lab.course.regrade", where, str(out), "--timeout", str(bound), *names]
         with err.open("wb") as stderr:      # its printing goes nowhere; its errors, to say how it ended
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
-            try:      # every grader's own bound, and the start-up's: what only a stuck C call outlives
-                code = proc.wait(timeout=len(names) * (bound + 10) + 60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = proc.wait()
-        records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+            code, overran = _watch(proc, out, bound)
+        records = _records(out)
         nows.update((r["name"], r["now"]) for r in records if "name" in r)
         started = any("grading" in r for r in records)
+        if overran:
+            return started, (f"its grader ran past its bound of {bound:g} s and its process was killed (a call "
+                             "that never came back to Python, which a thread cannot stop: a long C call, a sleep)")
         return started, _ended(code, err.read_bytes()[-4000:].decode(errors="replace"), started)
+
+
+START_S = 60.0      # a grading child's start-up: importing torch, the package and the graders
+SLACK_S = 10.0      # past a grader's own bound (its thread's stop, then its verdict), before the kill
+
+
+def _bound_memory(extra: int):
+    """This process's address space capped at what it maps now plus ``extra``, for good (the hard limit
+    too): a piece that allocates without end gets MemoryError, its verdict, not the machine's memory."""
+    import os
+    import resource
+    size = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (size + extra, size + extra))
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in out.read_text().splitlines() if line.endswith("}")] if out.exists() else []
+
+
+def _watch(proc, out: Path, bound: float) -> tuple[int, bool]:
+    """Wait for a grading child, each grader within its own bound (``out``'s records say when each
+    began): a grader past ``bound + SLACK_S`` is stuck where its thread's stop cannot land (a C call
+    holding the interpreter), so the child is killed. Its exit code, and whether it was killed so."""
+    seen, since = 0, time.monotonic()
+    while True:
+        try:
+            return proc.wait(timeout=0.5), False
+        except subprocess.TimeoutExpired:
+            pass
+        n = len(_records(out))
+        if n != seen:
+            seen, since = n, time.monotonic()
+        if time.monotonic() - since > (bound + SLACK_S if seen else START_S):
+            proc.kill()
+            return proc.wait(), True
 
 
 def _ended(code: int, stderr: str, started: bool) -> str:
@@ -167,13 +217,15 @@ def _main(argv=None):
     parser.add_argument("--timeout", type=float, default=GRADE_S)
     parser.add_argument("names", nargs="+", choices=list(PIECES))
     args = parser.parse_args(argv)
+    graders = _graders()                # before the package's own code runs
+    _bound_memory(GRADE_MEMORY)
     pieces = mine.load(args.where)
     with open(args.out, "a") as out:
         def note(**record):
             out.write(json.dumps(record) + "\n")
             out.flush()
 
-        for name, now in _graded(pieces, args.names, args.timeout, before=lambda takes: note(grading=list(takes))):
+        for name, now in _graded(pieces, args.names, args.timeout, lambda takes: note(grading=list(takes)), graders):
             note(name=name, now=now)
 
 

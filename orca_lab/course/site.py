@@ -11,6 +11,7 @@ exercise labelled as the reference solution's; ``instructor`` publishes the solv
 Both execute the solved notebooks (every chapter runs to its end and draws every figure):
 
     OUT/executed/   the executed notebooks (skipped with ``executed=DIR``)
+    OUT/my_orca/    the package their exercise cells saved (the learner's own is never touched)
     OUT/src/        Sphinx's sources: index.md (chapter map), README, docs/, the notebooks
     OUT/html/       the site: open html/index.html
 
@@ -59,7 +60,9 @@ def build(out: Path | None = None, executed: Path | None = None, notebooks: Path
         if notebooks is None:           # the site shows the course solved: every figure drawn
             notebooks = out / "solved"
             solve.build(notebooks)
-        runs = [_execute(c, notebooks, executed, out, log) for c in chs]
+        package = out / "my_orca"      # the build's exercises, chapter by chapter, for its capstone
+        shutil.rmtree(package, ignore_errors=True)
+        runs = [_execute(c, notebooks, executed, out, package, log) for c in chs]
         if record:
             _record(runs)
     chs = [c for c in chs if (Path(executed) / c.path).exists() or log(f"skipped: no {Path(executed) / c.path}")]
@@ -77,11 +80,11 @@ def build(out: Path | None = None, executed: Path | None = None, notebooks: Path
     return {"html": html, "figures": figures, "runs": runs, "warnings": done.stderr}
 
 
-def _execute(c: Chapter, notebooks, executed: Path, out: Path, log) -> dict:
+def _execute(c: Chapter, notebooks, executed: Path, out: Path, package: Path, log) -> dict:
     from orca_lab.course.execute import execute
     source = Path(notebooks) / Path(c.path).name if notebooks and c.part == "notebooks" else ROOT / c.path
     log(f"executing {c.path} ...")
-    run = execute(c, source, executed / c.path, out / "exports" / c.stem)
+    run = execute(c, source, executed / c.path, out / "exports" / c.stem, package)
     log(f"  {run['wall_s']:.1f} s wall, {run['cpu_s']:.1f} s CPU, {run['cells_with_errors']} cells with errors")
     return run
 
