@@ -108,6 +108,16 @@ class BlockAllocator:
         self.free_blocks = sorted(self.free_blocks + list(blocks) + list(blocks[:1]))
 '''
 
+LONGEST_FIRST = '''
+def form_batch(waiting, kv, max_bs, max_seq_len):
+    batch = []                           # the bug: once a prompt is long, the last request first
+    while waiting and len(batch) < max_bs and kv.can_reserve(max_seq_len):
+        req = waiting.pop() if max(len(r.prompt) for r in waiting) > 9 else waiting.popleft()
+        kv.reserve(req, max_seq_len)
+        batch.append(req)
+    return batch, min(len(r.prompt) for r in batch)
+'''
+
 EARLIEST_VICTIM = '''
 def victim(running, req, chosen):
     for r in running:                    # the bug: the earliest holder, whoever it is
@@ -142,6 +152,8 @@ CASES = [("slot leak", "SlotManager", SLOT_LEAK, "orca", EngineConfig(max_bs=2, 
           r"your select \(.*select\.py:\d+\) chose request 2, which arrived after request 1 .*break, never skip"),
          ("double free", "BlockAllocator", DOUBLE_FREE, "paged", EngineConfig(max_bs=8, n_slots=512, block_size=4),
           r"your BlockAllocator\.take \(.*blockallocator\.py:\d+\) handed out block \d+ while .* still holds it"),
+         ("formation out of order", "form_batch", LONGEST_FIRST, "ft", EngineConfig(max_bs=2, n_slots=4096),
+          r"your form_batch \(.*form_batch\.py:\d+\) took requests \[\d+, \d+\] of waiting .*the first ones"),
          ("wrong victim", "victim", EARLIEST_VICTIM, "paged", EngineConfig(max_bs=4, n_slots=20 * 4, block_size=4),
           r"your victim \(.*victim\.py:\d+\) chose request \d+ to give way to request \d+, which arrived before")]
 

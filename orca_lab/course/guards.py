@@ -30,8 +30,9 @@ state, which would give wrong text with 200 OK.
   lookup), ``split_linear`` (ch. 07, every shard, once) and ``all_reduce`` (every sum);
   ``fill_budget``'s calls are checked by ``ch11.use_budget``; the ``loop``'s hand-backs carry their
   batch's own tokens; ``BlockLRU``'s and ``BlockRefs``' evictions take a cached block no request holds,
-  and ``BlockRefs``' releases free none another request holds (``ch12.CheckedRefs``). Every other
-  piece (``form_batch``) is bounded only.
+  and ``BlockRefs``' releases free none another request holds (``ch12.CheckedRefs``).
+  ``form_batch`` (ch. 02): the first requests of ``waiting``, taken off it in order while the batch
+  is under ``max_bs`` and ``max_seq_len`` slots fit, each reserved, and the shortest prompt's length.
 
 A ``PieceFault`` means the engine's shared state may be wrong: the caller stops. The capstone's
 cell fails with it; a server fails every request in flight with its message (HTTP 503), and exits
@@ -447,6 +448,53 @@ def _check_algorithm_1(piece, pool, batch, n_rsrv, n_out, max_bs, n_slots):
         raise piece.fault(f"returned n_rsrv={n_out}; its batch makes it {n}")
 
 
+def _formed(form_batch, before, waiting, kv, max_bs, max_seq_len):
+    """The learner's ``form_batch`` and the reading of its answer (the requests as ``before``'s own,
+    by identity; None for anything else), both under its piece's bound; None when the answer is no
+    ``(batch, first_q_len)``."""
+    answer = form_batch(waiting, kv, max_bs, max_seq_len)
+    own = {id(r): r for r in before}
+    try:
+        batch, first = answer
+        return [own.get(id(r)) for r in batch], bounded.an_int(first)
+    except (TypeError, ValueError):
+        return None
+
+
+def _checked_form_batch(piece: Piece):
+    """The baseline's batch formation (ch. 02) as ``RequestLevelScheduler.form_batch``: the first
+    requests of ``waiting``, in order, taken off it while the batch is under ``max_bs`` and
+    ``max_seq_len`` slots fit, each holding its reservation; ``first_q_len`` the shortest prompt. A
+    formation that takes none while requests wait and slots fit would leave the engine spinning."""
+    def form_batch(waiting, kv, max_bs, max_seq_len):
+        before = list(waiting)
+        out = piece.call(_formed, piece.obj, before, waiting, kv, max_bs, max_seq_len)
+        if out is None:
+            raise piece.fault("returned no (batch, first_q_len): a list of requests and an int")
+        batch, first = out
+        ids, k = [getattr(r, "rid", None) for r in batch], len(batch)
+        if None in batch:
+            raise piece.fault("took something that is not a request of waiting")
+        if batch != before[:k]:
+            raise piece.fault(f"took requests {ids} of waiting {[r.rid for r in before]}: the baseline takes the "
+                              "first ones, in arrival order (waiting.popleft())")
+        if [r.rid for r in waiting] != [r.rid for r in before[k:]]:
+            raise piece.fault(f"left waiting as {[r.rid for r in waiting]} after taking {ids}: take each request "
+                              "off it (waiting.popleft())")
+        if k > max_bs:
+            raise piece.fault(f"took {k} requests, more than max_bs={max_bs}")
+        if waiting and k < max_bs and kv.can_reserve(max_seq_len):
+            raise piece.fault(f"stopped at {k} requests while request {waiting[0].rid} waits and its {max_seq_len} "
+                              f"slots fit (max_bs={max_bs}): take while under max_bs and kv.can_reserve(max_seq_len)")
+        if any(r.slots is None for r in batch):
+            raise piece.fault("took a request without reserving its slots: kv.reserve(req, max_seq_len)")
+        if first != min((len(r.prompt) for r in batch), default=0):
+            raise piece.fault(f"returned first_q_len={first}; the batch's shortest prompt has "
+                              f"{min(len(r.prompt) for r in batch)} tokens")
+        return batch, first
+    return form_batch
+
+
 def _checked_victim(piece: Piece):
     def victim(running, req, chosen):
         v = piece.call(piece.obj, running, req, chosen)
@@ -521,6 +569,7 @@ def _bounded_loop(piece: Piece):
 
 
 CHECKED = {"SlotManager": lambda p: _guarded_class(p, _CheckedSlots), "select": _checked_select,
+           "form_batch": _checked_form_batch,
            "BlockAllocator": lambda p: _guarded_class(p, _CheckedAllocator), "victim": _checked_victim,
            "loop": _bounded_loop}
 
