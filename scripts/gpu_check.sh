@@ -103,7 +103,8 @@ step() {
     local part=$1 name=$2; shift 2
     [ "$PART" = all ] || [ "$PART" = "$part" ] || return 0
     case " ${STEPS:-$name} " in *" $name "*) ;; *) return 0 ;; esac
-    local predicted limit why steps=$OUT/steps$([ "$part" = 2 ] && echo _part2).txt
+    local predicted limit why suffix=$([ "$part" = 2 ] && echo _part2)     # part 2's files, named apart
+    local steps=$OUT/steps$suffix.txt
     read -r predicted limit why < <(awk -v p="$part" -v n="$name" '$1 == p && $2 == n {$1 = $2 = ""; print}' <<< "$PLAN")
     if [ "$DRY" = 1 ]; then
         [ "$part" = 2 ] && [ "$ENDS" -lt "$WINDOW_1" ] && ENDS=$WINDOW_1
@@ -122,7 +123,7 @@ step() {
     local t0=$SECONDS
     if declare -F "$1" >/dev/null; then export -f "$1"; set -- bash -c "$1"; fi
     # cut by SIGINT, not SIGTERM: pytest then still writes its JUnit XML of the tests that finished
-    STEP_PART=$part LIMIT=$limit timeout -s INT -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    SUFFIX=$suffix LIMIT=$limit timeout -s INT -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
     local rc=${PIPESTATUS[0]}
     [ "$rc" -ge 124 ] && free_gpu
     echo "$name $rc $((SECONDS - t0)) $predicted $limit $((SECONDS - T0 + START))" >> "$steps"
@@ -144,10 +145,9 @@ free_gpu() {   # after a cut: a notebook's kernel runs in a session of its own, 
 }
 
 setup() {   # the kernel papermill starts, and the record of the machine (part 2's beside part 1's)
-    local suffix=$([ "$STEP_PART" = 2 ] && echo _part2)
     "$PY" -m ipykernel install --user > /dev/null || echo "no ipykernel: the notebook steps will fail (carry .whl/)"
-    nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.max.sm --format=csv > "$OUT/nvidia_smi$suffix.txt"
-    "$PY" scripts/gpu_check.py environment "$OUT" "$COMMAND" "environment$suffix.json"
+    nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.max.sm --format=csv > "$OUT/nvidia_smi$SUFFIX.txt"
+    "$PY" scripts/gpu_check.py environment "$OUT" "$COMMAND" "environment$SUFFIX.json"
 }
 fig9() {   # measured, then simulated for the same GPU, then the two side by side
     local pm=("$PY" -m papermill -k python3) shapes='{batch_sizes: [1, 2, 4, 8, 16, 32], input_lens: [32, 128]}'

@@ -381,9 +381,10 @@ def same_tokens(got, expected) -> bool:
 
 
 def select_answer(pool):
-    """The reader of a Select's answer over ``pool`` (ch. 03's grader and the capstone's guard): its
-    batch as the pool's own requests, by identity (None for anything else: no object of the learner's
-    runs its ``rid`` or ``__eq__`` where the reader's caller compares them), and ``n_rsrv`` an int.
+    """The reader of a Select's answer over ``pool`` (ch. 03's grader and the capstone's guard; a
+    ``form_batch``'s too, over the waiting requests): its batch as the pool's own requests, by identity
+    (None for anything else: no object of the learner's runs its ``rid`` or ``__eq__`` where the
+    reader's caller compares them), and its int (``n_rsrv``, ``first_q_len``) an int.
     Run it under the learner's bound: reading the answer runs its code (``__iter__``, ``__int__``)."""
     own = {id(r): r for r in pool}
 
@@ -393,10 +394,11 @@ def select_answer(pool):
     return read
 
 
-def _answered(select, pool, *args):
-    """The learner's ``select`` and the reading of its answer, both under its piece's bound; None
-    when the answer is no ``(batch, n_rsrv)``."""
-    answer = select(pool, *args)
+def _answered(fn, pool, *args):
+    """The learner's ``fn(*args)`` (``select``, ``form_batch``) and the reading of its answer as
+    ``select_answer(pool)`` reads it, both under its piece's bound; None when the answer is no
+    ``(batch of pool's requests, int)``."""
+    answer = fn(*args)
     try:
         return select_answer(pool)(answer)
     except (TypeError, ValueError):
@@ -405,7 +407,7 @@ def _answered(select, pool, *args):
 
 def _checked_select(piece: Piece):
     def select(pool, n_rsrv, max_bs, n_slots):
-        out = piece.call(_answered, piece.obj, pool, n_rsrv, max_bs, n_slots)
+        out = piece.call(_answered, piece.obj, pool, pool, n_rsrv, max_bs, n_slots)
         if out is None:
             raise piece.fault("returned no (batch, n_rsrv): a list of requests and an int")
         batch, n_out = out
@@ -448,33 +450,20 @@ def _check_algorithm_1(piece, pool, batch, n_rsrv, n_out, max_bs, n_slots):
         raise piece.fault(f"returned n_rsrv={n_out}; its batch makes it {n}")
 
 
-def _formed(form_batch, before, waiting, kv, max_bs, max_seq_len):
-    """The learner's ``form_batch`` and the reading of its answer (the requests as ``before``'s own,
-    by identity; None for anything else), both under its piece's bound; None when the answer is no
-    ``(batch, first_q_len)``."""
-    answer = form_batch(waiting, kv, max_bs, max_seq_len)
-    own = {id(r): r for r in before}
-    try:
-        batch, first = answer
-        return [own.get(id(r)) for r in batch], bounded.an_int(first)
-    except (TypeError, ValueError):
-        return None
-
-
 def _checked_form_batch(piece: Piece):
     """The baseline's batch formation (ch. 02) as ``RequestLevelScheduler.form_batch``: the first
     requests of ``waiting``, in order, taken off it while the batch is under ``max_bs`` and
     ``max_seq_len`` slots fit, each holding its reservation; ``first_q_len`` the shortest prompt. A
     formation that takes none while requests wait and slots fit would leave the engine spinning."""
     def form_batch(waiting, kv, max_bs, max_seq_len):
-        before = list(waiting)
-        out = piece.call(_formed, piece.obj, before, waiting, kv, max_bs, max_seq_len)
+        before = list(waiting)          # read against it: the call takes requests off waiting
+        out = piece.call(_answered, piece.obj, before, waiting, kv, max_bs, max_seq_len)
         if out is None:
             raise piece.fault("returned no (batch, first_q_len): a list of requests and an int")
         batch, first = out
-        ids, k = [getattr(r, "rid", None) for r in batch], len(batch)
         if None in batch:
             raise piece.fault("took something that is not a request of waiting")
+        ids, k, shortest = [r.rid for r in batch], len(batch), min((len(r.prompt) for r in batch), default=0)
         if batch != before[:k]:
             raise piece.fault(f"took requests {ids} of waiting {[r.rid for r in before]}: the baseline takes the "
                               "first ones, in arrival order (waiting.popleft())")
@@ -488,9 +477,8 @@ def _checked_form_batch(piece: Piece):
                               f"slots fit (max_bs={max_bs}): take while under max_bs and kv.can_reserve(max_seq_len)")
         if any(r.slots is None for r in batch):
             raise piece.fault("took a request without reserving its slots: kv.reserve(req, max_seq_len)")
-        if first != min((len(r.prompt) for r in batch), default=0):
-            raise piece.fault(f"returned first_q_len={first}; the batch's shortest prompt has "
-                              f"{min(len(r.prompt) for r in batch)} tokens")
+        if first != shortest:
+            raise piece.fault(f"returned first_q_len={first}; the batch's shortest prompt has {shortest} tokens")
         return batch, first
     return form_batch
 

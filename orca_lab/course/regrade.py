@@ -75,9 +75,9 @@ def _verdict(grader, objects, what: str, chapter: str, timeout_s: float | None, 
     return PASSED
 
 
-def _takes(name: str) -> tuple:
+def _takes(name: str, table=PIECES) -> tuple:
     """The pieces ``name``'s grader takes: itself, or those its chapter grades with it."""
-    return PIECES[name].graded or (name,)
+    return table[name].graded or (name,)
 
 
 def _graders():
@@ -93,7 +93,7 @@ def _graded(pieces: dict, names, timeout_s: float | None, before=lambda takes: N
     table, verdict = graders or _graders()
     runs = {}
     for name in names:
-        piece, takes = table[name], table[name].graded or (name,)
+        piece, takes = table[name], _takes(name, table)
         if any(n not in pieces for n in takes):
             yield name, "missing"
             continue

@@ -45,7 +45,6 @@ def headline(df: pd.DataFrame, model: str, latency_ms: float = 190.0) -> dict:
     return out
 
 
-
 def describe(h: dict) -> str:
     """``headline``'s result as one line, saying which curve never reached the latency within the
     sweep: its highest throughput counts, so a sweep that stays far below the latency compares the
