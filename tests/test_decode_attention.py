@@ -175,7 +175,8 @@ def test_tune_off_takes_the_first_candidate_on_a_gpu_untimed(monkeypatch):
 
 def test_tuner_times_each_candidate_once_and_skips_what_does_not_fit(monkeypatch):
     """The GPU path of the tuner, its timer replaced: the fastest config that runs wins, a config
-    that needs too much shared memory is skipped, and the bucket is not timed again."""
+    that needs too much shared memory is skipped, and the bucket is not timed again; every time
+    taken is kept for the record (``tuned_launches``)."""
     import triton
     cost, launched = {"a": 3.0, "b": 1.0, "c": 0.5}, []
 
@@ -191,6 +192,7 @@ def test_tuner_times_each_candidate_once_and_skips_what_does_not_fit(monkeypatch
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
     tuner = LaunchTuner()
     assert tuner.choose("key", ["a", "b", "c"], launch, on_gpu=True) == "b"
+    assert tuner.timed == {"key": {"a": 3.0, "b": 1.0}}
     n = len(launched)
     assert tuner.choose("key", ["a", "b", "c"], launch, on_gpu=True) == "b" and len(launched) == n
 

@@ -548,7 +548,7 @@ def test_a_bench_cut_by_its_time_limit_keeps_the_rows_it_timed(tmp_path, monkeyp
         if len(timed) == 4:
             raise KeyboardInterrupt
         timed.append(fn)
-        return 1.0
+        return 1.0, 1.0
 
     monkeypatch.setattr(bench, "time_ms", cut_at_fifth)
     out = tmp_path / "bench.json"
@@ -576,7 +576,11 @@ def test_bench_smoke(tmp_path, capsys):
     assert impls - decode == {"sdpa-causal"}    # whole prompts only
     for row in result["results"]:
         assert row["time_ms"] > 0 and row["floor_ms"] > 0 and row["sizes"]
+        # without a GPU both times are the one wall time; on a GPU the device's is the roofline's
+        assert (row["wall_ms"] == row["time_ms"]) is not ON_GPU
+    assert result["timing"] == bench.TIMING[DEVICE.type]
     printed = capsys.readouterr().out
+    assert "wall ms" in printed
     # Without a GPU the Triton rows are the interpreter's and say so; on a GPU they are real speeds.
     assert result["interpreted"] is not ON_GPU and result["device_type"] == DEVICE.type
     assert ("interpreted" in printed) is not ON_GPU

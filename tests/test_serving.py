@@ -138,6 +138,22 @@ def test_bad_input_is_refused_while_good_requests_complete(server, client):
     assert still.usage.completion_tokens == 3
 
 
+def test_a_body_over_the_limit_is_refused_before_it_is_held_and_the_server_goes_on(server, client):
+    """413 naming the limit, for a declared length (the official client's) and for a chunked body
+    (read only up to the limit); a small chunked body still reaches the endpoint."""
+    from orca_lab.serving.protocol import MAX_BODY_BYTES
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model="tiny", prompt="a" * (MAX_BODY_BYTES + 1), max_tokens=1)
+    assert e.value.status_code == 413 and f"at most {MAX_BODY_BYTES} bytes (16 MiB)" in e.value.message
+    chunks = lambda: (b"a" * (1 << 20) for _ in range((MAX_BODY_BYTES >> 20) + 1))
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        r = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "runs past that: this server takes at most" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", content=iter([b'{"prompt": [1, 2], ', b'"max_tokens": 2}']),
+                      headers={"content-type": "application/json"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
+
+
 def test_a_dropped_stream_frees_its_slots(server):
     body = {"model": "tiny", "prompt": [1] * 10, "max_tokens": 900, "temperature": 0, "stream": True,
             "ignore_eos": True}

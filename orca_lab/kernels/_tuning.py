@@ -40,6 +40,7 @@ class LaunchTuner:
 
     def __init__(self):
         self.best: dict = {}
+        self.timed: dict = {}      # key -> {configuration: ms} of every candidate timed for it
         self.settled = False
 
     def settle(self):
@@ -52,7 +53,7 @@ class LaunchTuner:
         once settled when ``key``'s own kind has none: a warm-up that met only one path times nothing
         mid-run. ``as_own``: the borrower's equivalent of another path's choice (the same tile read
         another way), if it has one. ``answer()``: the tensor a launch writes, compared across the
-        candidates timed (``_fastest``)."""
+        candidates timed (``_timings``)."""
         got = self.best.get(key)
         if got is not None:
             return got
@@ -64,7 +65,8 @@ class LaunchTuner:
         elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return candidates[0]           # no timing inside a CUDA graph capture: warm up first
         else:
-            got = _fastest(candidates, launch, answer)
+            self.timed[key] = _timings(candidates, launch, answer)
+            got = min(self.timed[key], key=self.timed[key].get)
         self.best[key] = got
         return got
 
@@ -93,8 +95,8 @@ class LaunchTuner:
         return self.best[min(same, key=distance)] if same else None
 
 
-def _fastest(candidates, launch, answer=None):
-    """Time each candidate that compiles and fits the device (too much shared memory is skipped).
+def _timings(candidates, launch, answer=None) -> dict:
+    """``{candidate: ms}``: each candidate that compiles and fits the device, timed (too much shared memory is skipped).
     One that fails otherwise here (a driver refusing a tensor descriptor, say) is skipped and named,
     so a run on an untried GPU goes on with the others. So is one whose ``answer()`` differs from the
     first candidate's that ran (the tile that also serves untuned): a tile that compiled but computes
@@ -121,7 +123,7 @@ def _fastest(candidates, launch, answer=None):
     if not times:
         raise RuntimeError(f"no launch configuration of {candidates} runs on this device"
                            + "".join(f"; {f}" for f in failed))
-    return min(times, key=times.get)
+    return times
 
 
 def _disagreement(got: torch.Tensor, ref: torch.Tensor) -> str:

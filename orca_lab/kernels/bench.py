@@ -17,6 +17,12 @@ shape). Every implementation's output is checked against the first's before timi
 ones on their real rows), so a table never times a wrong answer. The first call of each is untimed:
 it compiles, and on a GPU tunes the launch.
 
+Two times per row. ``ms`` (the roofline's) is the device's: on a GPU, CUDA events around calls
+queued back to back, so the host prepares the next launch while the device runs this one, as an
+engine's layers are queued (a call's Python shows only where it outlasts its kernel); without a GPU,
+the wall time. ``wall ms`` is one call waited for alone, host and launch latency included: what a
+caller that synchronizes on every call sees. The peaks are timed the same way as the kernels.
+
 Without a GPU the Triton kernels run in Triton's interpreter: sizes are small (``--quick`` is the
 default there) and those timings say nothing about speed; the table marks them "interpreted".
 """
@@ -56,28 +62,49 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+QUEUED = 10   # calls per CUDA-event interval: enough to keep the device busy while the host queues
+TIMING = {"cuda": f"time_ms: CUDA events around {QUEUED} calls queued back to back; wall_ms: one call "
+                  "waited for alone", "cpu": "time_ms = wall_ms: one call's wall time"}
+
+
 def time_ms(fn, device, reps, warmup=1):
-    """Median wall time of ``fn()`` in ms (synchronized on GPU)."""
+    """``(device ms, wall ms)`` of ``fn()``, medians over ``reps``: the wall time of one call waited
+    for alone, and on a GPU the device's time per call over ``QUEUED`` calls queued back to back
+    between two CUDA events (without a GPU the two are the same)."""
     for _ in range(warmup):
         fn()
-    times = []
+    walls, queued = [], []
     for _ in range(reps):
         sync(device)
         start = time.perf_counter()
         fn()
         sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        walls.append((time.perf_counter() - start) * 1e3)
+        if device.type == "cuda":
+            queued.append(_queued_ms(fn))
+    wall = statistics.median(walls)
+    return (statistics.median(queued) if queued else wall), wall
+
+
+def _queued_ms(fn):
+    """Device ms per call of ``fn`` over ``QUEUED`` calls issued without waiting, between CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(QUEUED):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / QUEUED
 
 
 def measure_peaks(device, dtype, size, reps):
     """Memory bandwidth from a large copy (read + write) and the matmul rate of a large matmul."""
     src = torch.randn(size["copy_mib"] * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
-    copy_ms = time_ms(lambda: dst.copy_(src), device, reps)
+    copy_ms, _ = time_ms(lambda: dst.copy_(src), device, reps)
     n = size["matmul_n"]
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    mm_ms = time_ms(lambda: torch.matmul(a, b), device, reps)
+    mm_ms, _ = time_ms(lambda: torch.matmul(a, b), device, reps)
     return {"bandwidth_GBps": 2 * src.numel() * 4 / copy_ms / 1e6,
             "matmul_TFLOPs": 2 * n**3 / mm_ms / 1e9, "matmul_dtype": str(dtype).replace("torch.", ""),
             "copy_MiB": size["copy_mib"], "matmul_n": n}
@@ -210,10 +237,10 @@ def run(mode, reps, device, each=None):
              + bench_token_ops(size, dtype, device))
     rows = []
     for kernel, case, impl, fn, bytes_, flops, sizes in cases:
-        ms = time_ms(fn, device, reps)
+        ms, wall = time_ms(fn, device, reps)
         floor = max(bytes_ / peaks["bandwidth_GBps"] / 1e6, flops / peaks["matmul_TFLOPs"] / 1e9)
         rows.append(dict(kernel=kernel, case=case, impl=impl, sizes=sizes, dtype=str(dtype)[6:],
-                         bytes=bytes_, flops=flops, time_ms=ms, GBps=bytes_ / ms / 1e6,
+                         bytes=bytes_, flops=flops, time_ms=ms, wall_ms=wall, GBps=bytes_ / ms / 1e6,
                          TFLOPs=flops / ms / 1e9, floor_ms=floor, roofline_frac=floor / ms,
                          interpreted=impl.startswith("triton") and device.type != "cuda"))
         if each is not None:
@@ -224,12 +251,12 @@ def run(mode, reps, device, each=None):
 def print_table(peaks, rows, device_name):
     print(f"device: {device_name}   measured peaks: {peaks['bandwidth_GBps']:.1f} GB/s copy, "
           f"{peaks['matmul_TFLOPs']:.2f} TFLOP/s {peaks['matmul_dtype']} matmul")
-    print(f"{'kernel':<17}{'case':<15}{'impl':<14}{'ms':>10} {'GB/s':>10} {'TFLOP/s':>10} "
+    print(f"{'kernel':<17}{'case':<15}{'impl':<14}{'ms':>10} {'wall ms':>10} {'GB/s':>10} {'TFLOP/s':>10} "
           f"{'floor ms':>10} {'% roof':>9}")
     for r in rows:
         note = "  interpreted: not a speed" if r["interpreted"] else ""
-        print(f"{r['kernel']:<17}{r['case']:<15}{r['impl']:<14}{r['time_ms']:>10.4g} {r['GBps']:>10.3g} "
-              f"{r['TFLOPs']:>10.3g} {r['floor_ms']:>10.3g} {100 * r['roofline_frac']:>8.3g}%{note}")
+        print(f"{r['kernel']:<17}{r['case']:<15}{r['impl']:<14}{r['time_ms']:>10.4g} {r['wall_ms']:>10.4g} "
+              f"{r['GBps']:>10.3g} {r['TFLOPs']:>10.3g} {r['floor_ms']:>10.3g} {100 * r['roofline_frac']:>8.3g}%{note}")
 
 
 def main(argv=None):
@@ -258,7 +285,7 @@ def main(argv=None):
     def report(peaks, rows, complete=False):
         result = dict(device=device_name, device_type=device.type, torch=torch.__version__,
                       triton=triton.__version__, interpreted=device.type != "cuda", mode=mode,
-                      cpu_threads=threads, complete=complete, environment=env,
+                      cpu_threads=threads, complete=complete, environment=env, timing=TIMING[device.type],
                       sizes=SIZES[mode], peaks=peaks, results=rows, tuned=tuned_launches())
         out.write_text(json.dumps(result, indent=2))
         return result
@@ -268,6 +295,8 @@ def main(argv=None):
     result = report(peaks, rows, complete=True)
     for t in result["tuned"]:
         print(f"tuned {t['kernel']} {' '.join(t['bucket'])}: {t['config']}")
+        for cfg, ms in sorted(t["timed_ms"].items(), key=lambda kv: kv[1]):
+            print(f"    {ms:9.4f} ms  {cfg}")
     print(f"wrote {out}")
     return result
 

@@ -28,6 +28,7 @@ from orca_lab.serving.protocol import (
     CompletionResponse,
     ErrorResponse,
     ModelCard,
+    MAX_BODY_BYTES,
     ModelList,
     RunPage,
     error_body,
@@ -66,7 +67,8 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
     app = FastAPI(title="orca_lab", lifespan=lifespan)
     app.openapi = _openapi_of(app)
     app.state.orca = state
-    app.add_middleware(_StampArrival, clock=state.pool.clock)
+    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
+    app.add_middleware(_StampArrival, clock=state.pool.clock)     # added last: the outer one
 
     @app.exception_handler(HTTPError)
     async def _http_error(request, e: HTTPError):
@@ -276,6 +278,54 @@ class _StampArrival:
     async def __call__(self, scope, receive, send):
         scope["orca_arrival"] = self.clock.now()
         await self.app(scope, receive, send)
+
+
+class _BodyLimit:
+    """ASGI middleware: a body over ``limit`` bytes is refused (413) before anything holds it whole, so
+    one client cannot make the server parse gigabytes of JSON. A declared length is judged at once (the
+    HTTP parser ends the body there); a chunked body is read up to the limit, then handed on. The rest
+    of a refused body is read and dropped (up to ``DRAIN`` limits) before the answer: a socket closed
+    on unread bytes is reset, and a reset can destroy the answer before the client reads it."""
+
+    DRAIN = 8
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            if declared.isdigit() and int(declared) > self.limit:
+                return await self._refuse(scope, receive, send, f"is {int(declared)} bytes", True)
+            return await self.app(scope, receive, send)
+        body, message = b"", {"more_body": True}
+        while message.get("more_body"):
+            message = await receive()
+            if message["type"] != "http.request":        # the client left: the app hears it
+                return await self.app(scope, _replaying(message, receive), send)
+            body += message.get("body", b"")
+            if len(body) > self.limit:
+                return await self._refuse(scope, receive, send, "runs past that", message.get("more_body"))
+        await self.app(scope, _replaying({"type": "http.request", "body": body, "more_body": False}, receive), send)
+
+    async def _refuse(self, scope, receive, send, size: str, more: bool):
+        left = self.DRAIN * self.limit
+        while more and left > 0:
+            message = await receive()
+            more, left = message.get("more_body", False), left - len(message.get("body", b""))
+        message = f"the request body {size}: this server takes at most {self.limit} bytes ({self.limit >> 20} MiB)"
+        await JSONResponse(error_body(413, message), 413, headers={"Connection": "close"})(scope, receive, send)
+
+
+def _replaying(first: dict, receive):
+    """``receive`` that answers ``first`` once, then what the client sends."""
+    pending = [first]
+
+    async def replay():
+        return pending.pop() if pending else await receive()
+    return replay
 
 
 def _model_card(state: ServerState) -> ModelCard:

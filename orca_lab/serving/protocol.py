@@ -402,7 +402,11 @@ class ModelList(BaseModel):
 
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-               503: "service_unavailable", 500: "server_error"}
+               413: "invalid_request_error", 503: "service_unavailable", 500: "server_error"}
+# The largest request body the server reads: a whole context of token ids as JSON (131,072 ids of up to
+# 7 digits and ", ") is about 1 MiB, so 16 such prompts in one request fit, and a body of gigabytes is
+# refused before it is held.
+MAX_BODY_BYTES = 16 << 20
 
 
 class ErrorDetail(BaseModel):
