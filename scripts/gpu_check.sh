@@ -36,8 +36,9 @@
 # OUT_DIR to keep it. The smoke
 # step runs the prefill tiles that read through the Tensor Memory Accelerator once each against the
 # reference; if one fails it exits 1 and writes tma_off, and part 1's steps after it read through
-# pointers (ORCA_LAB_TMA=0; part 2's tests check the tiles themselves). Environment: PYTHON (default
-# python3), OUT_DIR, PACK_TO, STEPS (a subset, by name).
+# pointers (ORCA_LAB_TMA=0; part 2's tests check the tiles themselves). The tuner's timings of every
+# tile land in tuning/. Environment: PYTHON (default python3), OUT_DIR, PACK_TO, STEPS (a subset, by
+# name), ORCA_LAB_TUNING_CACHE (default: $OUT/tuning).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -87,6 +88,10 @@ else
     DEVICE=$("$PY" scripts/gpu_check.py slug) && SIM=$("$PY" scripts/gpu_check.py sim-device) || exit 1
 fi
 export PY SIM COMMAND PART OUT=${OUT_DIR:-docs/results/gpu_$DEVICE}
+# Every tile the tuner times, kept with the results (one JSON per shape bucket, each candidate's time)
+# and recalled by the steps after the one that timed it (orca_lab/kernels/_tuning.py: ChoiceStore).
+TUNING=$OUT/tuning; [[ $TUNING = /* ]] || TUNING=$PWD/$TUNING
+export ORCA_LAB_TUNING_CACHE=${ORCA_LAB_TUNING_CACHE:-$TUNING}
 FAILED=()
 RUN_MARK=.run_id     # part 1 writes one id here and in /tmp: part 2 adds to $OUT only where both still hold it
 

@@ -10,6 +10,9 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:
     pass
+# Each test process times its own launch tiles: none recalls a choice an earlier run left on disk
+# (the tests of that store point it at a folder of their own).
+os.environ["ORCA_LAB_TUNING_CACHE"] = "0"
 
 
 @pytest.fixture(scope="session")

@@ -249,6 +249,64 @@ def test_a_settled_tuner_lends_one_paths_choice_to_the_other(monkeypatch):
                         as_own=lambda c: c.removesuffix("-tma")) == "t32" and launched == []
 
 
+def test_a_choice_timed_once_on_a_gpu_is_recalled_by_the_next_process_untimed(monkeypatch, tmp_path):
+    """The tuner's choices kept on disk (``ChoiceStore``): a second tuner (a restart, the benchmark
+    after a figure) takes the first's choice and its times without launching anything; a choice no
+    longer among the candidates, another GPU model or changed kernels time anew; ``ORCA_LAB_TUNE=0``
+    reads nothing; ``ORCA_LAB_TUNING_CACHE=0`` keeps nothing."""
+    import triton
+    from orca_lab.kernels import _tuning
+    cost, launched = {"a": 3.0, "b": 1.0, "c": 2.0}, []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or cost[launched[-1]])
+    monkeypatch.setenv("ORCA_LAB_TUNING_CACHE", str(tmp_path / "cache"))
+    key = ("prefill", "fresh-tma", 90, 40, 40, 128, "bf16", 2048, 8192)
+    assert LaunchTuner().choose(key, ["a", "b", "c"], launched.append, on_gpu=True) == "b" and set(launched) == set(cost)
+    launched.clear()
+    again = LaunchTuner()
+    assert again.choose(key, ["a", "b", "c"], launched.append, on_gpu=True) == "b" and launched == []
+    assert again.timed[key] == cost and key in again.recalled
+    # settled, the store is read before a neighbour is borrowed
+    settled = LaunchTuner()
+    settled.best[key[:-2] + (1, 64)] = "c"
+    settled.settle()
+    assert settled.choose(key, ["a", "b", "c"], launched.append, on_gpu=True) == "b" and launched == []
+    assert LaunchTuner().choose(key, ["a", "c"], launched.append, on_gpu=True) == "c" and set(launched) == {"a", "c"}
+    launched.clear()
+    real = _tuning.fingerprint()
+    monkeypatch.setattr(_tuning, "fingerprint", lambda: {**real, "device": "another GPU"})
+    assert LaunchTuner().choose(key, ["a", "b", "c"], launched.append, on_gpu=True) == "b" and set(launched) == set(cost)
+    monkeypatch.setattr(_tuning, "fingerprint", lambda: {**real, "kernels": "edited"})
+    launched.clear()
+    assert LaunchTuner().choose(key, ["a", "b", "c"], launched.append, on_gpu=True) == "b" and set(launched) == set(cost)
+    monkeypatch.setenv("ORCA_LAB_TUNE", "0")
+    assert LaunchTuner().choose(key, ["a", "b", "c"], launched.append, on_gpu=True) == "a"
+    monkeypatch.setenv("ORCA_LAB_TUNE", "1")
+    monkeypatch.setenv("ORCA_LAB_TUNING_CACHE", "0")
+    before = sorted((tmp_path / "cache").iterdir())
+    assert LaunchTuner().choose(key[:-1] + (1,), ["a", "b"], launched.append, on_gpu=True) == "b"
+    assert sorted((tmp_path / "cache").iterdir()) == before
+
+
+def test_a_store_that_cannot_be_written_or_read_costs_only_the_recall(monkeypatch, tmp_path):
+    """A cache folder that is a file: the choice is timed, kept in memory, and a warning names the
+    folder; a file of another shape is no recall."""
+    import triton
+    from orca_lab.kernels import _tuning
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: {"a": 2.0, "b": 1.0}[fn() or launch.last])
+
+    def launch(cfg):
+        launch.last = cfg
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("ORCA_LAB_TUNING_CACHE", str(blocked))
+    with pytest.warns(RuntimeWarning, match=f"tuning cache {blocked}"):
+        assert LaunchTuner().choose(("k", 1), ["a", "b"], launch, on_gpu=True) == "b"
+    store = _tuning.ChoiceStore(tmp_path / "ok")
+    store.keep(("k", 1), "b", {"a": 2.0, "b": 1.0})
+    store._path(("k", 1)).write_text("[1, 2]")
+    assert store.recall(("k", 1), ["a", "b"]) is None
+
+
 def test_tf32_is_a_validated_engine_option():
     assert EngineConfig().tf32 is False and EngineConfig(tf32=True).tf32 is True
     with pytest.raises(ValueError, match="tf32='yes'"):

@@ -11,11 +11,20 @@ H200, Figure 10's first ORCA curve ran 10x its predicted time, tuning and compil
 lengths). So an engine warms its shapes up (``LLM.warm_up``) and then ``settle``s the tuner: past
 that, a bucket not yet seen borrows the choice of the nearest bucket timed for the same kernel and
 model shape, and only a shape with no such neighbour is still timed.
+
+A timed choice is also kept on disk (``ChoiceStore``, under ``tuning_cache()``), per GPU model,
+software and kernel source: the next process on the same GPU takes it untimed, so a server's restart,
+the benchmark after a figure, or a worker beside its engine time nothing already timed.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import tempfile
 import warnings
+from functools import lru_cache
+from pathlib import Path
 
 import torch
 
@@ -30,6 +39,69 @@ def timing_allowed() -> bool:
     return os.environ.get("ORCA_LAB_TUNE", "1") != "0"
 
 
+def tuning_cache() -> Path | None:
+    """Where timed choices are kept between processes: ``$ORCA_LAB_TUNING_CACHE`` if set (``0``:
+    nowhere, every process times its own), else ``~/.cache/orca_lab/tuning``."""
+    where = os.environ.get("ORCA_LAB_TUNING_CACHE")
+    if where == "0":
+        return None
+    return Path(where).expanduser() if where else Path.home() / ".cache" / "orca_lab" / "tuning"
+
+
+@lru_cache(maxsize=None)
+def _sources_digest() -> str:
+    """The kernels' source: a change to any kernel (or to its candidate tiles) times anew."""
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def fingerprint() -> dict:
+    """What a timed choice holds for: the GPU model, CUDA, Triton, torch and the kernels' source."""
+    name = torch.cuda.get_device_name(torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    return {"device": name, "cuda": torch.version.cuda, "triton": triton.__version__,
+            "torch": torch.__version__, "kernels": _sources_digest()}
+
+
+class ChoiceStore:
+    """Timed choices on disk, one JSON file per (``fingerprint``, key), written whole under a temporary
+    name and then renamed: processes tuning at once never read half a file, and the last to finish
+    leaves a choice as well timed as the others'. A choice is recalled only where it is still one of
+    the candidates (matched by its repr), so a changed table of tiles cannot hand back a stale one."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def _path(self, key) -> Path:
+        name = json.dumps([fingerprint(), [str(k) for k in key]], sort_keys=True)
+        return self.folder / f"{hashlib.sha256(name.encode()).hexdigest()[:32]}.json"
+
+    def recall(self, key, candidates):
+        """``(choice, {candidate: ms})`` as timed by an earlier process, or None."""
+        try:
+            saved = json.loads(self._path(key).read_text())
+        except (OSError, ValueError):
+            return None
+        by_name = {repr(c): c for c in candidates}
+        if not isinstance(saved, dict) or saved.get("choice") not in by_name:
+            return None
+        return by_name[saved["choice"]], {by_name[n]: ms for n, ms in saved.get("timed_ms", {}).items() if n in by_name}
+
+    def keep(self, key, choice, timed: dict):
+        """Write the choice; a folder that cannot be written leaves only this process's memory of it."""
+        record = {"key": [str(k) for k in key], **fingerprint(), "choice": repr(choice),
+                  "timed_ms": {repr(c): ms for c, ms in timed.items()}}
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.folder, suffix=".tmp", delete=False) as f:
+                json.dump(record, f, indent=1)
+            os.replace(f.name, self._path(key))
+        except OSError as e:
+            warnings.warn(f"tuning cache {self.folder}: {e}; the choice is kept in this process only",
+                          RuntimeWarning, stacklevel=3)
+
+
 def bucket(n: int) -> int:
     """Shapes up to the next power of two share a launch configuration."""
     return 1 << max(0, int(n) - 1).bit_length()
@@ -41,6 +113,7 @@ class LaunchTuner:
     def __init__(self):
         self.best: dict = {}
         self.timed: dict = {}      # key -> {configuration: ms} of every candidate timed for it
+        self.recalled: set = set()     # keys whose choice an earlier process timed (``ChoiceStore``)
         self.settled = False
 
     def settle(self):
@@ -57,16 +130,24 @@ class LaunchTuner:
         got = self.best.get(key)
         if got is not None:
             return got
-        near = self.borrow(key, candidates, like, as_own) if self.settled else None
-        if near is not None:
+        timing = on_gpu and len(candidates) > 1 and timing_allowed()
+        store = ChoiceStore(tuning_cache()) if timing and tuning_cache() else None
+        recalled = store.recall(key, candidates) if store else None
+        near = self.borrow(key, candidates, like, as_own) if self.settled and not recalled else None
+        if recalled:
+            got, self.timed[key] = recalled
+            self.recalled.add(key)
+        elif near is not None:
             got = near
-        elif not on_gpu or len(candidates) == 1 or not timing_allowed():
+        elif not timing:
             got = candidates[0]
         elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return candidates[0]           # no timing inside a CUDA graph capture: warm up first
         else:
             self.timed[key] = _timings(candidates, launch, answer)
             got = min(self.timed[key], key=self.timed[key].get)
+            if store:
+                store.keep(key, got, self.timed[key])
         self.best[key] = got
         return got
 

@@ -762,9 +762,11 @@ def settle_tuning():
 def tuned_launches() -> list[dict]:
     """What the tuner chose in this process, per kernel and shape bucket: the configuration a measured
     speed belongs to (``bench`` records it), and every candidate's time where it timed them (on a
-    GPU: which tiles came close, the first thing to read when a kernel is slower than it should be)."""
+    GPU: which tiles came close, the first thing to read when a kernel is slower than it should be);
+    ``recalled``: timed by an earlier process on this GPU (``_tuning.ChoiceStore``), not by this one."""
     return [{"kernel": key[0], "bucket": [str(x) for x in key[1:]], "config": repr(cfg),
-             "timed_ms": {repr(c): round(ms, 5) for c, ms in _TUNER.timed.get(key, {}).items()}}
+             "timed_ms": {repr(c): round(ms, 5) for c, ms in _TUNER.timed.get(key, {}).items()},
+             "recalled": key in _TUNER.recalled}
             for key, cfg in _TUNER.best.items()]
 
 

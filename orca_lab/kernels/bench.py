@@ -294,7 +294,8 @@ def main(argv=None):
     print_table(peaks, rows, device_name)
     result = report(peaks, rows, complete=True)
     for t in result["tuned"]:
-        print(f"tuned {t['kernel']} {' '.join(t['bucket'])}: {t['config']}")
+        print(f"tuned {t['kernel']} {' '.join(t['bucket'])}: {t['config']}"
+              + (" (timed by an earlier process on this GPU)" if t["recalled"] else ""))
         for cfg, ms in sorted(t["timed_ms"].items(), key=lambda kv: kv[1]):
             print(f"    {ms:9.4f} ms  {cfg}")
     print(f"wrote {out}")
