@@ -57,6 +57,17 @@ def select(pool, n_rsrv, max_bs, n_slots):
         n_rsrv += 0
 '''
 
+def sleeping(signature: str) -> str:
+    """A piece whose body is one C call no stop lands in before it returns."""
+    return f"import time\ndef {signature}:\n    time.sleep(120)\n"
+
+
+SLEEPING = [("select", "orca", "select(pool, n_rsrv, max_bs, n_slots)", EngineConfig(max_bs=2, n_slots=256)),
+            ("form_batch", "ft", "form_batch(waiting, kv, max_bs, max_seq_len)", EngineConfig(max_bs=2, n_slots=4096)),
+            ("victim", "paged", "victim(running, req, chosen)", EngineConfig(max_bs=4, n_slots=20 * 4, block_size=4)),
+            ("fill_budget", "chunked", "fill_budget(decodes, prompts, budget, max_bs, run)",
+             EngineConfig(max_bs=4, n_slots=512, block_size=4, max_num_batched_tokens=16))]
+
 RAISING_SELECT = '''
 def select(pool, n_rsrv, max_bs, n_slots):
     raise IndexError("my bug")
@@ -186,6 +197,38 @@ def test_a_piece_that_never_returns_is_stopped_within_its_bound_naming_the_line(
         raise NotImplementedError("a stub")
     with pytest.raises(NotImplementedError):
         run_bounded(stub, timeout_s=5.0, references=(describe,))
+
+
+@pytest.mark.parametrize("piece, system, signature, cfg", SLEEPING, ids=[c[1] for c in SLEEPING])
+def test_a_piece_blocked_in_one_c_call_is_named_at_its_line_though_it_cannot_be_stopped(tmp_path, piece, system,
+                                                                                        signature, cfg):
+    """``time.sleep`` holds the thread in C, where the watcher's stop waits for the call's end: the
+    engine's run (a thread of its own, ``guards.watched``) is given up after the grace, named, in
+    each system's engine; the process goes on (the next engine serves, with the learner's loop)."""
+    from orca_lab.course import ch03_iteration_level_scheduling as ch03
+    from orca_lab.workload import TraceItem
+    prompts = [[i + 1] * (4 + 3 * i) for i in range(6)]
+    gen = [30, 30, 5, 10, 10, 10]                   # the paged pool runs out: a victim is asked for
+    t = time.monotonic()
+    with pytest.raises(PieceFault, match=rf"your {piece} \(.*\.py:3\) did not return within 0\.3 s and cannot be "
+                                         rf"stopped: it is blocked in one call \(blocked at .*\.py:4\)") as e:
+        run_assembled(package(tmp_path / "p", piece, sleeping(signature)), system, cfg, prompts, gen, bound_s=0.3)
+    assert e.value.piece == piece and time.monotonic() - t < 30
+    if system != "orca":
+        return
+
+    def sleeping_loop(scheduler, executor, n_workers):
+        time.sleep(120)
+    engine = LLM("tiny", seed=0, engine=EngineConfig(max_bs=2, n_slots=256)).new_engine()
+    t = time.monotonic()
+    with pytest.raises(PieceFault, match=r"your loop \(.*\) made no progress .* within 0\.3 s and cannot be stopped: "
+                                         r"it is blocked in one call \(blocked at .*test_piece_guards\.py:\d+\)"):
+        ch03.run_loop(engine, sleeping_loop, [TraceItem(0.0, (1, 2, 3), 3)], bound_s=0.3)
+    assert time.monotonic() - t < 30
+    from tests.test_graders import loop_with
+    engine = LLM("tiny", seed=0, engine=EngineConfig(max_bs=2, n_slots=256)).new_engine()
+    done = ch03.run_loop(engine, loop_with(), [TraceItem(0.0, (1, 2, 3), 3)], bound_s=0.3)
+    assert [len(r.output) for r in done.requests] == [3]
 
 
 def drops_full_batches(scheduler, executor, n_workers):

@@ -8,7 +8,7 @@ import random
 
 from orca_lab.config import EngineConfig, ModelConfig
 from orca_lab.course.bounded import PackageCode, TooSlow, refuse_package_code, run_bounded
-from orca_lab.course.guards import guarded, handed_out, same_tokens, select_answer, token_ids
+from orca_lab.course.guards import guarded, handed_out, same_tokens, select_answer, token_ids, watched
 from orca_lab.course.harness import (N_CASES, Mismatch, Piece, check_by_hand, correct, differ, mismatch, place_on, read,
                                      request)
 from orca_lab.engine.batch import Batch
@@ -228,11 +228,13 @@ def run_loop(engine, loop, trace, scheduler=None, bound_s: float | None = None):
     executor, n_workers)`` (notebook 03, extended to ``n_workers`` batches in flight in 08) in place
     of ``Engine.run``'s: the engine's ``RunResult``. ``scheduler``: what the loop drives, if not the
     engine's (requests arriving: ``arrivals.py``). The loop is guarded (``guards.py``): bounded by
-    ``bound_s`` between its calls into the scheduler and executor, and stopped by a piece's fault."""
+    ``bound_s`` between its calls into the scheduler and executor, and stopped by a piece's fault,
+    in a thread of its own (``guards.watched``: one blocked where no stop lands is named all the same)."""
     start = engine.clock.now()
     for it in trace:
         engine.add_request(list(it.prompt), it.sampling_params(), arrival=start)
-    guarded({"loop": loop}, bound_s)["loop"](scheduler or engine.scheduler, LoopExecutor(engine), engine.n_workers)
+    watched(guarded({"loop": loop}, bound_s)["loop"], scheduler or engine.scheduler, LoopExecutor(engine),
+            engine.n_workers)
     if engine.has_work():
         raise AssertionError(f"your loop returned with work left: {engine.scheduler.n_waiting} requests "
                              f"waiting, {engine.n_scheduled} batches in flight")

@@ -13,6 +13,9 @@ state, which would give wrong text with 200 OK.
   piece calls back into the package, the package's time does not count: the bound is on the
   learner's own code between two calls. The learner's ``loop``, which drives the scheduler and
   executor, is bounded in its time without progress: between two batches submitted or come back.
+  A stop lands at the next bytecode, so a piece blocked in one C call (``time.sleep``) holds it off;
+  the capstone's runs go on in a thread of their own (``watched``), given up and named when a stop
+  has not landed within ``GRACE_S`` (a server's watchdog names such a piece: 503 on /health).
 - The checks, with the truth each wrapper keeps:
   ``SlotManager`` (ch. 05): slots handed out are ``n`` distinct ids of the pool held by no other
   request; ``n_reserved`` and ``can_reserve`` agree with what is held; once no request holds a slot,
@@ -41,6 +44,7 @@ cell fails with it; a server fails every request in flight with its message (HTT
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 import time
 import traceback
@@ -67,10 +71,10 @@ class PieceFault(AssertionError):
 
 # -- the bound -------------------------------------------------------------------------------------
 class _Call:
-    __slots__ = ("bound_s", "deadline", "fired", "start")
+    __slots__ = ("bound_s", "deadline", "fired", "start", "stuck")
 
-    def __init__(self, bound_s: float | None):
-        self.bound_s, self.fired, self.start = bound_s, False, time.monotonic()
+    def __init__(self, bound_s: float | None, stuck=None):
+        self.bound_s, self.fired, self.start, self.stuck = bound_s, None, time.monotonic(), stuck
         self.deadline = None if bound_s is None else self.start + bound_s
 
 
@@ -83,11 +87,12 @@ class _Watcher:
         self.stacks: dict[int, list[_Call]] = {}
         self.thread: threading.Thread | None = None
 
-    def run(self, fn, bound_s, args, kwargs, then=None):
+    def run(self, fn, bound_s, args, kwargs, then=None, stuck=None):
         """``fn(*args, **kwargs)`` under ``bound_s`` (None: unbounded); ``_Stopped`` if it ran past it.
         ``then(value)``: what its return does to the outer call's clock: "restart" it (the default),
-        "pause" it (the call's time not counted), or "count" (the call's time counted)."""
-        tid, call, outer = threading.get_ident(), _Call(bound_s), "restart"
+        "pause" it (the call's time not counted), or "count" (the call's time counted). ``stuck(where)``:
+        the fault to name if its stop cannot land (``watched``)."""
+        tid, call, outer = threading.get_ident(), _Call(bound_s, stuck), "restart"
         try:
             with self.lock:
                 self.stacks.setdefault(tid, []).append(call)
@@ -98,7 +103,7 @@ class _Watcher:
             outer = then(value) if then else outer
         finally:
             self._leave(tid, call, outer)
-        if call.fired:              # it returned past its bound, before the stop landed
+        if call.fired is not None:  # it returned past its bound, before the stop landed
             raise _Stopped
         return value
 
@@ -119,7 +124,7 @@ class _Watcher:
                             if not stack:
                                 del self.stacks[tid]
                     popped = True
-                if call.fired:
+                if call.fired is not None:
                     _let_land()
                 return
             except _Stopped:
@@ -132,12 +137,56 @@ class _Watcher:
             with self.lock:
                 for tid, stack in self.stacks.items():
                     top = stack[-1]
-                    if not top.fired and top.deadline is not None and now > top.deadline:
-                        top.fired = True
+                    if top.fired is None and top.deadline is not None and now > top.deadline:
+                        top.fired = now
                         interrupt(tid)
+
+    def stuck(self, tid: int, grace_s: float):
+        """The fault of a call of thread ``tid`` whose stop fired ``grace_s`` ago and has not landed
+        (an asynchronous exception waits for the end of the C call the thread is in), else None."""
+        with self.lock:
+            stack = list(self.stacks.get(tid, ()))
+        fired = [c for c in stack if c.fired is not None and time.monotonic() - c.fired > grace_s]
+        named = [c for c in stack[:stack.index(fired[-1]) + 1] if c.stuck] if fired else []
+        if not named:
+            return None
+        frame = sys._current_frames().get(tid)
+        where = _frame_where(frame, lambda filename: not filename.startswith(PACKAGE)) if frame else None
+        return named[-1].stuck(f" (blocked at {where})" if where else "")
 
 
 _WATCHER = _Watcher()
+GRACE_S = 2.0           # how long a fired stop may take to land before ``watched`` gives up on its thread
+
+
+def watched(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` (an engine serving with the learner's pieces) in a thread of its own,
+    the caller waiting for it: a piece whose stop cannot land (blocked in one C call: ``time.sleep``,
+    a lock, a read) still ends the wait, as its ``PieceFault`` naming the line it is blocked at. That
+    thread is left behind, a daemon holding an engine no one uses again. What ``fn`` returns or
+    raises comes back as if it had run here; an interrupt of the caller (Jupyter's stop) stops it too."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001  (raised again in the caller)
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="orca-pieces", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(TICK_S)
+            fault = _WATCHER.stuck(thread.ident, GRACE_S) if thread.is_alive() else None
+            if fault is not None:
+                raise fault
+    except KeyboardInterrupt:
+        interrupt(thread.ident, KeyboardInterrupt)
+        raise
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _let_land():
@@ -169,8 +218,10 @@ class Piece:
 
     def call(self, fn, *args, member: str | None = None, stalled: str = "did not return", **kwargs):
         bound_s = bounded.TIMEOUT_S if self.bound_s is None else self.bound_s
+        stuck = lambda where: self.fault(f"{stalled} within {bound_s:g} s and cannot be stopped: it is blocked "
+                                         f"in one call{where}", member)
         try:
-            return _WATCHER.run(fn, bound_s, args, kwargs)
+            return _WATCHER.run(fn, bound_s, args, kwargs, stuck=stuck)
         except _Stopped as e:
             raise self.fault(f"{stalled} within {bound_s:g} s{self._stopped_at(e)}", member) from None
 
@@ -345,7 +396,16 @@ class _CheckedAllocator(_Guarded):
 
 def _innermost(e: BaseException, keep) -> str | None:
     """``file:line`` of the innermost frame of ``e``'s traceback whose file ``keep`` accepts."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if keep(f.filename)]
+    return _last_kept(traceback.extract_tb(e.__traceback__), keep)
+
+
+def _frame_where(frame, keep) -> str | None:
+    """``file:line`` of the innermost frame of a running thread's stack whose file ``keep`` accepts."""
+    return _last_kept(traceback.extract_stack(frame), keep)
+
+
+def _last_kept(frames, keep) -> str | None:
+    frames = [f for f in frames if keep(f.filename)]
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
 
 

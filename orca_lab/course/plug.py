@@ -10,12 +10,13 @@ A new chapter is a new module (and its notebook): nothing here changes.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 import re
 
 from orca_lab import course
-from orca_lab.course.guards import guarded
+from orca_lab.course.guards import guarded, watched
 
 CHAPTER = re.compile(r"ch\d\d_\w+")
 
@@ -36,8 +37,11 @@ def assemble(engine, pieces: dict, tensor_ranks: int = 1, bound_s: float | None 
     chapters' order; the names plugged, in order. ``tensor_ranks`` (and ``options``) go to each piece's
     ``place``: above 1, the model runs on that many tensor-parallel ranks cut by the learner's split
     (refused, a ``ValueError``, without their ``split_linear`` and ``all_reduce``). Each piece runs
-    bounded by ``bound_s`` a call and checked (``guards.py``): a fault stops the engine naming it."""
+    bounded by ``bound_s`` a call and checked (``guards.py``): a fault stops the engine naming it. The
+    engine's ``run`` goes on in a thread of its own (``guards.watched``), so a piece blocked where no
+    stop lands still ends it, named."""
     pieces, plugged = guarded(pieces, bound_s), []
+    engine.run = functools.partial(watched, engine.run)
     for piece in PIECES.values():
         names = piece.plugged or (piece.name,)
         if piece.place is None or names[0] in plugged:
