@@ -5,6 +5,7 @@ Contexts cross the interpreter's split boundary (32 keys) so both the one-pass p
 split-and-merge path (FlashDecoding) run, the merge over more splits than it reads in one step too;
 head sizes 13 and 80 are masked tails of power-of-two blocks.
 """
+import json
 import math
 
 import numpy as np
@@ -260,30 +261,30 @@ def test_a_choice_timed_once_on_a_gpu_is_recalled_by_the_next_process_untimed(mo
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or cost[launched[-1]])
     monkeypatch.setenv("ORCA_LAB_TUNING_CACHE", str(tmp_path / "cache"))
     key = ("prefill", "fresh-tma", 90, 40, 40, 128, "bf16", 2048, 8192)
-    assert LaunchTuner().choose(key, ["a", "b", "c"], launched.append, on_gpu=True) == "b" and set(launched) == set(cost)
-    launched.clear()
+
+    def choose(tuner=None, candidates=("a", "b", "c"), k=key):
+        launched.clear()
+        return (tuner or LaunchTuner()).choose(k, list(candidates), launched.append, on_gpu=True)
+
+    assert choose() == "b" and set(launched) == set(cost)
     again = LaunchTuner()
-    assert again.choose(key, ["a", "b", "c"], launched.append, on_gpu=True) == "b" and launched == []
+    assert choose(again) == "b" and launched == []
     assert again.timed[key] == cost and key in again.recalled
-    # settled, the store is read before a neighbour is borrowed
-    settled = LaunchTuner()
+    settled = LaunchTuner()                 # settled, the store is read before a neighbour is borrowed
     settled.best[key[:-2] + (1, 64)] = "c"
     settled.settle()
-    assert settled.choose(key, ["a", "b", "c"], launched.append, on_gpu=True) == "b" and launched == []
-    assert LaunchTuner().choose(key, ["a", "c"], launched.append, on_gpu=True) == "c" and set(launched) == {"a", "c"}
-    launched.clear()
+    assert choose(settled) == "b" and launched == []
+    assert choose(candidates=("a", "c")) == "c" and set(launched) == {"a", "c"}
     real = _tuning.fingerprint()
-    monkeypatch.setattr(_tuning, "fingerprint", lambda: {**real, "device": "another GPU"})
-    assert LaunchTuner().choose(key, ["a", "b", "c"], launched.append, on_gpu=True) == "b" and set(launched) == set(cost)
-    monkeypatch.setattr(_tuning, "fingerprint", lambda: {**real, "kernels": "edited"})
-    launched.clear()
-    assert LaunchTuner().choose(key, ["a", "b", "c"], launched.append, on_gpu=True) == "b" and set(launched) == set(cost)
+    for changed in ({"device": "another GPU"}, {"kernels": "edited"}):
+        monkeypatch.setattr(_tuning, "fingerprint", lambda changed=changed: {**real, **changed})
+        assert choose() == "b" and set(launched) == set(cost)
     monkeypatch.setenv("ORCA_LAB_TUNE", "0")
-    assert LaunchTuner().choose(key, ["a", "b", "c"], launched.append, on_gpu=True) == "a"
+    assert choose() == "a" and launched == []
     monkeypatch.setenv("ORCA_LAB_TUNE", "1")
     monkeypatch.setenv("ORCA_LAB_TUNING_CACHE", "0")
     before = sorted((tmp_path / "cache").iterdir())
-    assert LaunchTuner().choose(key[:-1] + (1,), ["a", "b"], launched.append, on_gpu=True) == "b"
+    assert choose(candidates=("a", "b"), k=key[:-1] + (1,)) == "b"
     assert sorted((tmp_path / "cache").iterdir()) == before
 
 
@@ -305,6 +306,8 @@ def test_a_store_that_cannot_be_written_or_read_costs_only_the_recall(monkeypatc
     store.keep(("k", 1), "b", {"a": 2.0, "b": 1.0})
     store._path(("k", 1)).write_text("[1, 2]")
     assert store.recall(("k", 1), ["a", "b"]) is None
+    store._path(("k", 1)).write_text(json.dumps({"choice": repr("b"), "timed_ms": [1]}))   # the choice, no times
+    assert store.recall(("k", 1), ["a", "b"]) == ("b", {})
 
 
 def test_tf32_is_a_validated_engine_option():

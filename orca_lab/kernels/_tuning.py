@@ -86,7 +86,9 @@ class ChoiceStore:
         by_name = {repr(c): c for c in candidates}
         if not isinstance(saved, dict) or saved.get("choice") not in by_name:
             return None
-        return by_name[saved["choice"]], {by_name[n]: ms for n, ms in saved.get("timed_ms", {}).items() if n in by_name}
+        timed = saved.get("timed_ms")
+        timed = timed.items() if isinstance(timed, dict) else ()
+        return by_name[saved["choice"]], {by_name[n]: ms for n, ms in timed if n in by_name}
 
     def keep(self, key, choice, timed: dict):
         """Write the choice; a folder that cannot be written leaves only this process's memory of it."""
@@ -177,7 +179,8 @@ class LaunchTuner:
 
 
 def _timings(candidates, launch, answer=None) -> dict:
-    """``{candidate: ms}``: each candidate that compiles and fits the device, timed (too much shared memory is skipped).
+    """``{candidate: ms}``: each candidate that compiles and fits the device, timed (one that needs too
+    much shared memory is skipped).
     One that fails otherwise here (a driver refusing a tensor descriptor, say) is skipped and named,
     so a run on an untried GPU goes on with the others. So is one whose ``answer()`` differs from the
     first candidate's that ran (the tile that also serves untuned): a tile that compiled but computes
