@@ -252,7 +252,7 @@ def test_a_settled_tuner_lends_one_paths_choice_to_the_other(monkeypatch):
 
 def test_a_choice_timed_once_on_a_gpu_is_recalled_by_the_next_process_untimed(monkeypatch, tmp_path):
     """The tuner's choices kept on disk (``ChoiceStore``): a second tuner (a restart, the benchmark
-    after a figure) takes the first's choice and its times without launching anything; a choice no
+    after a figure) takes the first's choice and its times untimed (one trial launch); a choice no
     longer among the candidates, another GPU model or changed kernels time anew; ``ORCA_LAB_TUNE=0``
     reads nothing; ``ORCA_LAB_TUNING_CACHE=0`` keeps nothing."""
     import triton
@@ -268,12 +268,12 @@ def test_a_choice_timed_once_on_a_gpu_is_recalled_by_the_next_process_untimed(mo
 
     assert choose() == "b" and set(launched) == set(cost)
     again = LaunchTuner()
-    assert choose(again) == "b" and launched == []
+    assert choose(again) == "b" and launched == ["b"]
     assert again.timed[key] == cost and key in again.recalled
     settled = LaunchTuner()                 # settled, the store is read before a neighbour is borrowed
     settled.best[key[:-2] + (1, 64)] = "c"
     settled.settle()
-    assert choose(settled) == "b" and launched == []
+    assert choose(settled) == "b" and launched == ["b"]
     assert choose(candidates=("a", "c")) == "c" and set(launched) == {"a", "c"}
     real = _tuning.fingerprint()
     for changed in ({"device": "another GPU"}, {"kernels": "edited"}):
@@ -308,6 +308,37 @@ def test_a_store_that_cannot_be_written_or_read_costs_only_the_recall(monkeypatc
     assert store.recall(("k", 1), ["a", "b"]) is None
     store._path(("k", 1)).write_text(json.dumps({"choice": repr("b"), "timed_ms": [1]}))   # the choice, no times
     assert store.recall(("k", 1), ["a", "b"]) == ("b", {})
+    store._path(("k", 1)).write_text(json.dumps({"choice": repr("b"), "timed_ms": {repr("a"): "3", repr("b"): 1}}))
+    assert store.recall(("k", 1), ["a", "b"]) == ("b", {"b": 1.0})
+    store._path(("k", 1)).write_text(json.dumps({"choice": ["b"]}))
+    assert store.recall(("k", 1), ["a", "b"]) is None
+    # a write that fails leaves no temporary file behind (here a folder stands where the record goes)
+    store._path(("k", 2)).mkdir()
+    with pytest.warns(RuntimeWarning, match="tuning cache"):
+        store.keep(("k", 2), "a", {"a": 1.0})
+    assert not list(store.folder.glob("*.tmp"))
+
+
+def test_a_recalled_tile_that_fails_to_launch_here_is_timed_anew(monkeypatch, tmp_path):
+    """What an earlier process timed on this GPU model may not run here (another driver refusing a
+    tensor descriptor): it is launched once before it is trusted, and if it fails, forgotten, named,
+    and the candidates are timed again."""
+    import triton
+    monkeypatch.setenv("ORCA_LAB_TUNING_CACHE", str(tmp_path))
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or {"a": 2.0, "b": 1.0}[launch.last])
+    broken = set()
+
+    def launch(cfg):
+        if cfg in broken:
+            raise RuntimeError("Triton Error [CUDA]: invalid argument")
+        launch.last = cfg
+    assert LaunchTuner().choose(("k", 1), ["a", "b"], launch, on_gpu=True) == "b"
+    broken.add("b")
+    with pytest.warns(RuntimeWarning, match="configuration b, timed by an earlier process, fails here .*invalid argument"):
+        assert LaunchTuner().choose(("k", 1), ["a", "b"], launch, on_gpu=True) == "a"
+    broken.clear()
+    again = LaunchTuner()
+    assert again.choose(("k", 1), ["a", "b"], launch, on_gpu=True) == "a" and ("k", 1) in again.recalled
 
 
 def test_tf32_is_a_validated_engine_option():

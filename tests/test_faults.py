@@ -273,6 +273,14 @@ def test_the_watchdog_names_where_a_turn_is_stuck_and_when_it_returns(tmp_path):
     assert "your test_the_watchdog_names_where_a_turn_is_stuck_and_when_it_returns (" in why and \
         "a piece plugged with --plugins" in why
     assert said[1:] == [("progress",)]
+    said.clear(), stalled.clear()
+
+    def learners_loop():       # a plugged loop drives the turns from a thread of its own (guards.watched)
+        with dog.turn():
+            assert stalled.wait(10)
+    thread = threading.Thread(target=learners_loop)
+    thread.start(), thread.join(20)
+    assert "your learners_loop (" in said[0][1], said
 
 
 def _completion(req):

@@ -7,6 +7,7 @@ import os
 import random
 import resource
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -152,6 +153,18 @@ def test_a_body_over_the_limit_is_refused_before_it_is_held_and_the_server_goes_
         r = http.post("/v1/completions", content=iter([b'{"prompt": [1, 2], ', b'"max_tokens": 2}']),
                       headers={"content-type": "application/json"})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
+    # raw HTTP: a small length declared beside a chunked body (which frames it) is no way past the limit;
+    # a client asking to continue a body over the limit is answered before it sends any
+    host, port = server.url.removeprefix("http://").split(":")
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+    chunk = b"%x\r\n%s\r\n" % (1 << 20, b"a" * (1 << 20))
+    for extra, body in (("Content-Length: 31\r\nTransfer-Encoding: chunked\r\n",
+                         chunk * ((MAX_BODY_BYTES >> 20) + 1) + b"0\r\n\r\n"),
+                        (f"Content-Length: {10 * MAX_BODY_BYTES}\r\nExpect: 100-continue\r\n", b"")):
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall((head + extra + "\r\n").encode() + body)
+            assert sock.recv(64).startswith(b"HTTP/1.1 413"), extra
+    assert client.completions.create(model="tiny", prompt="still", max_tokens=2).usage.completion_tokens <= 2
 
 
 def test_a_dropped_stream_frees_its_slots(server):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pandas as pd
 
 from orca_lab.course.ch03_iteration_level_scheduling import run_loop
+from orca_lab.course.guards import watched
 from orca_lab.course.plug import assemble
 from orca_lab.metrics import summarize
 
@@ -88,10 +89,11 @@ def run_arriving(engine, loop, trace):
 def gap(llm, pieces: dict, trace, systems=("orca", "ft")) -> pd.DataFrame:
     """``trace`` (Poisson arrivals) served on this machine by each system twice: the package's engine,
     and the learner's (every piece of ``pieces`` plugged, their ``loop`` driving it). Throughput and
-    median normalised latency (``orca-lab compare``'s columns), one row per (engine, system)."""
+    median normalised latency (``orca-lab compare``'s columns), one row per (engine, system). Both run
+    in a thread of their own, as the learner's must (``guards.watched``): like for like."""
     rows = []
     for system in systems:
-        rows.append({"engine": "package", **summarize(llm.serve(trace, system=system))})
+        rows.append({"engine": "package", **summarize(watched(llm.serve, trace, system=system))})
         engine = llm.new_engine(system)
         try:
             assemble(engine, pieces)

@@ -18,6 +18,7 @@ the benchmark after a figure, or a worker beside its engine time nothing already
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -40,8 +41,8 @@ def timing_allowed() -> bool:
 
 
 def tuning_cache() -> Path | None:
-    """Where timed choices are kept between processes: ``$ORCA_LAB_TUNING_CACHE`` if set (``0``:
-    nowhere, every process times its own), else ``~/.cache/orca_lab/tuning``."""
+    """Where timed choices are kept between processes: ``$ORCA_LAB_TUNING_CACHE`` (``0``: nowhere,
+    every process times its own), or where it is unset or empty ``~/.cache/orca_lab/tuning``."""
     where = os.environ.get("ORCA_LAB_TUNING_CACHE")
     if where == "0":
         return None
@@ -78,30 +79,43 @@ class ChoiceStore:
         return self.folder / f"{hashlib.sha256(name.encode()).hexdigest()[:32]}.json"
 
     def recall(self, key, candidates):
-        """``(choice, {candidate: ms})`` as timed by an earlier process, or None."""
+        """``(choice, {candidate: ms})`` as timed by an earlier process, or None (no record, or one
+        of another shape: a file is data, never trusted to be ours)."""
         try:
             saved = json.loads(self._path(key).read_text())
         except (OSError, ValueError):
             return None
         by_name = {repr(c): c for c in candidates}
-        if not isinstance(saved, dict) or saved.get("choice") not in by_name:
+        choice = saved.get("choice") if isinstance(saved, dict) else None
+        if not isinstance(choice, str) or choice not in by_name:
             return None
         timed = saved.get("timed_ms")
         timed = timed.items() if isinstance(timed, dict) else ()
-        return by_name[saved["choice"]], {by_name[n]: ms for n, ms in timed if n in by_name}
+        return by_name[choice], {by_name[n]: float(ms) for n, ms in timed
+                                 if n in by_name and isinstance(ms, (int, float))}
 
     def keep(self, key, choice, timed: dict):
-        """Write the choice; a folder that cannot be written leaves only this process's memory of it."""
+        """Write the choice; a folder that cannot be written leaves only this process's memory of it
+        (and no half-written file)."""
         record = {"key": [str(k) for k in key], **fingerprint(), "choice": repr(choice),
                   "timed_ms": {repr(c): ms for c, ms in timed.items()}}
+        written = None
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("w", dir=self.folder, suffix=".tmp", delete=False) as f:
+                written = f.name
                 json.dump(record, f, indent=1)
-            os.replace(f.name, self._path(key))
+            os.replace(written, self._path(key))
         except OSError as e:
+            if written is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(written)
             warnings.warn(f"tuning cache {self.folder}: {e}; the choice is kept in this process only",
                           RuntimeWarning, stacklevel=3)
+
+    def forget(self, key):
+        with contextlib.suppress(OSError):
+            self._path(key).unlink()
 
 
 def bucket(n: int) -> int:
@@ -133,8 +147,14 @@ class LaunchTuner:
         if got is not None:
             return got
         timing = on_gpu and len(candidates) > 1 and timing_allowed()
+        capturing = timing and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         store = ChoiceStore(tuning_cache()) if timing and tuning_cache() else None
-        recalled = store.recall(key, candidates) if store else None
+        recalled = store.recall(key, candidates) if store and not capturing else None
+        if recalled and (failed := _fails(recalled[0], launch)):   # another driver, say: time anew
+            warnings.warn(f"launch configuration {recalled[0]}, timed by an earlier process, fails here "
+                          f"({failed}): timing anew", RuntimeWarning, stacklevel=3)
+            store.forget(key)
+            recalled = None
         near = self.borrow(key, candidates, like, as_own) if self.settled and not recalled else None
         if recalled:
             got, self.timed[key] = recalled
@@ -143,7 +163,7 @@ class LaunchTuner:
             got = near
         elif not timing:
             got = candidates[0]
-        elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        elif capturing:
             return candidates[0]           # no timing inside a CUDA graph capture: warm up first
         else:
             self.timed[key] = _timings(candidates, launch, answer)
@@ -176,6 +196,15 @@ class LaunchTuner:
 
         same = [k for k in self.best if k[:-2] == kind]
         return self.best[min(same, key=distance)] if same else None
+
+
+def _fails(cfg, launch) -> str:
+    """'' where ``launch(cfg)`` runs, else what it raised."""
+    try:
+        launch(cfg)
+    except Exception as e:  # noqa: BLE001  (any failure: the caller times the candidates anew)
+        return f"{type(e).__name__}: {e}"
+    return ""
 
 
 def _timings(candidates, launch, answer=None) -> dict:

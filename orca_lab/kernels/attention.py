@@ -802,7 +802,7 @@ def _launch_decode(q, k_pool, v_pool, out, slot_ids, cu_q, cu_k, scale, plan, cf
                 num_warps=4 if on_gpu else 1)
 
     if cfg is None:
-        key = ("decode", H, n_kv, D, q.dtype, bucket(n), bucket(plan.max_kv))
+        key = ("decode", H, n_kv, D, q.dtype, precision, bucket(n), bucket(plan.max_kv))
         cands = decode_routes(D, H, group, q.dtype.itemsize, compute_capability(q.device.index)) if on_gpu \
             else [interpreter_decode(H, group)]
         cfg = _TUNER.choose(key, cands, launch, on_gpu, answer=lambda: out)

@@ -283,9 +283,11 @@ class _StampArrival:
 class _BodyLimit:
     """ASGI middleware: a body over ``limit`` bytes is refused (413) before anything holds it whole, so
     one client cannot make the server parse gigabytes of JSON. A declared length is judged at once (the
-    HTTP parser ends the body there); a chunked body is read up to the limit, then handed on. The rest
-    of a refused body is read and dropped (up to ``DRAIN`` limits) before the answer: a socket closed
-    on unread bytes is reset, and a reset can destroy the answer before the client reads it."""
+    HTTP parser ends the body there), unless the body comes chunked (which then frames it, whatever
+    length was declared beside): a chunked body is read up to the limit, then handed on. The rest of a
+    refused body is read and dropped (up to ``DRAIN`` limits) before the answer, as a socket closed on
+    unread bytes is reset, which can destroy the answer before the client reads it; a client waiting
+    for ``100 Continue`` has sent none, and is answered at once."""
 
     DRAIN = 8
 
@@ -295,12 +297,14 @@ class _BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        declared = None if b"transfer-encoding" in headers else headers.get(b"content-length")
         if declared is not None:
             if declared.isdigit() and int(declared) > self.limit:
-                return await self._refuse(scope, receive, send, f"is {int(declared)} bytes", True)
+                sent = headers.get(b"expect", b"").lower() != b"100-continue"
+                return await self._refuse(scope, receive, send, f"is {int(declared)} bytes", sent)
             return await self.app(scope, receive, send)
-        body, message = b"", {"more_body": True}
+        body, message = bytearray(), {"more_body": True}
         while message.get("more_body"):
             message = await receive()
             if message["type"] != "http.request":        # the client left: the app hears it
@@ -308,7 +312,8 @@ class _BodyLimit:
             body += message.get("body", b"")
             if len(body) > self.limit:
                 return await self._refuse(scope, receive, send, "runs past that", message.get("more_body"))
-        await self.app(scope, _replaying({"type": "http.request", "body": body, "more_body": False}, receive), send)
+        await self.app(scope, _replaying({"type": "http.request", "body": bytes(body), "more_body": False}, receive),
+                       send)
 
     async def _refuse(self, scope, receive, send, size: str, more: bool):
         left = self.DRAIN * self.limit

@@ -35,6 +35,9 @@ class Watchdog:
 
     @contextlib.contextmanager
     def turn(self):
+        # the thread of the turn is the one to read: a learner's loop runs in a thread of its own
+        # (``course.guards.watched``), which enters the turns it drives
+        self.loop_thread = threading.get_ident()
         self.since = time.monotonic()
         try:
             yield
