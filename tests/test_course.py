@@ -156,8 +156,14 @@ def private_names_reached(course_dir: Path) -> list[str]:
                 modules |= {a.asname or a.name.split(".")[0] for a in node.names if not a.name.startswith("orca_lab.course")}
         found += [f"{path.name}: {n.value.id}.{n.attr}" for n in ast.walk(ast.parse(path.read_text()))
                   if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in modules
-                  and n.attr.startswith("_") and not n.attr.startswith("__")]
+                  and n.attr.startswith("_") and not n.attr.startswith("__")
+                  and f"{n.value.id}.{n.attr}" not in DOCUMENTED]
     return found
+
+
+# Underscored names the standard library documents as its interface: the one way to read another
+# thread's stack (the capstone names the line a blocked piece is stuck at).
+DOCUMENTED = {"sys._current_frames"}
 
 
 def test_the_course_reaches_the_engine_through_public_names_only():
