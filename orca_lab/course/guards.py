@@ -465,14 +465,21 @@ def _answered(fn, pool, *args):
         return None
 
 
+def _answer(piece: Piece, among, args, pair: str, foreign: str) -> tuple:
+    """The learner's ``select`` or ``form_batch`` called on ``args``, its answer read as ``(requests of
+    among, int)`` (``_answered``), or its fault: no such ``pair``, or a ``foreign`` request."""
+    out = piece.call(_answered, piece.obj, among, *args)
+    if out is None:
+        raise piece.fault(f"returned no ({pair}): a list of requests and an int")
+    if None in out[0]:
+        raise piece.fault(foreign)
+    return out
+
+
 def _checked_select(piece: Piece):
     def select(pool, n_rsrv, max_bs, n_slots):
-        out = piece.call(_answered, piece.obj, pool, pool, n_rsrv, max_bs, n_slots)
-        if out is None:
-            raise piece.fault("returned no (batch, n_rsrv): a list of requests and an int")
-        batch, n_out = out
-        if None in batch:
-            raise piece.fault("chose something that is not a request of the pool it was given")
+        batch, n_out = _answer(piece, pool, (pool, n_rsrv, max_bs, n_slots), "batch, n_rsrv",
+                               "chose something that is not a request of the pool it was given")
         _check_algorithm_1(piece, pool, batch, n_rsrv, n_out, max_bs, n_slots)
         return batch, n_out
     return select
@@ -517,12 +524,8 @@ def _checked_form_batch(piece: Piece):
     formation that takes none while requests wait and slots fit would leave the engine spinning."""
     def form_batch(waiting, kv, max_bs, max_seq_len):
         before = list(waiting)          # read against it: the call takes requests off waiting
-        out = piece.call(_answered, piece.obj, before, waiting, kv, max_bs, max_seq_len)
-        if out is None:
-            raise piece.fault("returned no (batch, first_q_len): a list of requests and an int")
-        batch, first = out
-        if None in batch:
-            raise piece.fault("took something that is not a request of waiting")
+        batch, first = _answer(piece, before, (waiting, kv, max_bs, max_seq_len), "batch, first_q_len",
+                               "took something that is not a request of waiting")
         ids, k, shortest = [r.rid for r in batch], len(batch), min((len(r.prompt) for r in batch), default=0)
         if batch != before[:k]:
             raise piece.fault(f"took requests {ids} of waiting {[r.rid for r in before]}: the baseline takes the "

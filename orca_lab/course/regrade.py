@@ -63,6 +63,8 @@ class Verdict:
         return f"  {self.name:14s} chapter {self.chapter}  NOT DONE ({why})"
 
 
+# ``run``: the bound as this module was imported (a default, taken then): a package that replaces
+# ``run_bounded`` in ``sys.modules`` when it is imported does not unbound its own grading.
 def _verdict(grader, objects, what: str, chapter: str, timeout_s: float | None, run=run_bounded) -> str:
     try:
         with contextlib.redirect_stdout(io.StringIO()):          # each grader's "correct: ..." line

@@ -148,7 +148,8 @@ class LaunchTuner:
             return got
         timing = on_gpu and len(candidates) > 1 and timing_allowed()
         capturing = timing and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        store = ChoiceStore(tuning_cache()) if timing and tuning_cache() else None
+        folder = tuning_cache() if timing else None
+        store = ChoiceStore(folder) if folder else None
         recalled = store.recall(key, candidates) if store and not capturing else None
         if recalled and (failed := _fails(recalled[0], launch)):   # another driver, say: time anew
             warnings.warn(f"launch configuration {recalled[0]}, timed by an earlier process, fails here "
