@@ -253,12 +253,19 @@ def _decode_attention_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    # The next block's slot ids are loaded a step ahead and a block's K and V together, so no load
+    # waits on another of the same step: the loads of a step are in flight at once (Triton does not
+    # pipeline these loads through shared memory, as they feed no tl.dot; compiled for sm_90, 96-101
+    # registers a thread became 102-128, none spilled).
+    slots = tl.load(slot_ptr + k_start + lo + offs_n, mask=lo + offs_n < hi, other=0).to(tl.int64)
     for start in range(lo, hi, BLOCK_N):
         n = start + offs_n
         mask_n = n < hi
-        slots = tl.load(slot_ptr + k_start + n, mask=mask_n, other=0).to(tl.int64)
+        nxt = n + BLOCK_N
+        next_slots = tl.load(slot_ptr + k_start + nxt, mask=nxt < hi, other=0).to(tl.int64)
         mask = mask_n[:, None, None] & mask_kv
         k = tl.load(k_ptr + slots[:, None, None] * stride_kn + k_cols, mask=mask, other=0.0)
+        v = tl.load(v_ptr + slots[:, None, None] * stride_vn + v_cols, mask=mask, other=0.0)
         s = tl.sum(k.to(tl.float32) * q[None, :, :], 2)                           # [BLOCK_N, BLOCK_H]
         s = tl.where(mask_n[:, None], s, float("-inf"))
         # Key `start` is valid, so m_new is finite from the first block on: no -inf - -inf.
@@ -266,9 +273,9 @@ def _decode_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[None, :])
         l_i = l_i * alpha + tl.sum(p, 0)
-        v = tl.load(v_ptr + slots[:, None, None] * stride_vn + v_cols, mask=mask, other=0.0)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32), 0)
         m_i = m_new
+        slots = next_slots
 
     if SPLIT:  # partial results, merged by _decode_reduce_kernel (a split past the context stays empty)
         base = (i * n_heads + offs_h) * tl.num_programs(2) + split
@@ -575,8 +582,9 @@ def decode_routes(head_size: int, n_heads: int, group: int, elem_bytes: int, arc
     serves untuned), then the ragged kernel's 16-row query tile over them, the same tile the prefill
     tuner times. On an H200 the ragged kernel read the benchmark's decode case at 88% of the bandwidth
     floor and the decode kernel at 40-49% (docs/results/gpu_h200/): compiled for sm_90, the decode
-    kernel keeps no copy in flight, its slot ids, K and V waited for in turn, while the ragged kernel
-    prefetches slot ids a block ahead and pipelines K and V through shared memory."""
+    kernel then waited for each block's slot ids, then its K, then its V, while the ragged kernel
+    prefetches slot ids a block ahead and pipelines K and V through shared memory. The decode kernel
+    now loads slot ids a block ahead and K with V (not yet timed on a GPU)."""
     ragged = [c for c in prefill_candidates(head_size, elem_bytes, arch) if c.block_m == 16]
     return [*decode_candidates(head_size, n_heads, group), *ragged]
 
