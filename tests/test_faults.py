@@ -8,6 +8,7 @@ The fault is real, not mocked: a checkpoint whose position embedding at ``POISON
 whose context reaches that position gets nan logits from there on (its own rows only: selective
 batching keeps requests apart), exactly as a model whose numerics blow up for one input does."""
 import asyncio
+import contextlib
 import dataclasses
 import json
 import threading
@@ -94,6 +95,32 @@ def test_a_request_that_fails_on_workers_fails_alone(poisoned):
     with WorkerPool(llm):
         for system in ("orca", "ft"):
             check(llm.complete(PROMPTS, N_GEN, system, ignore_eos=True), alone)
+
+
+# A prompt whose middle chunk holds the nan position (chunks of 12: 0-11, 12-23, 24-27): that chunk
+# draws no token, and its K/V at 12-19 turn nan too (masked attention weighs the hidden value by 0,
+# and 0 x nan is nan). SHARER shares its clean first 16 tokens (4 blocks of 4) and, with its
+# N_SHARER tokens, never reaches POISON itself.
+SPILLER = list(range(60, 76)) + list(range(80, 92))
+SHARER, N_SHARER = SPILLER[:16] + [1], 3
+
+
+@pytest.mark.parametrize("workers", [False, True], ids=["in process", "2 pipeline stages"])
+def test_a_chunk_that_meets_the_fault_hands_none_of_it_to_a_request_sharing_its_prefix(poisoned, workers):
+    """chunked with prefix caching: a prompt's blocks wait for its first token before they are
+    cached, so the request after it (or beside it) that shares the prefix gets its tokens alone."""
+    path, _ = poisoned
+    config = EngineConfig(**{**SETTINGS, "max_num_batched_tokens": 12}, prefix_caching=True,
+                          pipeline_parallel=2 if workers else 1)
+    llm = LLM.from_pretrained(path, engine=config)
+    alone = LLM.from_pretrained(path).complete([SHARER], N_SHARER, ignore_eos=True)[0].token_ids
+    with WorkerPool(llm) if workers else contextlib.nullcontext():
+        for prompts in ([SPILLER], [SHARER], [SPILLER, SHARER], [SHARER]):
+            *_, last = llm.complete(prompts, N_SHARER, "chunked", ignore_eos=True)
+            if prompts[-1] is SHARER:
+                assert (last.finish_reason, len(last.token_ids)) == ("length", N_SHARER) and last.token_ids == alone
+            else:
+                assert last.finish_reason == "error" and "nan" in last.error
 
 
 class Fragile:

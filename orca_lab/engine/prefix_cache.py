@@ -8,10 +8,17 @@ crafted prompt could collide with another's name and be served K/V computed from
 name is only where to look: a block is found under it when what it was registered with, its
 parent's name and its own tokens, equals the request's (``lookup``). So a collision of names, even
 one forced on a cheap digest, never serves a block whose tokens differ from the request's; that no
-two different earlier prefixes share a parent's name rests on SHA-256, as in vLLM. Once an iteration has written a full block's K/V, the block is registered under
-that name. A new request starts with the longest run of its context's full blocks that are
+two different earlier prefixes share a parent's name rests on SHA-256, as in vLLM. Once an iteration has written a full block's K/V
+and drawn a token from it, the block is registered under that name. A new request starts with the longest run of its context's full blocks that are
 registered: it holds them by reference count and prefills only the rest, always its last token at
 least (that token's logits give its first output token).
+
+A prompt's blocks wait for its first token (vLLM registers a block as soon as it is written): the
+chunks before it draw none, and a chunk's K/V may hold a later position's NaN (masked attention
+still weighs a hidden value by 0, and 0 x NaN is NaN), which only the row that samples shows. That
+row reads every earlier position, so a finite token vouches for all of them; a failed row's K/V is
+never offered (``Scheduler.on_batch_return``), and one request's fault is not handed to the next
+request that shares its prefix.
 
 A block whose count drops to 0 stays cached while free: it counts as free (admission and growth may
 take it), and is evicted, least recently freed first, only when no never-used block is left. When a
@@ -132,6 +139,7 @@ class PrefixCachingBlockManager(BlockManager):
         self.refs = BlockRefs(self.lru)               # block -> requests holding it
         self._blocks: dict[int, list[int]] = {}       # rid -> its block table
         self._pads: dict[int, list[int]] = {}         # rid -> blocks of a row outside the cache (reserve)
+        self._offered: dict[int, int] = {}            # rid -> blocks of its table offered to the cache
         self.hit_tokens = 0                           # over first admissions: tokens found cached
         self.query_tokens = 0                         # over first admissions: prompt tokens looked up
         self.n_evictions = 0
@@ -188,6 +196,7 @@ class PrefixCachingBlockManager(BlockManager):
             req.n_prefix_hit = len(hit) * self.block_size
         self._holders[req.rid] = req
         self._blocks[req.rid] = []
+        self._offered[req.rid] = len(hit)
         if hit:
             for b in hit:
                 self._hold(b)
@@ -250,15 +259,17 @@ class PrefixCachingBlockManager(BlockManager):
             req.slots = self._extend(req, held, new)
 
     def cache(self, req, n_cached: int):
-        """``req``'s first ``n_cached`` tokens now hold K/V: the full blocks among them are registered
-        under their names (unless a block already is: an equal one stays the cached one, and a
-        colliding one keeps the name)."""
+        """``req``'s first ``n_cached`` tokens now hold K/V. Where they are its whole context (its row
+        draws a token from them, which vouches for them), its full blocks not yet offered are
+        registered under their names (unless a block already is: an equal one stays the cached one,
+        and a colliding one keeps the name); a prompt's earlier chunks wait for that row."""
         old = req.n_cached
         if req.slots is not None and n_cached > old:
             self.n_used += min(n_cached, len(req.slots)) - min(old, len(req.slots))
             table, bs = self._blocks[req.rid], self.block_size
-            lo, hi = old // bs, min(n_cached // bs, len(table))
-            if hi > lo:
+            lo, hi = self._offered.get(req.rid, 0), min(n_cached // bs, len(table))
+            if hi > lo and n_cached == req.context_len:
+                self._offered[req.rid] = hi
                 tokens = req.prompt + req.output
                 hashes = req.block_hashes = chain_hashes(tokens, bs, hi, req.block_hashes)
                 for i in range(lo, hi):
@@ -280,6 +291,7 @@ class PrefixCachingBlockManager(BlockManager):
             req.slots = None
             return
         del self._holders[req.rid]
+        self._offered.pop(req.rid, None)
         table = self._blocks.pop(req.rid)
         index = {b: i for i, b in enumerate(table)}
         for b in self.refs.release(table, self.hash_of):
