@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from orca_lab.config import check_range
+from orca_lab.engine.fields import check_arrival
 from orca_lab.engine.sampling_params import SamplingParams
 
 MAX_TRACE_REQUESTS = 10_000_000     # requests a trace may hold
@@ -375,12 +376,9 @@ def load_trace(path) -> list[TraceItem]:
 def _parse_item(obj) -> TraceItem:
     if not isinstance(obj, dict):
         raise TypeError("each line must be a JSON object with arrival, prompt, max_gen_tokens")
-    arrival = obj["arrival"]
-    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not math.isfinite(arrival) \
-            or arrival < 0:
-        raise ValueError(f"arrival={arrival!r} must be a finite number >= 0")
+    arrival = check_arrival(obj["arrival"])
     prompt = obj["prompt"]
     if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and t >= 0 for t in prompt):
         raise ValueError("prompt must be a non-empty list of token ids >= 0")
     check_range("max_gen_tokens", obj["max_gen_tokens"], 1, 1 << 20)
-    return TraceItem(float(arrival), tuple(prompt), obj["max_gen_tokens"])
+    return TraceItem(arrival, tuple(prompt), obj["max_gen_tokens"])

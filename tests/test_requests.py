@@ -6,6 +6,7 @@ from helpers import random_prompts
 
 from orca_lab import LLM, EngineConfig, SamplingParams
 from orca_lab.engine.request import RequestState
+from orca_lab.workload import TraceItem
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -178,6 +179,20 @@ def test_add_request_refuses_and_adds_nothing(tiny_llm, prompt, kw, match):
     with pytest.raises(ValueError, match=match):
         engine.add_requests([((5, 6), SamplingParams(), None), (prompt, SamplingParams(**kw), None)])
     assert engine.requests == [] and not engine.has_work()
+
+
+@pytest.mark.parametrize("arrival", [float("nan"), float("inf"), 1e12, -1.0, "0"])
+def test_an_arrival_no_clock_reaches_is_refused_naming_its_item(tiny_llm, arrival):
+    """A nan arrival never comes (the engine waited for it for ever, the rest of the trace with it);
+    past 1e9 s, sleeping until it overflows."""
+    engine = engine_of(tiny_llm)
+    trace = [TraceItem(0.0, (4, 5), 2), TraceItem(arrival, (1, 2, 3), 2)]
+    with pytest.raises(ValueError, match=r"trace\[1\]\.arrival=.* \[0, 1000000000\]"):
+        engine.run(trace)
+    with pytest.raises(ValueError, match=r"^arrival="):
+        engine.add_request([1, 2], SamplingParams(), arrival=arrival)
+    assert engine.requests == [] and not engine.has_work()
+    assert len(engine.run([TraceItem(np.float32(0.0), (4, 5), 2)]).requests) == 1   # numpy's floats are numbers
 
 
 def test_integer_ids_of_numpy_and_torch_are_a_prompt_as_they_are(tiny_llm):

@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from orca_lab.config import FieldError
-from orca_lab.engine.fields import as_token, check_context, check_token
+from orca_lab.engine.fields import as_token, check_arrival, check_context, check_token
 from orca_lab.engine.sampling_params import HOST_STATE, SamplingParams
 from orca_lab.engine.request import Request
 
@@ -150,7 +150,8 @@ class Engine:
         """``(prompt, params, arrival)`` each, all or none: every one is checked before any is added
         (a completion with several prompts is refused whole)."""
         self._check_open()
-        checked = [(*self._checked(prompt, params), arrival) for prompt, params, arrival in items]
+        checked = [(*self._checked(prompt, params), None if arrival is None else check_arrival(arrival))
+                   for prompt, params, arrival in items]
         return [self._add(*item) for item in checked]
 
     def check_requests(self, items):
@@ -332,6 +333,8 @@ class Engine:
         """Serve ``trace`` (items with ``arrival``, ``prompt``, ``max_gen_tokens``, or full
         ``params``) from time 0 on the executor's clock, plus any request already added."""
         start = self.clock.now()
+        for i, it in enumerate(trace):       # before sorting: a nan arrival sorts anywhere
+            check_arrival(it.arrival, f"trace[{i}].arrival")
         items = sorted(trace, key=lambda it: it.arrival)
         self._pending.extend((start + it.arrival, list(it.prompt), it.sampling_params()) for it in items)
         bar = _progress(len(items) + sum(1 for r in self.requests if r.t_finish is None), progress)

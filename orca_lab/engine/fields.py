@@ -7,6 +7,7 @@ A range is the same in process and over HTTP unless the row says why not (``http
 """
 from __future__ import annotations
 
+import numbers
 import operator
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ MAX_LENGTH_PENALTY = 10.0       # beam search: a beam's score is its logprob / l
 MAX_IDS = 1024                  # stop_token_ids, logit_bias entries
 MAX_STOPS = 64                  # stop strings
 MAX_STOP_CHARS = 1024           # characters of one stop string (the text's end is searched each token)
+MAX_ARRIVAL_S = 10**9            # an arrival, seconds on the run's clock: past ~9e9 a sleep until it overflows
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,14 @@ def check_context(n_prompt: int, max_gen_tokens: int, max_seq_len: int):
         raise FieldError(f"prompt ({n_prompt} tokens) + max_gen_tokens ({max_gen_tokens}) = {n_prompt + max_gen_tokens} "
                          f"exceeds the model's max length: allowed <= {max_seq_len}",
                          "prompt" if n_prompt >= max_seq_len else "max_gen_tokens")
+
+
+def check_arrival(arrival, name: str = "arrival") -> float:
+    """A request's arrival, seconds from a trace's start or on an engine's clock: a finite number in
+    [0, MAX_ARRIVAL_S] (a nan one never comes, so the engine would wait for it for ever)."""
+    if isinstance(arrival, numbers.Real) and not isinstance(arrival, bool):
+        arrival = float(arrival)        # numpy's scalars too: a trace built from an array
+    return check_range(name, arrival, 0, MAX_ARRIVAL_S, kind=float)
 
 
 def check_token(name: str, token, vocab_size: int | None = None, where: str | None = None) -> int:
