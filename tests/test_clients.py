@@ -747,11 +747,29 @@ def test_chat_logprobs_are_the_completions_of_its_template_streamed_and_whole(se
     ({"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens",     # as sent; no echo in a chat
      "max_completion_tokens=0 is out of range: allowed [1, 1048576]"),
     ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens", "max_tokens=0 is out of range: allowed [1, 1048576]"),
+    ({"messages": MESSAGES, "max_completion_tokens": 1000}, "max_completion_tokens",    # past the model's length
+     "max_completion_tokens=1000 is out of range: the chat's prompt is 102 tokens, so allowed [1, 922]"),
 ])
 def test_bad_chat_input_gets_a_400_naming_the_field(server, body, field, words):
     r = httpx.post(server.url + "/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field and words in r.json()["error"]["message"], r.json()
+
+
+def test_a_chat_with_no_bound_runs_to_the_models_length_and_null_is_a_fields_default(server, client):
+    """OpenAI's and vLLM's chat: no max_tokens is the rest of the model's length (16 is only the
+    legacy completions' default). A field sent as null (the openai client sends an explicit None so)
+    takes its default, as OpenAI's schema has it."""
+    long = [{"role": "user", "content": "a" * 960}]
+    n_prompt = len(httpx.post(server.url + "/tokenize", json={"messages": long}).json()["tokens"])
+    answer = client.chat.completions.create(model="tiny", messages=long, temperature=0, extra_body={"ignore_eos": True})
+    assert answer.usage.completion_tokens == 1024 - n_prompt and answer.choices[0].finish_reason == "length"
+    kw = dict(model="tiny", max_tokens=3, temperature=0)
+    chat = client.chat.completions.create(messages=MESSAGES, **kw).choices[0].message.content
+    assert client.chat.completions.create(messages=MESSAGES, n=None, logprobs=None, stream=None,
+                                          extra_body={"min_p": 0.0}, **kw).choices[0].message.content == chat
+    text = client.completions.create(prompt="ORCA", **kw).choices[0].text
+    assert client.completions.create(prompt="ORCA", n=None, echo=None, stream=None, **kw).choices[0].text == text
 
 
 def test_tokenize_and_detokenize_as_vllm_serves_them(server):

@@ -270,6 +270,21 @@ def assert_no_debug_run(url):
 
 
 # -- a second server: overload, then shutdown ------------------------------------------------------
+def test_an_engine_idle_past_its_stall_bound_serves_the_next_burst():
+    """An idle engine sends nothing: its silence counts from when it is asked again, so the first
+    burst after a quiet spell longer than ``--stall-s`` is served, not refused as stuck (503)."""
+    with ServerProcess("--stall-s", 1) as s:
+        ask = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
+        assert httpx.post(s.url + "/v1/completions", json=ask, timeout=30).status_code == 200
+        time.sleep(2)
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
+                return await asyncio.gather(*[http.post("/v1/completions", json=ask) for _ in range(8)],
+                                            http.get("/health"))
+        assert [r.status_code for r in asyncio.run(burst())] == [200] * 9
+
+
 def test_overload_answers_503_and_loses_nothing_then_shuts_down_clean():
     s = ServerProcess("--max-bs", "1", "--max-queue", "2", "--drain-s", "1").start()
     try:

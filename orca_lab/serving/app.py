@@ -17,7 +17,8 @@ from orca_lab.engine.detokenizer import Detokenizer, undecodable
 from orca_lab.engine.fields import check_context, http_error
 from orca_lab.engine.sampling_params import SamplingParams
 from orca_lab.serving.beam_search import beam_answer
-from orca_lab.serving.chat import ChatRequest, DetokenizeRequest, TokenizeRequest, chat_chunk, chat_response, render
+from orca_lab.serving.chat import (ChatRequest, DetokenizeRequest, TokenizeRequest, bound, chat_chunk,
+                                   chat_response, render)
 from orca_lab.serving.completions import sse_answer, whole_answer
 from orca_lab.serving.engine_client import RETRY_AFTER_S, EngineClient, HTTPError, Stream
 from orca_lab.serving.engine_core import HISTORY, EngineProcess
@@ -163,9 +164,17 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
                                         "description": "the chat completion, or with stream=true its events"}})
     async def chat_completions(body: ChatRequest, request: Request):
         """A completion of the text the chat template makes of ``messages``."""
-        text = prompt_of(body.messages, body.add_generation_prompt)
+        text, raw = prompt_of(body.messages, body.add_generation_prompt), await request.json()
         try:
-            comp = CompletionRequest(prompt=text, **body.completion_fields(await request.json()))
+            fields, name = body.completion_fields(raw), bound(raw)
+            ids = [] if tokenizer is None else await state.tokenized(_tokens, tokenizer, text, "messages")
+            room = core.info.cfg.max_seq_len - len(ids)
+            if name is None:              # no bound: the rest of the model's length
+                fields["max_tokens"] = max(1, room)
+            elif fields["max_tokens"] > room >= 1:      # (no room at all: the prompt is refused, named)
+                raise HTTPError(400, f"{name}={fields['max_tokens']} is out of range: the chat's prompt is {len(ids)} "
+                                f"tokens, so allowed [1, {room}] (the model's max length {room + len(ids)})", name)
+            comp = CompletionRequest(prompt=ids or text, **fields)
         except ValidationError as e:
             raise HTTPError(400, *validation_error(e.errors())) from None
         except ValueError as e:

@@ -21,7 +21,7 @@ from orca_lab.serving.protocol import MAX_TOKENS, Body, CompletionRequest, _shor
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # the completions fields a chat takes as they are (the checks are CompletionRequest's)
-SHARED = ("model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "stream",
+SHARED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "n", "stream",
           "stream_options", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "min_tokens", "logit_bias", "user", "return_tokens_as_token_ids", "return_token_ids")
 
@@ -70,7 +70,7 @@ class ChatFields(Body):
     max_tokens: int | None = Field(None, **{"json_schema_extra": {"minimum": 1, "maximum": MAX_TOKENS}})
     max_completion_tokens: int | None = Field(None, **{"json_schema_extra": {"minimum": 1, "maximum": MAX_TOKENS}})
     add_generation_prompt: StrictBool = True
-    logprobs: StrictBool = Field(False, description="each output token's log-probability")
+    logprobs: StrictBool | None = Field(False, description="each output token's log-probability")
     top_logprobs: StrictInt | None = Field(None, description="with logprobs: the k most likely tokens at each "
                                            "position too", **{"json_schema_extra": {"minimum": 0,
                                                                                     "maximum": MAX_LOGPROBS}})
@@ -83,6 +83,11 @@ class ChatFields(Body):
     @classmethod
     def _messages(cls, v):
         return _some(v)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _null_is_false(cls, v):
+        return bool(v)          # null: OpenAI's default
 
     @field_validator("top_logprobs")
     @classmethod
@@ -108,14 +113,20 @@ class ChatFields(Body):
 
     def completion_fields(self, raw: dict) -> dict:
         """What the completions endpoint checks and runs: the shared fields as the client sent them
-        (``raw``, the JSON body: pydantic's reading here would turn ``"0.5"`` into 0.5)."""
+        (``raw``, the JSON body: pydantic's reading here would turn ``"0.5"`` into 0.5); ``max_tokens``
+        only if the client bounded the answer (``bound``)."""
         out = {k: raw[k] for k in SHARED if k in raw}
         if self.logprobs:
             out["logprobs"] = self.top_logprobs or 0
-        name = "max_completion_tokens" if raw.get("max_completion_tokens") is not None else "max_tokens"
-        if raw.get(name) is not None:       # named as sent, in a chat's range: it has no echo to take 0
+        if name := bound(raw):             # named as sent, in a chat's range: it has no echo to take 0
             out["max_tokens"] = check_range(name, raw[name], 1, MAX_TOKENS)
         return out
+
+
+def bound(raw: dict) -> str | None:
+    """The field a chat's client bounded its answer with (OpenAI's max_completion_tokens over the
+    older max_tokens), or None: then the answer may run to the model's length, as OpenAI's and vLLM's."""
+    return next((name for name in ("max_completion_tokens", "max_tokens") if raw.get(name) is not None), None)
 
 
 ChatRequest = create_model(

@@ -93,7 +93,7 @@ class EngineClient:
         self._in_inbox = 0                            # sent to the engine, not answered yet
         self._waiting = 0                             # never scheduled (engine), as last reported
         self.stalled: str | None = None               # where the engine is stuck, as its watchdog said
-        self.heard = time.monotonic()                 # when the engine last sent anything
+        self.heard = time.monotonic()                 # when the engine last sent anything (or was asked, idle)
         self.on_dead = None                           # called with why, once the engine failed (server.py)
 
     @property
@@ -173,6 +173,8 @@ class EngineClient:
     def _expect(self, streams) -> asyncio.Future:
         fut = self.loop.create_future()
         fut.call_id = next(self._call_ids)
+        if not (self.streams or self.pending):     # an idle engine has nothing to say: its silence
+            self.heard = time.monotonic()          # counts from when it is first asked again
         self.pending[fut.call_id] = (fut, streams)
         return fut
 

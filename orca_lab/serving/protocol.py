@@ -110,7 +110,7 @@ class CompletionRequest(Body):
     model: str | None = None
     prompt: Any = Field(description="a string, a list of token ids, or a list of either",
                         **bounds(anyOf=[TEXT, IDS, {"type": "array", "items": {"anyOf": [TEXT, IDS]}, "minItems": 1}]))
-    echo: StrictBool = Field(False, description="the prompt before the completion, with its logprobs if asked")
+    echo: StrictBool | None = Field(False, description="the prompt before the completion, with its logprobs if asked")
     max_tokens: int | None = Field(16, description="0 only with echo (the prompt's logprobs, no completion)",
                                    **limits("max_tokens"))
     temperature: float | None = Field(1.0, **limits("temperature"))
@@ -120,8 +120,8 @@ class CompletionRequest(Body):
     stop: str | list[str] | None = Field(None, **bounds(anyOf=[STOP, {"type": "array", "items": STOP, "maxItems": FIELDS[
         "stop"].most}, {"type": "null"}]))
     stop_token_ids: list[int] | None = Field(None, **limits("stop_token_ids"))
-    n: int = Field(1, **limits("n"))
-    stream: StrictBool = False
+    n: int | None = Field(1, **limits("n"))
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = Field(None, description="only with stream=true")
     ignore_eos: StrictBool = False
     return_token_ids: StrictBool = False
@@ -185,8 +185,8 @@ class CompletionRequest(Body):
             raise FieldError(f"max_tokens=0 is out of range: allowed {f.range_text()}, or 0 with echo=true", f.name)
         return f.check(v, http=True, hi=info.data.get(FIELDS[f.up_to].http) if f.up_to else None)  # min_tokens
 
-    @field_validator("max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "min_tokens", "length_penalty")
+    @field_validator("echo", "max_tokens", "temperature", "top_p", "n", "stream", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "min_tokens", "length_penalty")
     @classmethod
     def _null_is_default(cls, v, info):
         return cls.model_fields[info.field_name].default if v is None else v
