@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from orca_lab import LLM, EngineConfig
-from orca_lab.config import check_range, parsed_args
+from orca_lab.config import check_device, check_range, parsed_args
 from orca_lab.environment import environment
 from orca_lab.workload import paper_trace
 
@@ -339,8 +339,7 @@ def print_summary(preset, summary, ratios, cpu_ratios, floor):
 def check_args(args):
     """Every argument where it enters: out of range, a ValueError names the flag, its value and the
     allowed range (check_range's words): exit 2 (``parsed_args``), before a model is built."""
-    if args.device.split(":")[0] not in ("cpu", "cuda"):
-        raise ValueError(f"--device={args.device!r}: use cpu, cuda or cuda:N")
+    check_device("--device", args.device)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device={args.device!r} but no CUDA device is available")
     check_range("--rounds", args.rounds, 1)                       # no round has no median

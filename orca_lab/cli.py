@@ -6,17 +6,18 @@ import json
 import sys
 from pathlib import Path
 
-from orca_lab.config import MAX_THREADS, PRESETS, EngineConfig, check_out_dir, check_range
+from orca_lab.config import MAX_THREADS, PRESETS, EngineConfig, FieldError, check_out_dir, check_range
 from orca_lab.engine.fields import check
 from orca_lab.engine.policies import REGISTRY, system
 from orca_lab.environment import environment
 from orca_lab.serving.watchdog import STALL_S
+from orca_lab.workload import SCALE_RANGE
 
 
 def compare(args) -> dict:
     """Serve one paper-shaped trace with ORCA and with the request-level baseline, same model, at loads
     from light to past the baseline's capacity (or at ``--rate`` only)."""
-    from orca_lab.compare import COLUMNS, compare as run_comparison
+    from orca_lab.compare import COLUMNS, compare as run_comparison, trace_at
     from orca_lab.llm import LLM
     from orca_lab.viz import export
 
@@ -28,6 +29,10 @@ def compare(args) -> dict:
                           tensor_parallel=args.tp, pipeline_parallel=args.pp)
     llm = LLM.from_pretrained(args.checkpoint, engine=engine) if args.checkpoint else \
         LLM(args.model, seed=args.seed, engine=engine)
+    longest = max(it.max_tokens for it in trace_at(None, args.n_requests, args.seed, args.scale, llm.cfg.vocab_size))
+    if longest > llm.cfg.max_seq_len:
+        raise FieldError(f"scale={args.scale:g} makes requests of up to {longest} tokens (prompt + max_gen_tokens), "
+                         f"more than {llm.cfg.name}'s max length {llm.cfg.max_seq_len}: use a smaller --scale", "scale")
     print(f"model {llm.cfg.name} on {args.device} ({args.dtype}, tp {args.tp} x pp {args.pp}), "
           f"{args.n_requests} requests (lengths x{args.scale}), max_bs {args.max_bs}, n_slots {args.n_slots}, "
           + (f"at {args.rate} req/s" if args.rate else "loads from a capacity probe"), file=sys.stderr)
@@ -46,7 +51,8 @@ def compare(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"args": vars(args), "environment": environment(), "capacity_rps": cmp.capacity_rps,
-              "capacity_probe": "offline: the first --probe-requests requests all there at t=0",
+              "capacity_probe": "offline: the first --probe-requests requests all there at t=0"
+              if cmp.capacity_rps else "none: --rate given",
               "kept_up_rps": kept,
               "summary": cmp.table.to_dict("records"),
               "runs": [{"rate": rate, **r.to_json()} for (_, rate), r in cmp.runs.items()]}
@@ -65,6 +71,7 @@ def serve(args):
     check_range("max_queue", args.max_queue, 1, 1 << 20)
     check_range("drain_s", args.drain_s, 0.0, 3600.0, kind=float)
     check_range("threads", args.threads, 1, MAX_THREADS)
+    check("seed", args.seed)
     engine = EngineConfig(max_bs=args.max_bs, n_slots=args.n_slots, tensor_parallel=args.tp,
                           pipeline_parallel=args.pp, device=args.device, dtype=args.dtype,
                           block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -99,6 +106,11 @@ def bench(args) -> dict:
 def course(args):
     """``orca-lab course build``: the course site (orca_lab.course.site)."""
     from orca_lab.course.site import build
+    for flag in ("executed", "notebooks"):
+        if getattr(args, flag) is not None and not Path(getattr(args, flag)).is_dir():
+            raise FieldError(f"--{flag} {getattr(args, flag)}: no such folder", flag)
+    if args.out is not None:
+        check_out_dir("--out", args.out)
     build(args.out and Path(args.out), executed=args.executed and Path(args.executed),
           notebooks=args.notebooks and Path(args.notebooks), only=args.only, record=args.record,
           edition=args.edition)
@@ -171,13 +183,18 @@ def _check_checkpoint(args):
         flag, path = "--model", args.model
     if path is None:
         return
+    from orca_lab.model.checkpoint import SafetensorFiles
     from orca_lab.model.families import checkpoint_config
     try:
         checkpoint_config(path)
+        SafetensorFiles(path).check()
     except (OSError, ValueError) as e:
         raise ValueError(f"{flag} {path}: {e}") from None
     except KeyError as e:
         raise ValueError(f"{flag} {path}: config.json has no field {e}") from None
+
+
+MAX_ARRIVALS_S = 3600.0     # how long compare's Poisson arrivals may take, at --rate
 
 
 def _check_compare(args):
@@ -192,8 +209,13 @@ def _check_compare(args):
     check_range("probe_requests", args.probe_requests, 2, 100_000)
     check_range("tp", args.tp, 1, 1024)
     check_range("pp", args.pp, 1, 1024)
+    check_range("scale", args.scale, *SCALE_RANGE, kind=float)
     if args.rate is not None:
-        check_range("rate", args.rate, 1e-6, 1e9, kind=float)
+        check_range("rate", args.rate, 0.0, 1e9, kind=float, open_lo=True)
+        if args.n_requests / args.rate > MAX_ARRIVALS_S:       # the engine waits for each in real time
+            raise FieldError(f"rate={args.rate:g} req/s: {args.n_requests} requests would arrive over about "
+                             f"{args.n_requests / args.rate:,.0f} s; allowed >= {args.n_requests / MAX_ARRIVALS_S:.3g} "
+                             f"req/s ({MAX_ARRIVALS_S:.0f} s of arrivals)", "rate")
 
 
 def _serve_args(s):

@@ -50,11 +50,13 @@ class Comparison:
         return out
 
     def verdict(self) -> str:
-        """The comparison in two sentences: at the lightest load, and past the baseline's capacity."""
+        """The comparison in two sentences: at the lightest load, and past the baseline's capacity; or
+        in one, at the one rate given (no capacity was measured to say where it lies)."""
         t = self.table
         lines = []
-        for label, rate in (("lightest load", t["rate"].min()), ("past the baseline's capacity",
-                                                                 self.past_capacity_rate())):
+        points = (("lightest load", t["rate"].min()), ("past the baseline's capacity", self.past_capacity_rate())) \
+            if self.capacity_rps else (("at the rate given", t["rate"].min()),)
+        for label, rate in points:
             o, f = (t[(t["system"] == s) & (t["rate"] == rate)].iloc[0] for s in ("orca", "ft"))
             lines.append(f"{label} ({rate:.2f} req/s offered): ORCA {o.throughput_rps:.2f} vs baseline "
                          f"{f.throughput_rps:.2f} req/s ({o.throughput_rps / f.throughput_rps:.2f}x); "
@@ -120,7 +122,7 @@ def _compare(llm, n_requests, seed, scale, rates, probe_requests, progress) -> C
     offline = trace_at(None, n_requests, seed, scale, vocab)
     warm_up(llm, offline)
     bar = tqdm(total=(0 if rates else len(SYSTEMS)) + len(SYSTEMS) * (len(rates) if rates else 4),
-               unit="run", disable=not progress, desc="capacity probe")
+               unit="run", disable=not progress, desc="warmed up" if rates else "capacity probe")
     capacity = {}
     if not rates:
         for system in SYSTEMS:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass
 
 
@@ -85,6 +86,13 @@ def check_bool(name: str, value):
     if not isinstance(value, bool):
         raise FieldError(f"{name}={value!r} is not allowed: choose True or False", name)
     return value
+
+
+def check_device(name: str, device):
+    """A device as torch names the ones this project runs on: ``cpu``, ``cuda`` or ``cuda:N``."""
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d{1,4})?", device):
+        raise FieldError(f"{name}={shown(device)} is not allowed: use 'cpu', 'cuda' or 'cuda:N'", name)
+    return device
 
 
 def range_text(lo, hi, open_lo: bool = False) -> str:
@@ -309,8 +317,7 @@ class EngineConfig:
         check_choice("attention_backend", self.attention_backend, KERNEL_BACKENDS)
         check_choice("fused_ops_backend", self.fused_ops_backend, KERNEL_BACKENDS)
         check_choice("dtype", self.dtype, DTYPES)
-        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise ValueError(f"device={self.device!r} is not allowed: use 'cpu', 'cuda' or 'cuda:N'")
+        check_device("device", self.device)
         check_range("tensor_parallel", self.tensor_parallel, 1, 1024)
         check_range("pipeline_parallel", self.pipeline_parallel, 1, 1024)
         check_choice("executor", self.executor, EXECUTORS)

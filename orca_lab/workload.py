@@ -19,6 +19,7 @@ from orca_lab.engine.fields import check_arrival
 from orca_lab.engine.sampling_params import SamplingParams
 
 MAX_TRACE_REQUESTS = 10_000_000     # requests a trace may hold
+SCALE_RANGE = (1e-3, 1000.0)        # what a trace's lengths may be multiplied by
 
 
 @dataclass(frozen=True)
@@ -35,12 +36,13 @@ class TraceItem:
         return len(self.prompt) + self.max_gen_tokens
 
 
-def check_rate(rate, name: str = "rate"):
-    """``rate`` if it is a finite number of requests/s > 0, or None (an offline trace)."""
+def check_rate(rate, name: str = "rate", offline: str = "None"):
+    """``rate`` if it is a finite number of requests/s > 0, or None (an offline trace, which the
+    caller's users write ``offline``: a command line's ``inf``)."""
     if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate)
                              or rate <= 0):
         raise ValueError(f"{name}={rate!r} is not allowed: a finite number of requests/s > 0, "
-                         "or None for an offline trace")
+                         f"or {offline} for an offline trace")
     return rate
 
 
@@ -61,7 +63,7 @@ def paper_trace(n: int, rate: float | None = None, seed: int = 0, input_range=(3
     """The paper's workload: input ~ U{input_range}, max_gen_tokens ~ U{gen_range}, lengths
     multiplied by ``scale``."""
     check_range("n", n, 1, MAX_TRACE_REQUESTS)
-    check_range("scale", scale, 1e-3, 1000.0, kind=float)
+    check_range("scale", scale, *SCALE_RANGE, kind=float)
     lo_in, hi_in = (_scaled(x, scale) for x in input_range)
     lo_gen, hi_gen = (_scaled(x, scale) for x in gen_range)
     rng = np.random.default_rng(seed)
@@ -118,7 +120,7 @@ def real_trace(shape: str, n: int, rate: float | None = None, seed: int = 0, sca
     from orca_lab.config import check_choice
     check_choice("shape", shape, tuple(REAL_SHAPES))
     check_range("n", n, 1, MAX_TRACE_REQUESTS)
-    check_range("scale", scale, 1e-3, 1000.0, kind=float)
+    check_range("scale", scale, *SCALE_RANGE, kind=float)
     check_range("max_len", max_len, 2, 1 << 20)
     s = REAL_SHAPES[shape]
     rng = np.random.default_rng(seed)
@@ -186,7 +188,7 @@ def multi_turn_conversations(n: int, rate: float | None = None, mean_turns: floa
     check_range("n", n, 1, 1_000_000)
     check_range("mean_turns", mean_turns, 1.0, 1000.0, kind=float)
     check_range("max_turns", max_turns, 1, 1000)
-    check_range("scale", scale, 1e-3, 1000.0, kind=float)
+    check_range("scale", scale, *SCALE_RANGE, kind=float)
     check_range("think_s", think_s, 0.0, 1e6, kind=float)
     check_range("system_len", system_len, 0, max_len - 2)
     shape, rng = REAL_SHAPES["sharegpt"], np.random.default_rng(seed)

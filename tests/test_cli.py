@@ -22,6 +22,9 @@ def test_compare_prints_a_table_and_writes_json_and_html(tmp_path, capsys):
     assert rows["ft"]["wasted_rows_per_iteration"] == pytest.approx(sum(held) / len(held))   # held rows, apart
     assert all(r["t_first_token"] == r["t_finish"] for r in ft["requests"])
     assert report["environment"]["torch"] and (tmp_path / "compare.html").stat().st_size > 10_000
+    # no capacity was measured, so no line says where 50 req/s lies against it
+    assert "at the rate given (50.00 req/s offered)" in out and "capacity" not in out.split("kept up")[1]
+    assert report["capacity_rps"] == {} and report["capacity_probe"] == "none: --rate given"
 
 
 def test_compare_measures_a_curve_from_a_capacity_probe(tmp_path, capsys):
@@ -50,10 +53,36 @@ def test_compare_refuses_bad_input_with_a_message(capsys):
         main(["compare", "--tp", "0"])
     assert e.value.code == 2 and "tp=0 is out of range" in capsys.readouterr().err
     for flags, words in {("--threads", "0"): "threads=0 is out of range", ("--seed", "-1"): "seed=-1 is out of range",
-                         ("--out", "/proc/nope"): "out='/proc/nope': cannot make that folder"}.items():
+                         ("--out", "/proc/nope"): "out='/proc/nope': cannot make that folder",
+                         ("--rate", "1e-6"): "32 requests would arrive over about 32,000,000 s; allowed >= 0.00889",
+                         ("--device", "cpu:foo"): "device='cpu:foo' is not allowed: use 'cpu', 'cuda' or 'cuda:N'",
+                         ("--scale", "5000"): "scale=5000.0 is out of range"}.items():
         with pytest.raises(SystemExit) as e:       # before a model is built
             main(["compare", *flags])
         assert e.value.code == 2 and words in capsys.readouterr().err, flags
+    with pytest.raises(SystemExit) as e:           # once the model says how long a request may be
+        main(["compare", "--scale", "1000"])
+    assert e.value.code == 2 and "more than tiny's max length 1024: use a smaller --scale" in capsys.readouterr().err
+
+
+def test_every_command_refuses_what_it_cannot_use_before_it_runs(tmp_path, capsys):
+    """serve's seed, bench's trace options (named as options, before the server is asked anything),
+    course build's folders, and a checkpoint whose weights file is no safetensors."""
+    from orca_lab import LLM
+    bad = tmp_path / "ck"
+    LLM("tiny").model.save_pretrained(bad)
+    (bad / "model.safetensors").write_bytes(b"")
+    unreachable = ["--base-url", "http://127.0.0.1:9", "--out", str(tmp_path)]
+    for argv, words in [(["serve", "--seed", "-1"], "seed=-1 is out of range"),
+                        (["bench", "--n-requests", "0", *unreachable], "n_requests=0 is out of range"),
+                        (["bench", "--dataset", "fixed", "--output-len", "0", *unreachable], "--output-len: gen_len=0"),
+                        (["bench", "--rate", "0", *unreachable], "or inf for an offline trace"),
+                        (["course", "build", "--executed", str(tmp_path / "none")], "no such folder"),
+                        (["course", "build", "--executed", str(tmp_path)], "none of the chosen chapters"),
+                        (["compare", "--checkpoint", str(bad)], "model.safetensors is not a safetensors file")]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and words in capsys.readouterr().err, argv
 
 
 def test_serve_refuses_an_address_it_cannot_take_and_a_folder_that_is_no_checkpoint(tmp_path, capsys):

@@ -66,6 +66,9 @@ def build(out: Path | None = None, executed: Path | None = None, notebooks: Path
         if record:
             _record(runs)
     chs = [c for c in chs if (Path(executed) / c.path).exists() or log(f"skipped: no {Path(executed) / c.path}")]
+    if not chs:
+        raise ValueError(f"--executed {executed}: none of the chosen chapters' executed notebooks is there "
+                         "(notebooks/NN_*.ipynb, reproduce/*.ipynb)")
     src = out / "src"
     shutil.rmtree(src, ignore_errors=True)
     figures = _stage(src, chs, Path(executed), runs, edition)

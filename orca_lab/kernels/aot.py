@@ -228,15 +228,17 @@ def main(argv=None) -> int:
     launches = declared if args.full else ci_subset(declared)
     if args.match:
         launches = [lc for lc in launches if re.search(args.match, lc.what)]
-    if args.list:
-        chosen = {id(lc) for lc in launches}
+    if args.list:               # "ci": in CI's subset, whatever --full and --match chose to compile
+        chosen = {id(lc) for lc in ci_subset(declared)}
+        picked = len(launches) if args.full or args.match else None
         rows = [{"kernel": lc.name, "what": lc.what, "num_warps": lc.num_warps, "num_stages": lc.num_stages,
                  "constexprs": {k: str(v) for k, v in lc.constexprs.items()}, "signature": lc.signature,
                  "divisible_by_16": [lc.kernel.arg_names[i] for (i,) in sorted(lc.attrs)], "ci": id(lc) in chosen,
                  "min_arch": lc.min_arch}
                 for lc in declared]
         _write(args.json, rows)
-        print(f"{len(declared)} distinct launches declared, {len(launches)} in CI's subset")
+        print(f"{len(declared)} distinct launches declared, {len(chosen)} in CI's subset"
+              + (f", {picked} chosen by --full / --match" if picked is not None else ""))
         return 0
     n_all = sum(arch >= lc.min_arch for arch in args.targets for lc in launches)
 

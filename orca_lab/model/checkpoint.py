@@ -31,8 +31,17 @@ class SafetensorFiles:
         if file not in self.files:
             if not (self.path / file).is_file():
                 raise FileNotFoundError(f"{self.path / file} not found (named by {INDEX})")
-            self.files[file] = safe_open(str(self.path / file), framework="pt")     # reads the header only
+            try:
+                self.files[file] = safe_open(str(self.path / file), framework="pt")     # reads the header only
+            except Exception as e:     # noqa: BLE001  (SafetensorError: an empty, cut or foreign file)
+                raise ValueError(f"{self.path / file} is not a safetensors file ({e})") from None
         return self.files[file]
+
+    def check(self) -> "SafetensorFiles":
+        """Every file's header read now (a bad one refused before a model is built)."""
+        for file in set(self.where.values()):
+            self._open(file)
+        return self
 
     def keys(self):
         return self.where.keys()

@@ -24,7 +24,8 @@ from orca_lab.engine.engine import _progress
 from orca_lab.engine.fields import check
 from orca_lab.environment import environment
 from orca_lab.metrics import summarize
-from orca_lab.workload import check_rate, few_shot_trace, homogeneous_trace, paper_trace
+from orca_lab.config import FieldError
+from orca_lab.workload import MAX_TRACE_REQUESTS, check_rate, few_shot_trace, homogeneous_trace, paper_trace
 
 DATASETS = ("paper", "fixed", "few-shot")
 
@@ -67,6 +68,12 @@ class ClientRun:
         return {**summarize(self, self.itl, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms), "n_failed": self.n_failed}
 
 
+MAX_CONCURRENCY = 1 << 20
+# the trace's fields as its makers name them, and the options that set them
+OPTION_OF = {"dataset": "--dataset", "burstiness": "--burstiness", "scale": "--scale", "input_len": "--input-len",
+             "prefix_len": "--input-len", "gen_len": "--output-len"}
+
+
 def make_trace(dataset: str, n: int, rate: float | None, vocab_size: int, seed: int = 0, burstiness: float = 1.0,
                scale: float = 1.0, input_len: int = 128, output_len: int = 128):
     """The requests to send. ``burstiness`` is the gamma shape of the gaps (vLLM's): 1 is Poisson,
@@ -92,7 +99,7 @@ async def run_load(base_url: str, trace, model: str | None = None, max_concurren
                    progress: bool = False, timeout_s: float = 600.0) -> ClientRun:
     """Send ``trace`` at its arrival times (streaming, greedy, ``ignore_eos``) and record each answer."""
     if max_concurrency is not None:
-        check_range("max_concurrency", max_concurrency, 1, 1 << 20)
+        check_range("max_concurrency", max_concurrency, 1, MAX_CONCURRENCY)
     limit = asyncio.Semaphore(max_concurrency or len(trace))
     bar = _progress(len(trace), progress)
     limits = httpx.Limits(max_connections=max_concurrency or len(trace), max_keepalive_connections=64)
@@ -178,7 +185,15 @@ def check_args(args):
         if getattr(args, name) is not None:
             check_range(name, getattr(args, name), 0.0, 1e9, kind=float, open_lo=True)
     for rate in args.sweep_rates or [args.rate]:        # every rate before the first run (inf: all at once)
-        check_rate(None if rate == math.inf else rate, "sweep_rates" if args.sweep_rates else "rate")
+        check_rate(None if rate == math.inf else rate, "sweep_rates" if args.sweep_rates else "rate", offline="inf")
+    check_range("n_requests", args.n_requests, 1, MAX_TRACE_REQUESTS)
+    if args.max_concurrency is not None:
+        check_range("max_concurrency", args.max_concurrency, 1, MAX_CONCURRENCY)
+    try:                     # the trace's own fields: its first request made here, named by option
+        make_trace(args.dataset, 1, None, args.vocab_size or 2, args.seed, args.burstiness, args.scale,
+                   args.input_len, args.output_len)
+    except FieldError as e:
+        raise FieldError(f"{OPTION_OF.get(e.field, e.field)}: {e}", e.field) from None
     check_out_dir("out", args.out)
 
 
