@@ -151,14 +151,45 @@ def test_killing_a_worker_raises_within_seconds_and_leaves_no_process(tiny_llm):
 
 
 def test_close_stops_workers_and_frees_ports(tiny_llm):
+    """The pool's ports listen on loopback only (the rendezvous store too: TCPStore's own server binds
+    every interface), and the weights file the workers map is gone once they are ready."""
+    import psutil
     before = descendants()
     llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=2, n_slots=4096, tensor_parallel=2))
     with WorkerPool(llm) as pool:
         pids, ports = pool.pids, pool.ports
+        bound = {c.laddr.port: c.laddr.ip for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"}
+        assert {port: bound.get(port) for port in ports} == {port: "127.0.0.1" for port in ports}
+        assert not os.path.exists(pool._weights_dir)
         assert llm.generate([[1, 2, 3]], max_gen_tokens=2) == tiny_llm.generate([[1, 2, 3]], max_gen_tokens=2)
     assert_nothing_left(before, pids, ports)
     with pytest.raises(RuntimeError, match="closed"):
         pool.claim(None)
+
+
+def test_a_send_interrupted_between_tensor_ranks_ends_the_pool_not_the_next_request(tiny_llm):
+    """Rank 0 holding a message rank 1 never got would wait in its all-reduce for ever: an interrupt
+    there breaks the pool at once, and the next request runs on a fresh one, with its tokens."""
+    llm = LLM(gpt=tiny_llm.model, engine=EngineConfig(max_bs=2, n_slots=4096, tensor_parallel=2))
+    pool = WorkerPool(llm)
+    pids = pool.pids
+
+    class Interrupted:                    # tensor rank 1's channel, its send cut by Ctrl-C
+        def __init__(self, conn):
+            self.conn = conn
+
+        def send_raw(self, raw):
+            raise KeyboardInterrupt
+
+        def __getattr__(self, name):
+            return getattr(self.conn, name)
+
+    pool._control[1] = Interrupted(pool._control[1])
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1, 2, 3]], max_gen_tokens=2)
+    assert "a send to the workers was interrupted" in pool.broken
+    assert_nothing_left(set(), pids, [])
+    assert llm.generate([[1, 2, 3]], max_gen_tokens=2) == tiny_llm.generate([[1, 2, 3]], max_gen_tokens=2)
 
 
 def test_torchrun_runs_the_same_engine(tmp_path):

@@ -26,6 +26,24 @@ def start_heartbeat(store) -> threading.Event:
     return stop
 
 
+def watch_parent(rank: int):
+    """End this worker when the process that started it ends (a pool's master: forkserver and spawn
+    both hand the child a pipe its parent holds open). It covers the start, before the store and its
+    heartbeat are reached: a master interrupted while starting its workers leaves none waiting for
+    the store's connect timeout (minutes)."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch():
+        wait([parent.sentinel])
+        print(f"worker rank {rank}: the process that started it ended; giving up", file=sys.stderr, flush=True)
+        os._exit(1)
+    threading.Thread(target=watch, name="orca-parent-watch", daemon=True).start()
+
+
 def watch_master(store, timeout: float, rank: int, what: str = "the engine master (rank 0)"):
     """End this worker process with a clear error when the master's heartbeat stops for ``timeout``
     seconds (a master that died or hung: a store hosted elsewhere, such as torchrun's agent, outlives

@@ -27,6 +27,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -87,6 +88,7 @@ class WorkerPool(KVMemory):
         self._cleanup: list = []
         self._store_port: list[int] = []               # when this process hosts the rendezvous store
         self._store_box: list = []                     # that store (and its prefix view), until teardown
+        self._weights_dir: str | None = None          # the weights file's folder, until the workers are ready
         self._grace = {"s": 10.0}                      # how long workers get to stop by themselves
         # runs on close(), on garbage collection and at interpreter exit: never a worker left behind
         self._finalizer = weakref.finalize(self, _teardown, self._procs, self._thread, self._control,
@@ -127,7 +129,7 @@ class WorkerPool(KVMemory):
             return store
         self._secret, session = secrets.token_bytes(32), f"pool-{secrets.token_hex(4)}"
         weights, seed = self._weights_for_workers(llm)
-        tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
+        tcp = _loopback_store()
         store = dist.PrefixStore(session, tcp)
         self._store_box, self._store_port = [tcp, store], [tcp.port]   # dropping them frees the port
         self._cleanup.append(self._store_box.clear)
@@ -138,17 +140,19 @@ class WorkerPool(KVMemory):
             spec = WorkerSpec(self.cfg, self.engine, rank, self._secret, ("127.0.0.1", tcp.port), session,
                               weights, seed, host="127.0.0.1", local_rank=rank, threads=threads)
             proc = ctx.Process(target=worker_process, args=(spec,), name=f"orca-worker-{rank}", daemon=True)
+            self._procs.append(proc)       # before start: an interrupt inside it still tears it down
             with main_hidden():
                 proc.start()
-            self._procs.append(proc)
         return store
 
     def _weights_for_workers(self, llm) -> tuple[str | None, int]:
         """``(weights, seed)`` of the WorkerSpec: the LLM's checkpoint or seed when its master holds
-        shapes only; else its model's weights, written once to a file the workers memory-map."""
+        shapes only; else its model's weights, written once to a file the workers memory-map (removed
+        once they are ready: their maps outlive the name, and a master killed later leaves no file)."""
         if llm.model.wte.weight.is_meta:
             return llm.weights
         tmp = tempfile.mkdtemp(prefix="orca_lab_workers_")
+        self._weights_dir = tmp
         self._cleanup.append(lambda: shutil.rmtree(tmp, ignore_errors=True))
         path = os.path.join(tmp, "weights.pt")
         torch.save({k: v.detach().cpu() for k, v in llm.model.state_dict().items()}, path)
@@ -174,6 +178,8 @@ class WorkerPool(KVMemory):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"only {len(self._reports)} of {self.pp} stages connected to the master in time")
         self._await(store, [f"ready/{r}" for r in range(self.tp * self.pp)], deadline, "start")
+        if self._weights_dir is not None:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
 
     def _connect_stage0(self, address, deadline):
         """A worker may open its inbox and die just after (a start-up error): a refused connection
@@ -231,6 +237,9 @@ class WorkerPool(KVMemory):
                 conn.send_raw(raw)
         except OSError as e:
             self._fail_naming_the_dead(f"the control channel to stage 0 broke ({e})")
+        except BaseException:       # an interrupt: some tensor ranks may hold the message and others
+            self._break("a send to the workers was interrupted, so their tensor ranks may be out of step")
+            raise                   # not, and would wait on each other's collectives: the pool ends
 
     def collect(self, iteration: int, timeout: float | None) -> list[StageReport] | None:
         """Every stage's report of ``iteration`` (tokens in the last), or None after ``timeout``."""
@@ -298,11 +307,14 @@ class WorkerPool(KVMemory):
             raise RuntimeError("this worker pool is closed")
 
     def _fail(self, reason: str):
+        self._break(reason)
+        raise RuntimeError(self.broken)
+
+    def _break(self, reason: str):
         self.broken = f"{reason}; the other workers were stopped"
         self._detach_all()
         self._grace["s"] = 0                       # the others may be stuck waiting for the dead one
         self._finalizer()
-        raise RuntimeError(self.broken)
 
     def close(self):
         """Stop every worker: Stop travels down the control plane; stragglers are terminated."""
@@ -324,20 +336,31 @@ def _teardown(procs, threads, control, reports, cleanup, grace):
             for conn in control:
                 conn.send(Stop())
         end = time.monotonic() + grace["s"]
-        for member in list(procs) + list(threads):
+        for member in [p for p in procs if p.pid is not None] + list(threads):
             member.join(max(0.0, end - time.monotonic()))
     for conn in list(control) + list(reports):
         conn.close()
-    for p in procs:
+    started = [p for p in procs if p.pid is not None]      # (one interrupted in its start never ran)
+    for p in started:
         if p.is_alive():
             p.terminate()
-    for p in procs:
+    for p in started:
         p.join(5)
         if p.is_alive():
             p.kill()
             p.join()
+        p.close()                                          # its sentinel pipe, now, not at collection
+    procs.clear()                                          # (a closed process has no exit code to read)
     for f in cleanup:
         f()
+
+
+def _loopback_store() -> dist.TCPStore:
+    """The pool's rendezvous store, listening on 127.0.0.1 only: TCPStore's own server binds every
+    interface, where anyone on the network could write keys into this process. It takes the socket."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    return dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                         timeout=STORE_TIMEOUT, master_listen_fd=sock.detach())
 
 
 def _worker_fields(ec) -> tuple:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from orca_lab.config import EngineConfig, ModelConfig
 from orca_lab.distributed.channels import Inbox, connect, decode_address, encode_address
 from orca_lab.distributed.data_plane import DataPlane
-from orca_lab.distributed.heartbeat import watch_master
+from orca_lab.distributed.heartbeat import watch_master, watch_parent
 from orca_lab.distributed.messages import ControlMessage, Reset, StageReport, Stop, WorkerError
 from orca_lab.distributed.wire import ControlError, decode
 from orca_lab.engine.clock import StageClock
@@ -288,6 +288,7 @@ def worker_process(spec: WorkerSpec):
     os.environ["OMP_NUM_THREADS"] = str(spec.threads)      # before the first parallel op starts OpenMP
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")      # the data plane stays on loopback
     store = None
+    watch_parent(spec.rank)
     try:
         tcp = dist.TCPStore(*spec.store, is_master=False, timeout=STORE_TIMEOUT)
         store = dist.PrefixStore(spec.session, tcp)
