@@ -15,6 +15,13 @@ except ImportError:
 os.environ["ORCA_LAB_TUNING_CACHE"] = "0"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def learners_package(tmp_path_factory):
+    """Where the exercises of notebooks a test executes are saved (``mine.home()``, inherited by their
+    kernels): never the learner's own package, in notebooks/my_orca or where they pointed it."""
+    os.environ["ORCA_LAB_MY_ORCA"] = str(tmp_path_factory.mktemp("my_orca"))
+
+
 @pytest.fixture(scope="session")
 def tiny_llm():
     """The tiny preset on the CPU, fp32 (test_engine.py and test_model.py put a copy on ``helpers.DEVICE``)."""
