@@ -50,5 +50,5 @@ def fill_budget(decodes, prompts, budget, max_bs, run):
 
 
 # %% exercise: slots_held
-orca_slots = 140
-paged_slots = 64
+orca_slots = 260
+paged_slots = 96

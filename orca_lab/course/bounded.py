@@ -66,7 +66,8 @@ def describe(obj) -> str:
 
 
 def _where(obj) -> str:
-    return f"{getattr(obj, '__module__', '?')}.{describe(obj)}"
+    inner = _unwrapped(obj)[-1]           # a Triton jit's module is its function's, not Triton's
+    return f"{getattr(inner, '__module__', '?')}.{describe(obj)}"
 
 
 def _unwrapped(obj):
@@ -98,7 +99,8 @@ def code_objects(references) -> dict:
 
 
 def refuse_package_code(learner_obj, *references):
-    """Raise ``PackageCode`` if ``learner_obj`` is, wraps, subclasses or copies one of ``references``."""
+    """Raise ``PackageCode`` if ``learner_obj`` is, wraps, subclasses, copies or names (calls) one of
+    ``references``."""
     codes = code_objects(references)
     for obj in _unwrapped(learner_obj):
         for ref in references:
@@ -110,6 +112,18 @@ def refuse_package_code(learner_obj, *references):
             if f.__code__ in codes:
                 raise PackageCode(f"your {describe(learner_obj)} reuses the code of the package's own "
                                   f"{_where(codes[f.__code__])} ({f.__name__}): write your own")
+            named = _named(f, references)
+            if named is not None:
+                raise PackageCode(f"your {describe(learner_obj)} calls the package's own {_where(named)} "
+                                  f"({f.__name__}): the grader compares your code with it; write your own")
+
+
+def _named(f, references):
+    """The reference ``f``'s code names, as a global or an attribute of a global module (a Triton
+    ``@jit`` body calls what it names: no profile hook sees that call), or None."""
+    found = [f.__globals__.get(name) for name in f.__code__.co_names]
+    found += [getattr(m, name, None) for m in found if inspect.ismodule(m) for name in f.__code__.co_names]
+    return next((ref for ref in references for g in found for o in _unwrapped(g) if o is ref), None)
 
 
 def interrupt(ident: int, exc=_Stopped):

@@ -10,11 +10,25 @@ from orca_lab.course.bounded import describe, refuse_package_code, run_bounded
 from orca_lab.course.ch01_generation_and_kv_cache import one_request
 from orca_lab.course.harness import correct, differ
 
+import triton  # noqa: E402  (after orca_lab.kernels, which sets TRITON_INTERPRET where there is no GPU)
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _update(m_i, l_i, acc, s, v):
+    """The package's step (what a learner's is refused for being): one block's scores ``s [BLOCK]``
+    (-inf past the end), values ``v [BLOCK, D]``; the running maximum, sum and weighted sum so far."""
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    alpha = tl.exp(m_i - m_new)               # rescales what was summed under the old maximum
+    p = tl.exp(s - m_new)
+    return m_new, l_i * alpha + tl.sum(p, 0), acc * alpha + tl.sum(p[:, None] * v, 0)
+
 
 def check_online_softmax(step, seed: int = 0, device=None):
     """The learner's ``@triton.jit step(m, l, acc, s, v)`` in the package's one-query kernel
     (``online_softmax.py``), against ``kernels.ragged_attention``'s reference, on random sizes."""
-    from orca_lab.course.online_softmax import attend_one_query, update
+    from orca_lab.course.online_softmax import attend_one_query
+    update = _update
     refuse_package_code(step, update)
     g = torch.Generator().manual_seed(seed)
     device = device or torch.get_default_device()

@@ -433,12 +433,13 @@ PIECES = (Piece("BlockAllocator", "11", "paged, chunked", check_block_allocator,
 
 
 def check_slots_held(orca_slots, paged_slots):
-    """Notebook 11's by-hand count, read from the package's accounting: a 40-token prompt declaring
-    ``max_gen_tokens=100`` that stops after 10 tokens, on blocks of 16. A wrong count is named with its
-    hint, never the package's (the exercise's answer)."""
-    req = request(0, 40, 100)
-    BlockManager(1024, 16).grow(req, 40 + 10)
-    check_by_hand("a 40-token prompt, max_gen_tokens=100, 10 generated, block_size 16", {
+    """Notebook 11's by-hand count, read from the package's accounting: a 60-token prompt declaring
+    ``max_gen_tokens=200`` that stops after 30 tokens, on blocks of 16 (not the 40 and 100 the chapter
+    works through above it, whose ORCA count it prints). A wrong count is named with its hint, never
+    the package's (the exercise's answer)."""
+    req = request(0, 60, 200)
+    BlockManager(1024, 16).grow(req, 60 + 30)
+    check_by_hand("a 60-token prompt, max_gen_tokens=200, 30 generated, block_size 16", {
         "orca_slots": (orca_slots, req.max_tokens,
                        "ORCA reserves, when it first schedules a request, every token the request may ever hold"),
         "paged_slots": (paged_slots, len(req.slots),

@@ -37,8 +37,21 @@ class Stuck(TooSlow):
 
 
 def mismatch(what: str, case, expected, got, hint: str = "") -> Mismatch:
-    return Mismatch(f"{what} differs on {case}:\n  expected (the package's): {expected}\n  got (yours):"
-                    f"              {got}" + (f"\n  hint: {hint}" if hint else ""))
+    return Mismatch(f"{what} differs on {case}:\n  expected (the package's): {_shown(expected, case)}\n  got (yours):"
+                    f"              {_shown(got, case)}" + (f"\n  hint: {hint}" if hint else ""))
+
+
+MAX_SHOWN = 2000        # characters of a value a message shows: a 3-million-item answer was 25 MiB of text
+
+
+def _shown(value, case) -> str:
+    """``value`` as text, its own ``__str__`` run under the case's bound (a learner's object may never
+    return), cut to ``MAX_SHOWN`` characters."""
+    try:
+        text = value if isinstance(value, str) else run_case(str, value, label=str(case))
+    except Exception:  # noqa: BLE001  (a __str__ that raises or never returns: its type says enough)
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN - 300]} ... {text[-200:]} ({len(text):,} characters)"
 
 
 def differ(what: str, case, expected, got, hint: str = ""):

@@ -2,8 +2,8 @@
 time (FlashAttention's online softmax, as ``kernels/attention.py`` does it for every request).
 
 The kernel loads each block of keys and values and computes its scores; what it does with them is
-``UPDATE(m, l, acc, s, v) -> (m, l, acc)``, a ``@triton.jit`` function passed in: the package's
-``update`` below, or the learner's (notebook 06). Runs on a GPU, or on a CPU under
+``UPDATE(m, l, acc, s, v) -> (m, l, acc)``, a ``@triton.jit`` function passed in: the learner's
+(notebook 06, which sends the learner here: the grader's own step is kept in its module, not here). Runs on a GPU, or on a CPU under
 ``TRITON_INTERPRET=1`` (set by ``orca_lab.kernels`` on import).
 """
 from __future__ import annotations
@@ -15,16 +15,6 @@ import triton
 import triton.language as tl
 
 import orca_lab.kernels  # noqa: F401  (sets TRITON_INTERPRET=1 where there is no GPU)
-
-
-@triton.jit
-def update(m_i, l_i, acc, s, v):
-    """One block: scores ``s [BLOCK]`` (-inf past the end), values ``v [BLOCK, D]``; the running
-    maximum ``m_i``, sum ``l_i`` and weighted sum ``acc [D]`` so far."""
-    m_new = tl.maximum(m_i, tl.max(s, 0))
-    alpha = tl.exp(m_i - m_new)               # rescales what was summed under the old maximum
-    p = tl.exp(s - m_new)
-    return m_new, l_i * alpha + tl.sum(p, 0), acc * alpha + tl.sum(p[:, None] * v, 0)
 
 
 @triton.jit
@@ -45,7 +35,7 @@ def _one_query_kernel(q_ptr, k_ptr, v_ptr, out_ptr, n, scale, D: tl.constexpr, B
     tl.store(out_ptr + d, acc / l_i)
 
 
-def attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, step=update) -> torch.Tensor:
+def attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, step) -> torch.Tensor:
     """``softmax(k q / sqrt(D)) @ v`` for one query ``q [D]`` over ``k, v [n, D]`` (D and ``block``
     powers of two), streamed ``block`` keys at a time through ``step``."""
     if q.is_cuda and _not_written(step):      # compiled, its raise would be a compilation error
