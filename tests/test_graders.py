@@ -1030,7 +1030,7 @@ def test_a_step_that_calls_the_packages_own_is_refused_and_the_notebooks_module_
     assert "tl.exp(m_i - m_new)" not in inspect.getsource(online_softmax)
 
 
-class Forever:
+class NoText:
     """An answer whose text never comes."""
 
     def __str__(self):
@@ -1042,7 +1042,7 @@ def test_a_message_shows_an_answer_bounded_in_time_and_length():
     """The learner's answer is read as text under the case's bound, and a long one is cut: a grader's
     message stays readable whatever the answer is."""
     t = time.monotonic()
-    message = str(harness.mismatch("the answer", "case 0", [1, 2], Forever()))
-    assert "got (yours):              a Forever" in message and time.monotonic() - t < 2 * harness.CASE_S
+    message = str(harness.mismatch("the answer", "case 0", [1, 2], NoText()))
+    assert "got (yours):              a NoText" in message and time.monotonic() - t < 2 * harness.CASE_S
     message = str(harness.mismatch("the answer", "case 0", [1, 2], list(range(3_000_000))))
     assert len(message) < 2 * harness.MAX_SHOWN and "characters)" in message
