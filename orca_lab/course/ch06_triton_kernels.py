@@ -28,8 +28,7 @@ def check_online_softmax(step, seed: int = 0, device=None):
     """The learner's ``@triton.jit step(m, l, acc, s, v)`` in the package's one-query kernel
     (``online_softmax.py``), against ``kernels.ragged_attention``'s reference, on random sizes."""
     from orca_lab.course.online_softmax import attend_one_query
-    update = _update
-    refuse_package_code(step, update)
+    refuse_package_code(step, _update)
     g = torch.Generator().manual_seed(seed)
     device = device or torch.get_default_device()
     cases = [(n, d, block) for n in (1, 5, 16, 37) for d in (4, 16) for block in (4, 16)]
@@ -40,7 +39,7 @@ def check_online_softmax(step, seed: int = 0, device=None):
         q, k, v = q.to(device), k.to(device), v.to(device)
         label = f"case {case} (n={n} keys, d={d}, block={block})"
         got = run_bounded(attend_one_query, q, k, v, block, step, case=label, timeout_s=10 * bounded.TIMEOUT_S,
-                          references=(update,), what=f"{describe(step)} (run over the key blocks)",
+                          references=(_update,), what=f"{describe(step)} (run over the key blocks)",
                           progress="the kernel calls your step once per block of keys; a step only updates m, l "
                                    "and acc (under the interpreter a step costs milliseconds)")
         ref = kernels.ragged_attention(q[None, None], k[:, None], v[:, None], torch.arange(n, device=device),

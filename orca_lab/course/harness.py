@@ -45,12 +45,9 @@ MAX_SHOWN = 2000        # characters of a value a message shows: a 3-million-ite
 
 
 def _shown(value, case) -> str:
-    """``value`` as text, its own ``__str__`` run under the case's bound (a learner's object may never
-    return), cut to ``MAX_SHOWN`` characters."""
-    try:
-        text = value if isinstance(value, str) else run_case(str, value, label=str(case))
-    except Exception:  # noqa: BLE001  (a __str__ that raises or never returns: its type says enough)
-        text = f"a {type(value).__name__}"
+    """``value`` as text, its own ``__str__`` run under the case's bound (``_as_text``), cut to
+    ``MAX_SHOWN`` characters."""
+    text = value if isinstance(value, str) else _as_text(str, value, case)
     return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN - 300]} ... {text[-200:]} ({len(text):,} characters)"
 
 
@@ -76,10 +73,16 @@ def read(what: str, case, got, reader, shape: str):
 
 def shown_answer(got, case) -> str:
     """The learner's answer as its ``repr`` says (bounded: its own code), or its type alone."""
+    return _as_text(repr, got, case)
+
+
+def _as_text(how, value, case) -> str:
+    """``how(value)`` (``str`` or ``repr``) under the case's bound: a learner's object runs its own code
+    there, which may raise or never return; then its type says enough."""
     try:
-        return run_case(repr, got, label=str(case))
+        return run_case(how, value, label=str(case))
     except Exception:  # noqa: BLE001
-        return f"a {type(got).__name__}"
+        return f"a {type(value).__name__}"
 
 
 def same_kind(what: str, case, expected: torch.Tensor, got: torch.Tensor):

@@ -3,8 +3,8 @@ time (FlashAttention's online softmax, as ``kernels/attention.py`` does it for e
 
 The kernel loads each block of keys and values and computes its scores; what it does with them is
 ``UPDATE(m, l, acc, s, v) -> (m, l, acc)``, a ``@triton.jit`` function passed in: the learner's
-(notebook 06, which sends the learner here: the grader's own step is kept in its module, not here). Runs on a GPU, or on a CPU under
-``TRITON_INTERPRET=1`` (set by ``orca_lab.kernels`` on import).
+(notebook 06, which sends the learner here: the grader's own step is kept in its module, not here).
+Runs on a GPU, or on a CPU under ``TRITON_INTERPRET=1`` (set by ``orca_lab.kernels`` on import).
 """
 from __future__ import annotations
 

@@ -8,10 +8,11 @@ crafted prompt could collide with another's name and be served K/V computed from
 name is only where to look: a block is found under it when what it was registered with, its
 parent's name and its own tokens, equals the request's (``lookup``). So a collision of names, even
 one forced on a cheap digest, never serves a block whose tokens differ from the request's; that no
-two different earlier prefixes share a parent's name rests on SHA-256, as in vLLM. Once an iteration has written a full block's K/V
-and drawn a token from it, the block is registered under that name. A new request starts with the longest run of its context's full blocks that are
-registered: it holds them by reference count and prefills only the rest, always its last token at
-least (that token's logits give its first output token).
+two different earlier prefixes share a parent's name rests on SHA-256, as in vLLM. Once an iteration
+has written a full block's K/V and drawn a token from it, the block is registered under that name. A
+new request starts with the longest run of its context's full blocks that are registered: it holds
+them by reference count and prefills only the rest, always its last token at least (that token's
+logits give its first output token).
 
 A prompt's blocks wait for its first token (vLLM registers a block as soon as it is written): the
 chunks before it draw none, and a chunk's K/V may hold a later position's NaN (masked attention

@@ -19,12 +19,11 @@ from pathlib import Path
 
 import httpx
 
-from orca_lab.config import check_choice, check_out_dir, check_range
+from orca_lab.config import FieldError, check_choice, check_out_dir, check_range
 from orca_lab.engine.engine import _progress
 from orca_lab.engine.fields import check
 from orca_lab.environment import environment
 from orca_lab.metrics import summarize
-from orca_lab.config import FieldError
 from orca_lab.workload import MAX_TRACE_REQUESTS, check_rate, few_shot_trace, homogeneous_trace, paper_trace
 
 DATASETS = ("paper", "fixed", "few-shot")
