@@ -91,6 +91,24 @@ def test_the_inbox_drops_strangers_and_accepts_a_signed_hello():
         inbox.close()
 
 
+def test_a_refused_opening_and_its_owner_may_close_the_channel_at_once(monkeypatch):
+    """The opening's thread closes a refused channel as its owner may: both closing one fd raced
+    (EBADF in CI). A slow close widens the window the race needs."""
+    from multiprocessing.connection import Connection
+    close = Connection._close
+    monkeypatch.setattr(Connection, "_close", lambda self: (time.sleep(0.2), close(self)))
+    inbox = Inbox("127.0.0.1", SECRET)
+    try:
+        other = connect(inbox.address, b"x" * 32, 1)
+        assert inbox.accept(0.1) is None                        # dropped: the thread starts to close
+        time.sleep(0.05)
+        other.close()
+        with pytest.raises(ConnectionError, match="it closed the connection"):
+            other.recv()
+    finally:
+        inbox.close()
+
+
 def _strangers(address):
     """Four kinds of stranger: silent, half a frame then silent, a frame no hello is that long, and
     a hello signed with another key."""

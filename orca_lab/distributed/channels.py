@@ -50,6 +50,7 @@ class Channel:
         self._opened = threading.Event()
         self._failure: str | None = None
         self._sending = threading.Lock()         # a frame's number is its place on the wire
+        self._closing = threading.Lock()         # the opening's thread closes on failure, maybe as the owner does
 
     def _open(self, key: bytes, outgoing: bytes, incoming: bytes):
         self._out, self._in = Seal(key, outgoing), Seal(key, incoming)
@@ -68,9 +69,10 @@ class Channel:
             self.conn.send_bytes(encode(Proof(proof(self.secret, CONNECTOR, hello, challenge.nonce)), self.secret))
             self._open(session_key(self.secret, hello, challenge.nonce), UP, DOWN)
         except (ControlError, EOFError, OSError) as e:
-            self._failure = f"the control inbox at {self.peer} did not open the connection: {e}"
+            why = str(e) or "it closed the connection"             # an EOFError says nothing
+            self._failure = f"the control inbox at {self.peer} did not open the connection: {why}"
             log.warning("%s; dropped it", self._failure)
-            self.conn.close()
+            self.close()
             self._opened.set()
 
     def _wait_open(self):
@@ -115,7 +117,8 @@ class Channel:
         return self.conn.fileno()
 
     def close(self):
-        self.conn.close()
+        with self._closing:             # Connection.close is not safe to race: both would close the fd
+            self.conn.close()
 
 
 class Inbox:
