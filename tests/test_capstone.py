@@ -334,7 +334,7 @@ def test_a_package_neither_grades_itself_nor_outlasts_its_graders_bounds(package
                                        "def select(pool, n_rsrv, max_bs, n_slots):\n"
                                        "    _held.append(bytearray(6 * 10**9))\n    return [], 0\n")
     report = regrade.apart(package, dict.fromkeys(plug.PIECES, mine.PASSED), ("select",))
-    assert "MemoryError: it ran out of memory (a grading child may map 4 GiB" in report[0].now
+    assert "MemoryError: it ran out of memory (a grading child may allocate 4 GiB" in report[0].now
 
 
 def test_an_exercise_records_its_graders_verdict(tmp_path, monkeypatch):

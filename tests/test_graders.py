@@ -1,8 +1,10 @@
 """Each grader against a table of wrong answers a learner writes: each is caught with the hint its
 symptom calls for, a loop that never ends included (bounded in time: the grader returns); the
 package's own answers, and thin wrappers of them, are refused; the course's solutions pass."""
+import ctypes
 import inspect
 import math
+import os
 import statistics
 import sys
 import time
@@ -15,7 +17,7 @@ import triton.language as tl
 
 from orca_lab import LLM, EngineConfig, SamplingParams
 from orca_lab.config import model_config
-from orca_lab.course import bounded, harness, plug, solve
+from orca_lab.course import bounded, forked, harness, plug, solve
 from orca_lab.course import ch01_generation_and_kv_cache as ch01
 from orca_lab.course import ch02_request_level_batching as ch02
 from orca_lab.course import ch03_iteration_level_scheduling as ch03
@@ -131,6 +133,50 @@ def test_a_select_that_never_returns_is_stopped():
     with pytest.raises(bounded.TooSlow, match="did not return within .* on case 0"):
         ch03.check_select(forever)
     assert time.monotonic() - t < 3 * bounded.TIMEOUT_S        # bounded; never a verdict on speed
+
+
+def _allocates(pool, n_rsrv, max_bs, n_slots):
+    held = []
+    while True:
+        held.append(bytearray(1 << 28))
+
+
+class Mine(Exception):
+    """An exception type of the learner's own."""
+
+
+@pytest.mark.parametrize("select, error, match", [
+    (lambda *a: os._exit(3), forked.Ended, r"ended before its verdict: it exited with code 3 \(os._exit"),
+    (lambda *a: ctypes.string_at(0), forked.Ended, "killed by SIGSEGV \\(a crash in C"),
+    (_allocates, MemoryError, None),
+    (lambda *a: sum(range(10 ** 15)), harness.Stuck, "ran past 4 s and was killed: your code is stuck"),
+    (lambda *a: (_ for _ in ()).throw(Mine("of my own")), forked.Raised, "Mine: of my own"),
+], ids=["os._exit", "segfault", "memory", "C loop holding the interpreter", "its own exception type"])
+def test_a_grader_runs_apart_and_names_how_its_process_ended(select, error, match, monkeypatch):
+    """A check cell grades in a fork of its kernel: an exit, a crash in C, memory without end or a C
+    call no thread's bound can stop ends the fork, never the caller, which names how it ended."""
+    monkeypatch.setattr(forked, "BOUND_S", 4.0)
+    monkeypatch.setattr(forked, "MEMORY", 1 << 30)
+    before = os.getpid()
+    t = time.monotonic()
+    with pytest.raises(error, match=match) as e:
+        ch03.check_select(select)
+    assert os.getpid() == before and time.monotonic() - t < 30
+    if error is MemoryError:
+        assert any("may allocate 1 GiB" in note for note in e.value.__notes__)
+    if error is forked.Raised:
+        assert any("raised by your <lambda> on case 0" in n for n in e.value.__notes__)
+        assert any(n.startswith("in the grader's process:") for n in e.value.__notes__)
+
+
+def test_what_a_grader_prints_comes_back_cut(capsys):
+    def chatty(pool, n_rsrv, max_bs, n_slots):
+        print("x" * (forked.MAX_PRINTED + 5000))
+        return [], 0
+    with pytest.raises(harness.Mismatch):
+        ch03.check_select(chatty)
+    out = capsys.readouterr().out
+    assert out.count("x") == forked.MAX_PRINTED and "and 5,001 characters more, not shown" in out
 
 
 class Forever:

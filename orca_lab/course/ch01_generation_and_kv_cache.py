@@ -6,6 +6,7 @@ import torch
 
 from orca_lab import kernels
 from orca_lab.course.bounded import plain_tensor, refuse_package_code, run_bounded
+from orca_lab.course.forked import grader
 from orca_lab.course.harness import N_CASES, check_by_hand, correct, differ, read, same_kind
 from orca_lab.kernels.attention import ragged_attention_ref, ragged_attention_torch
 from orca_lab.workload import TraceItem
@@ -21,6 +22,7 @@ def _three_tensors(got):
     return plain_tensor(out), plain_tensor(k), plain_tensor(v)
 
 
+@grader
 def check_cached_attention(fn, seed: int = 0):
     """``fn(q_new, k_cache, v_cache, k_new, v_new) -> (out, k_cache, v_cache)``: the new tokens'
     attention over the cache and themselves, and the cache grown by their K/V; graded against

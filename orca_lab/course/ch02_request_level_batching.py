@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 from orca_lab.course.bounded import an_int, as_answer, ints, refuse_package_code, run_bounded
+from orca_lab.course.forked import grader
 from orca_lab.course.harness import N_CASES, Mismatch, Piece, Stuck, correct, differ, place_on, read, request, run_case
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.scheduler import RequestLevelScheduler
@@ -29,6 +30,7 @@ def _ft_finish_iterations(prompt_lens, gens, max_bs) -> list[int]:
     return [int(r.t_finish) for r in reqs]
 
 
+@grader
 def check_ft_iterations(fn, seed: int = 0):
     """``fn(prompt_lens, gens) -> iterations of one request-level batch of those requests``, against
     ``RequestLevelScheduler`` serving them in one batch."""
@@ -49,6 +51,7 @@ def check_ft_iterations(fn, seed: int = 0):
     correct(N_CASES, "RequestLevelScheduler")
 
 
+@grader
 def check_ft_finish(fn, seed: int = 0):
     """``fn(prompt_lens, gens, max_bs) -> [iteration after which each request returns]``."""
     refs = (_ft_finish_iterations, RequestLevelScheduler)
@@ -106,6 +109,7 @@ def _formation_hint(expected, got, max_bs: int) -> str:
     return "reserve max_seq_len slots for each request taken: kv.reserve(req, max_seq_len)"
 
 
+@grader
 def check_form_batch(form_batch, seed: int = 0):
     """``form_batch(waiting, kv, max_bs, max_seq_len) -> (batch, first_q_len)`` in the
     baseline's scheduler (``PluggedFormation``) against ``RequestLevelScheduler``, iteration by

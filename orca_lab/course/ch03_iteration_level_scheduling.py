@@ -8,6 +8,7 @@ import random
 
 from orca_lab.config import EngineConfig, ModelConfig
 from orca_lab.course.bounded import PackageCode, TooSlow, refuse_package_code, run_bounded
+from orca_lab.course.forked import grader
 from orca_lab.course.guards import guarded, handed_out, same_tokens, select_answer, token_ids, watched
 from orca_lab.course.harness import (N_CASES, Mismatch, Piece, check_by_hand, correct, differ, mismatch, place_on, read,
                                      request)
@@ -125,6 +126,7 @@ def _select_hint(pool, n_rsrv, max_bs, n_slots, want, batch, n) -> str:
     return "pool order is arrival order; take requests while they fit, up to max_bs"
 
 
+@grader
 def check_select(select, seed: int = 0):
     """The learner's ``select(pool, n_rsrv, max_bs, n_slots) -> (batch, n_rsrv)`` plugged into the
     scheduler (``PluggedSelect``), against ``OrcaScheduler`` on random traces: requests joining
@@ -518,6 +520,7 @@ def check_loop_cases(loop, n_workers: tuple, systems: tuple, seed: int):
     correct(n_cases, "Engine.run")
 
 
+@grader
 def check_loop(loop, seed: int = 0):
     """Chapter 03: ``loop(scheduler, executor, n_workers)``, Algorithm 1's loop with one batch in
     flight, against ``Engine.run`` on ORCA's engine (the tiny GPT, n_workers=1): per iteration the

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from orca_lab.course.bounded import ints, refuse_package_code, run_bounded
+from orca_lab.course.forked import grader
 from orca_lab.course.guards import answer_of, fault_of
 from orca_lab.course.harness import N_CASES, Piece, check_by_hand, correct, differ, place_on, read, request
 from orca_lab.engine.batch import Batch, BatchTensors
@@ -46,6 +47,7 @@ _FLAT_HINTS = {
     "last_idx": "the row of each request's last new token in the flat batch, counted from 0"}
 
 
+@grader
 def check_flatten(flatten, seed: int = 0):
     """``flatten(requests) -> {field: list}`` for the fields of ``BatchTensors``; graded against
     ``Batch.selective(requests).tensors("cpu")`` on random batches of prompts and decodes."""

@@ -8,11 +8,13 @@ import torch
 
 from orca_lab.course.bounded import Bounded, ints, refuse_package_code, run_bounded
 from orca_lab.course.ch03_iteration_level_scheduling import random_arrivals, requests_of, schedule
+from orca_lab.course.forked import grader
 from orca_lab.course.harness import N_CASES, Piece, correct, differ, place_on, read, request
 from orca_lab.engine.kv_manager import KVSlotManager
 from orca_lab.engine.scheduler import OrcaScheduler
 
 
+@grader
 def check_slot_manager(cls, seed: int = 0):
     """``cls(n_slots)`` with ``can_reserve(n)``, ``reserve(req, n)`` (sets ``req.slots``, a list of
     slot ids), ``release(req)`` (sets ``req.slots`` to None; a second release of the same request

@@ -8,6 +8,7 @@ from orca_lab import kernels
 from orca_lab.course import bounded
 from orca_lab.course.bounded import describe, refuse_package_code, run_bounded
 from orca_lab.course.ch01_generation_and_kv_cache import one_request
+from orca_lab.course.forked import grader
 from orca_lab.course.harness import correct, differ
 
 import triton  # noqa: E402  (after orca_lab.kernels, which sets TRITON_INTERPRET where there is no GPU)
@@ -24,6 +25,7 @@ def _update(m_i, l_i, acc, s, v):
     return m_new, l_i * alpha + tl.sum(p, 0), acc * alpha + tl.sum(p[:, None] * v, 0)
 
 
+@grader
 def check_online_softmax(step, seed: int = 0, device=None):
     """The learner's ``@triton.jit step(m, l, acc, s, v)`` in the package's one-query kernel
     (``online_softmax.py``), against ``kernels.ragged_attention``'s reference, on random sizes."""

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from orca_lab.course.bounded import plain_tensor, refuse_package_code, run_bounded
+from orca_lab.course.forked import grader
 from orca_lab.course.harness import N_CASES, Piece, correct, differ, read, same_kind, shown_answer
 from orca_lab.course.tensor_ranks import LearnerShards, TensorRanks, checked_sum
 from orca_lab.distributed.data_plane import DataPlane
@@ -17,6 +18,7 @@ from orca_lab.model.gpt import GPT, StateDictWeights
 from orca_lab.model.tensor_parallel import even_range, shard_ranges
 
 
+@grader
 def check_split_layers(fn, seed: int = 0):
     """``fn(n_layers, n_stages) -> [(first, end), ...]`` against ``executor.split_layers``."""
     refuse_package_code(fn, split_layers)
@@ -114,6 +116,7 @@ def _pair(got, label: str, rank: int):
     return plain_tensor(got[0]), None if got[1] is None else plain_tensor(got[1])
 
 
+@grader
 def check_split_linear(split_linear, all_reduce, seed: int = 0):
     """``split_linear(weight, bias, t, T, parallel) -> (weight_t, bias_t)`` against the package's cut
     of the model's linears (``shard_ranges``, ``even_range``), rank by rank, for T in 1..4 on random

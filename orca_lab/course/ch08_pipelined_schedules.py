@@ -3,9 +3,11 @@ flight (chapter 03's loop grader, on more cases), and the loop's plug point, ``r
 from __future__ import annotations
 
 from orca_lab.course.ch03_iteration_level_scheduling import check_loop_cases, run_loop
+from orca_lab.course.forked import grader
 from orca_lab.course.harness import Piece
 
 
+@grader
 def check_in_flight(loop, seed: int = 0):
     """Chapter 08: the same loop keeping up to ``n_workers`` batches in flight, n_workers in {1, 2,
     4}, on ORCA's engine and the baseline's micro-batches (``executor="local"``: a pipeline's stages

@@ -5,11 +5,13 @@ import random
 import statistics
 
 from orca_lab.course.bounded import a_number, refuse_package_code, run_bounded
+from orca_lab.course.forked import grader
 from orca_lab.course.harness import N_CASES, correct, differ, read
 from orca_lab.engine.engine import RequestRecord, RunResult
 from orca_lab.metrics import per_request
 
 
+@grader
 def check_median_norm_latency(fn, seed: int = 0):
     """``fn(records) -> ms``: the median over requests of (finish - arrival) / tokens generated,
     against ``metrics.per_request`` on random records."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 from orca_lab.course.bounded import ints, refuse_package_code, run_bounded
+from orca_lab.course.forked import grader
 from orca_lab.course.harness import (N_CASES, Piece, Stuck, check_by_hand, correct, differ, place_on, read, shown_answer,
                                     request, run_case)
 from orca_lab.engine import policies
@@ -15,6 +16,7 @@ from orca_lab.engine.policies import PAGED, Victims
 from orca_lab.engine.request import RequestState
 
 
+@grader
 def check_block_slots(fn, seed: int = 0):
     """``fn(table, n_tokens, block_size) -> slot ids`` of a request's first ``n_tokens`` tokens
     against ``BlockManager`` (``req.slots`` after it grew, blocks scattered by earlier releases)."""
@@ -46,6 +48,7 @@ def check_block_slots(fn, seed: int = 0):
     correct(N_CASES, "BlockManager")
 
 
+@grader
 def check_victim(fn, seed: int = 0):
     """``fn(running, req, chosen) -> the request to preempt, or None`` against the paged
     scheduler's choice (``policies.Victims``) on random pools."""
@@ -176,6 +179,7 @@ def _allocator_hint(expected: list[int], got, held: set[int], freed: set[int], f
     return "no run of n consecutive free blocks: the n lowest free blocks"
 
 
+@grader
 def check_block_allocator(cls, seed: int = 0):
     """``cls(n_blocks)`` with ``take(n)`` and ``free(blocks)`` against the package's block manager
     (the runs ``BlockManager`` takes whole blocks from), block for block: the fixed cases of
@@ -332,6 +336,7 @@ def _diverges(a: list, b: list) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+@grader
 def check_fill_budget(fn, seed: int = 0):
     """``fn(decodes, prompts, budget, max_bs, run)`` against the chunked scheduler's token budget
     (``policies.fill_budget``): the same ``run(request, n)`` calls, in the same order, on random

@@ -9,6 +9,7 @@ from types import MappingProxyType
 from orca_lab.course import harness
 from orca_lab.course.bounded import (Bounded, PackageCode, TooSlow, an_int, as_answer, ints, refuse_package_code,
                                      run_bounded)
+from orca_lab.course.forked import grader
 from orca_lab.course.guards import answer_of, fault_of
 from orca_lab.course.harness import N_CASES, Piece, check_by_hand, correct, differ, place_on, read, request, run_case
 from orca_lab.engine.policies import PAGED
@@ -25,6 +26,7 @@ def _names(got) -> list[bytes]:
     return names
 
 
+@grader
 def check_block_hashes(fn, seed: int = 0):
     """``fn(tokens, block_size) -> [name of each full block]``, each ``block_hash(parent's name,
     its tokens)``, against ``prefix_cache.chain_hashes`` on random token lists."""
@@ -95,6 +97,7 @@ def _lookup_hint(expected: int, got: int, prompt: list[int], bs: int) -> str:
     return "every full block of prompt[:-1], in order, while its chained name is in the cache"
 
 
+@grader
 def check_prefix_lookup(fn, seed: int = 0):
     """``fn(cache, prompt, block_size) -> tokens of prompt found cached`` (``cache``: the names of
     the cached blocks) against ``PrefixCachingBlockManager.lookup``, after earlier prompts were
@@ -169,6 +172,7 @@ def _lru_hint(expected, got, steps, i) -> str:
     return "evict the least recently freed block: the list is a queue, freed at its end, evicted from its front"
 
 
+@grader
 def check_block_lru(cls, seed: int = 0):
     """``cls()`` with ``freed(b)``, ``used(b)``, ``evict() -> b`` and ``len()`` against the prefix
     cache's ``FreeCached``, on random calls as the cache makes them."""
@@ -308,6 +312,7 @@ def _refs_hint(call, expected, got, before) -> str:
     return "release returns the blocks whose count reached 0, in the order they were freed"
 
 
+@grader
 def check_block_refs(cls, seed: int = 0):
     """``cls(lru)`` with ``count(b)``, ``hold(b)``, ``release(blocks, cached) -> freed`` and ``evict()
     -> b`` against the prefix cache's ``BlockRefs``, call by call, on the calls the cache makes while

@@ -16,8 +16,6 @@ import base64
 import json
 import re
 
-import nbformat
-
 PLOTLY = "application/vnd.plotly.v1+json"
 WIDGET = "application/vnd.jupyter.widget-view+json"
 MAX_INTERACTIVE_BYTES = 3_000_000

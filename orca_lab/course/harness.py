@@ -45,9 +45,9 @@ MAX_SHOWN = 2000        # characters of a value a message shows: a 3-million-ite
 
 
 def _shown(value, case) -> str:
-    """``value`` as text, its own ``__str__`` run under the case's bound (``_as_text``), cut to
+    """``value`` as text, its own ``__str__`` run under the case's bound (``as_text``), cut to
     ``MAX_SHOWN`` characters."""
-    text = value if isinstance(value, str) else _as_text(str, value, case)
+    text = value if isinstance(value, str) else as_text(str, value, case)
     return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN - 300]} ... {text[-200:]} ({len(text):,} characters)"
 
 
@@ -73,10 +73,10 @@ def read(what: str, case, got, reader, shape: str):
 
 def shown_answer(got, case) -> str:
     """The learner's answer as its ``repr`` says (bounded: its own code), or its type alone."""
-    return _as_text(repr, got, case)
+    return as_text(repr, got, case)
 
 
-def _as_text(how, value, case) -> str:
+def as_text(how, value, case) -> str:
     """``how(value)`` (``str`` or ``repr``) under the case's bound: a learner's object runs its own code
     there, which may raise or never return; then its type says enough."""
     try:

@@ -13,7 +13,7 @@ in C such as a recursion past the C stack), and what the learner prints goes now
 ends fails the piece it was grading, named with how it ended; the pieces after it are graded in a
 fresh child. The parent watches each grader's start (the child's records): one that outlives its
 bound where no thread's stop can land (a C call holding the interpreter) is killed, named so. The
-child's address space is capped (``GRADE_MEMORY`` past its start-up), so a piece that allocates
+child's memory is capped (``forked.MEMORY`` past its start-up), so a piece that allocates
 without end fails with MemoryError; and what it grades with is taken before the package is imported,
 so a package replacing the graders in ``sys.modules`` changes nothing.
 """
@@ -24,20 +24,18 @@ import contextlib
 import dataclasses
 import io
 import json
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from orca_lab.course import mine
+from orca_lab.course import forked, mine
 from orca_lab.course.bounded import run_bounded
 from orca_lab.course.mine import PASSED
 from orca_lab.course.plug import PIECES
 
 GRADE_S = 120.0      # one grader's whole run (each of its cases has its own, shorter bound)
-GRADE_MEMORY = 4 << 30    # address space a grading child may take past its start-up (the graders' models are tiny)
 
 
 class NotDone(AssertionError):
@@ -71,7 +69,7 @@ def _verdict(grader, objects, what: str, chapter: str, timeout_s: float | None, 
             run(grader, *objects, timeout_s=GRADE_S if timeout_s is None else timeout_s,
                 case=f"chapter {chapter}'s grader", what=what)
     except MemoryError:
-        return f"failed: MemoryError: it ran out of memory (a grading child may map {GRADE_MEMORY >> 30} GiB past its start)"
+        return f"failed: MemoryError: it ran out of memory (a grading child may allocate {forked.MEMORY >> 30} GiB past its start)"
     except Exception as e:                  # noqa: BLE001  (any failure of the learner's code is a verdict)
         return f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
     return PASSED
@@ -155,15 +153,6 @@ START_S = 60.0      # a grading child's start-up: importing torch, the package a
 SLACK_S = 10.0      # past a grader's own bound (its thread's stop, then its verdict), before the kill
 
 
-def _bound_memory(extra: int):
-    """This process's address space capped at what it maps now plus ``extra``, for good (the hard limit
-    too): a piece that allocates without end gets MemoryError, its verdict, not the machine's memory."""
-    import os
-    import resource
-    size = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    resource.setrlimit(resource.RLIMIT_AS, (size + extra, size + extra))
-
-
 def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in out.read_text().splitlines() if line.endswith("}")] if out.exists() else []
 
@@ -188,15 +177,10 @@ def _watch(proc, out: Path, bound: float) -> tuple[int, bool]:
 
 def _ended(code: int, stderr: str, started: bool) -> str:
     """How a grading child ended, in words: its exit code or signal, and its last error line."""
-    if code < 0:
-        name = signal.Signals(-code).name
-        how = f"its grader's process was killed by {name}" + (
-            " (a crash in C: a recursion past the C stack, or memory it may not touch)" if name == "SIGSEGV" else "")
-    else:
-        how = f"its grader's process exited with code {code} (os._exit, sys.exit from a thread, or a crash)"
     last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "")
     where = "while grading it" if started else "before any grader ran: importing the package"
-    return f"{how}, {where}" + (f"; its last error line: {last[:300]}" if last else "")
+    return f"its grader's process {forked.how_it_ended(code)}, {where}" + (
+        f"; its last error line: {last[:300]}" if last else "")
 
 
 def check(report: list[Verdict]) -> list[Verdict]:
@@ -220,7 +204,8 @@ def _main(argv=None):
     parser.add_argument("names", nargs="+", choices=list(PIECES))
     args = parser.parse_args(argv)
     graders = _graders()                # before the package's own code runs
-    _bound_memory(GRADE_MEMORY)
+    forked.inside = True                # this child is the graders' process: they need no fork of their own
+    forked.bound_memory(forked.MEMORY)
     pieces = mine.load(args.where)
     with open(args.out, "a") as out:
         def note(**record):
