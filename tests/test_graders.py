@@ -5,9 +5,11 @@ import ctypes
 import inspect
 import math
 import os
+import signal
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -167,6 +169,47 @@ def test_a_grader_runs_apart_and_names_how_its_process_ended(select, error, matc
     if error is forked.Raised:
         assert any("raised by your <lambda> on case 0" in n for n in e.value.__notes__)
         assert any(n.startswith("in the grader's process:") for n in e.value.__notes__)
+
+
+def test_a_process_the_learner_starts_neither_holds_the_verdict_nor_outlives_it(tmp_path):
+    """A process started by the learner's code keeps the verdict's pipe open after the grader's ends:
+    the verdict still comes at once, and that process goes with the grader's (its process group)."""
+    pid_file = tmp_path / "pid"
+
+    def select(pool, n_rsrv, max_bs, n_slots):
+        if not pid_file.exists():
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(60)
+                os._exit(0)
+            pid_file.write_text(str(pid))
+        return [], 0
+    t = time.monotonic()
+    with pytest.raises(harness.Mismatch):
+        ch03.check_select(select)
+    assert time.monotonic() - t < 10
+    stat = Path(f"/proc/{pid_file.read_text()}/stat")
+    gone = lambda: not stat.exists() or stat.read_text().split(") ")[1].startswith("Z")   # noqa: E731  (or init's zombie)
+    deadline = time.monotonic() + 5                 # SIGKILL lands in a moment, not at once
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone()
+
+
+def test_a_signal_to_its_process_group_reaches_the_grader_not_its_caller():
+    with pytest.raises(forked.Ended, match="killed by SIGTERM"):
+        ch03.check_select(lambda *a: os.killpg(os.getpgrp(), signal.SIGTERM))
+
+
+def test_a_caller_that_ignores_sigchld_still_gets_the_verdict():
+    before = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        with pytest.raises(harness.Mismatch):
+            ch03.check_select(lambda *a: ([], 0))
+        with pytest.raises(forked.Ended, match="how is lost: this process ignores SIGCHLD"):
+            ch03.check_select(lambda *a: os._exit(3))
+    finally:
+        signal.signal(signal.SIGCHLD, before)
 
 
 def test_what_a_grader_prints_comes_back_cut(capsys):

@@ -11,7 +11,9 @@ inside the fork and names it; this adds what a thread cannot bound.
   type when it is a builtin's or the course's, else ``Raised``), with the child's traceback as a note.
 - A child that ends without a verdict raises ``Ended``, saying how (``how_it_ended``); one still
   running after ``BOUND_S`` (a C call that never returns to Python, where a case's thread cannot
-  stop it) is killed, ``Stuck``.
+  stop it) is killed, ``Stuck``. The child leads a process group of its own, killed whole once the
+  verdict is in: what the learner's code started goes with it, and a signal it sends its group
+  never reaches the kernel.
 - No fork off Linux (Windows has none; on macOS a fork of a process that used Apple's libraries, as
   torch's BLAS does, may crash), inside a grading process already (``inside``: a fork, or
   ``regrade``'s child), or once CUDA has started (a forked child cannot use it): there the grader
@@ -73,26 +75,51 @@ def _in_fork(check, args, kwargs):
         os.close(r)
         _child(w, check, args, kwargs)          # never returns
     os.close(w)
+    _own_group(pid)
     try:
-        report, ended = _read(r)
-    except BaseException:                       # the kernel interrupted (Ctrl-C): the grader goes too
-        _kill(pid)
-        raise
-    finally:
+        report, code = _wait(r, pid)
+    finally:            # a verdict, a bound passed or Ctrl-C: the grader goes, with whatever it started
         os.close(r)
-    code = _status(os.waitpid(pid, 0)[1]) if ended else _kill(pid)
-    if not ended and len(report) <= MAX_REPORT:
+        _kill_group(pid)
+    done = _parsed(report)
+    if code is OVERRAN:
         raise Stuck(f"the grader's process ran past {BOUND_S:g} s and was killed: your code is stuck where no "
                     "case's bound can stop it (a C call that never returns to Python: a sleep, a lock, a "
                     "blocking read)")
-    try:
-        done = json.loads(report)
-    except ValueError:
-        how = f"sent more than {MAX_REPORT:,} bytes and was killed" if len(report) > MAX_REPORT else how_it_ended(code)
-        raise Ended(f"the grader's process ended before its verdict: it {how}") from None
+    if done is None:
+        how = (f"sent more than {MAX_REPORT:,} bytes and was killed" if code is TOO_MUCH else
+               "exited without one: your code wrote into, or closed, the pipe its verdict goes through"
+               if code == 0 else how_it_ended(code))
+        raise Ended(f"the grader's process ended before its verdict: it {how}")
     print(done["printed"], end="")
     if done["error"] is not None:
         raise _rebuilt(done["error"])
+
+
+OVERRAN, TOO_MUCH = "overran", "too much"       # how a child ended when the caller killed it
+NO_REPORT = 70                                  # a child's exit code when even its report failed
+
+
+def _own_group(pid: int):
+    """The child leads a process group of its own (set on both sides: whichever runs first): what
+    it starts goes with it, and a signal it sends to its group never reaches the caller."""
+    try:
+        os.setpgid(pid, pid)
+    except OSError:                 # it has set it already, or ended
+        pass
+
+
+def _kill_group(pid: int):
+    """The child's group killed (what the learner's code started, the child if still there), the
+    child reaped."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:                 # the group is gone
+        pass
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:       # reaped already
+        pass
 
 
 def _child(w: int, check, args, kwargs):
@@ -100,7 +127,9 @@ def _child(w: int, check, args, kwargs):
     sockets, runs here)."""
     global inside
     inside = True
+    code = NO_REPORT
     try:
+        os.setpgid(0, 0)
         torch.set_num_threads(1)        # the caller's OpenMP threads are not in the fork: a parallel region would hang
         faulthandler.disable()          # a crash is named by the caller; the kernel's log gets no dump of it
         sys.stdout = sys.stderr = printed = _Printed()
@@ -110,11 +139,11 @@ def _child(w: int, check, args, kwargs):
             check(*args, **kwargs)
         except BaseException as e:      # noqa: BLE001  (reported, raised again in the caller)
             error = _reduced(e)
-        report = json.dumps({"printed": printed.text(), "error": error}).encode()
         with os.fdopen(w, "wb") as out:
-            out.write(report)
+            out.write(json.dumps({"printed": printed.text(), "error": error}).encode())
+        code = 0
     finally:
-        os._exit(0)
+        os._exit(code)
 
 
 class _Printed(io.TextIOBase):
@@ -141,15 +170,43 @@ class _Printed(io.TextIOBase):
 
 def _reduced(e: BaseException) -> dict:
     """``e`` as plain text: its type's place, its message (its own ``__str__`` run under a bound),
-    its notes, and the traceback's last ``MAX_TRACE`` characters."""
-    notes = getattr(e, "__notes__", None)
-    notes = [n[:MAX_TRACE] for n in notes if type(n) is str][:MAX_NOTES] if isinstance(notes, list) else []
-    trace = "".join(traceback.format_tb(e.__traceback__))
-    traceback.clear_frames(e.__traceback__)     # what the frames held (all of memory, after a MemoryError) goes
-    if isinstance(e, MemoryError):
-        notes.append(f"(a grader's process may allocate {MEMORY >> 30} GiB past what its caller holds)")
-    return {"module": type(e).__module__, "name": type(e).__qualname__, "notes": notes, "trace": trace[-MAX_TRACE:],
-            "text": as_text(str, e, "its error")[:MAX_PRINTED]}
+    its notes, and the traceback's last ``MAX_TRACE`` characters. Reading ``e`` runs the learner's
+    code: what fails to read is said so."""
+    try:
+        kind = type(e)
+        module, name = getattr(kind, "__module__", None), getattr(kind, "__qualname__", None)
+        notes = getattr(e, "__notes__", None)
+        notes = [n[:MAX_TRACE] for n in notes if type(n) is str][:MAX_NOTES] if isinstance(notes, list) else []
+        trace = "".join(traceback.format_tb(e.__traceback__))
+        traceback.clear_frames(e.__traceback__)     # what the frames held (all of memory, after a MemoryError) goes
+        if isinstance(e, MemoryError):
+            notes.append(f"(a grader's process may allocate {MEMORY >> 30} GiB past what its caller holds)")
+        return {"module": _name(module), "name": _name(name), "notes": notes, "trace": trace[-MAX_TRACE:],
+                "text": as_text(str, e, "its error")[:MAX_PRINTED]}
+    except Exception as failed:       # noqa: BLE001
+        return {"module": "", "name": "an exception", "notes": [], "trace": "",
+                "text": f"its type or traceback could not be read ({type(failed).__name__})"}
+
+
+def _name(x) -> str:
+    return x[:200] if type(x) is str else "?"
+
+
+REPORT = {"printed": str, "error": (dict, type(None))}
+ERROR = {"module": str, "name": str, "text": str, "notes": list, "trace": str}
+
+
+def _parsed(report: bytes) -> dict | None:
+    """The child's report, or None where it is not one (cut, forged in another shape, no JSON)."""
+    try:
+        done = json.loads(report)
+    except (ValueError, RecursionError):
+        return None
+    shaped = lambda d, shape: type(d) is dict and all(isinstance(d.get(k), t) for k, t in shape.items())  # noqa: E731
+    if not shaped(done, REPORT) or (done["error"] is not None and not (
+            shaped(done["error"], ERROR) and all(type(n) is str for n in done["error"]["notes"]))):
+        return None
+    return done
 
 
 def _rebuilt(error: dict) -> BaseException:
@@ -183,39 +240,50 @@ def _known(module: str, name: str):
     return kind if isinstance(kind, type) and issubclass(kind, Exception) else None
 
 
-def _read(fd: int) -> tuple[bytes, bool]:
-    """What the child sent, and whether it closed its end (it ended) before ``BOUND_S`` passed and
-    before it sent more than ``MAX_REPORT`` bytes."""
-    report, deadline = bytearray(), time.monotonic() + BOUND_S
-    while (left := deadline - time.monotonic()) > 0 and len(report) <= MAX_REPORT:
-        if select.select([fd], [], [], min(left, 1.0))[0]:
+def _wait(fd: int, pid: int) -> tuple[bytes, int | str | None]:
+    """What the child sent, and how it ended: its exit code (minus a signal's number); None where
+    that is lost (this process ignores SIGCHLD); ``OVERRAN`` past ``BOUND_S`` or ``TOO_MUCH`` past
+    ``MAX_REPORT`` bytes, still running. Its end is watched, not only its pipe's: a process the
+    learner's code started may hold the pipe open after the child is gone."""
+    poller, report, deadline, closed = select.poll(), bytearray(), time.monotonic() + BOUND_S, False
+    poller.register(fd, select.POLLIN)
+    while len(report) <= MAX_REPORT:
+        if not closed and poller.poll(100):
             chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                return bytes(report), True
             report += chunk
-    return bytes(report), False
+            closed = not chunk
+            continue
+        ended, code = _ended(pid)
+        if ended:
+            while len(report) <= MAX_REPORT and poller.poll(0) and (chunk := os.read(fd, 1 << 16)):
+                report += chunk
+            return bytes(report), code if len(report) <= MAX_REPORT else TOO_MUCH
+        if time.monotonic() > deadline:
+            return bytes(report), OVERRAN
+        if closed:
+            time.sleep(0.05)
+    return bytes(report), TOO_MUCH
 
 
-def _kill(pid: int) -> int:
+def _ended(pid: int) -> tuple[bool, int | None]:
     try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    return _status(os.waitpid(pid, 0)[1])
+        got, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:       # reaped by the system: this process ignores SIGCHLD
+        return True, None
+    return got == pid, os.waitstatus_to_exitcode(status) if got == pid else None
 
 
-def _status(status: int) -> int:
-    """A ``waitpid`` status as ``Popen.returncode`` reads it: the exit code, or minus the signal."""
-    return os.waitstatus_to_exitcode(status)
-
-
-def how_it_ended(code: int) -> str:
-    """How a grading process ended, in words, from its exit code (minus a signal's number)."""
+def how_it_ended(code: int | None) -> str:
+    """How a grading process ended, in words, from its exit code (minus a signal's number; None: lost)."""
+    if code is None:
+        return "ended, and how is lost: this process ignores SIGCHLD, so the system reaped it"
     if code < 0:
         name = signal.Signals(-code).name
         return f"was killed by {name}" + (
             " (a crash in C: a recursion past the C stack, or memory it may not touch)" if name == "SIGSEGV" else
-            " (by the system: out of memory?)" if name == "SIGKILL" else "")
+            " (from outside: the system out of memory, or a limit it set itself)" if name == "SIGKILL" else "")
+    if code == NO_REPORT:
+        return f"exited with code {code}: it could not write its verdict"
     return f"exited with code {code} (os._exit, sys.exit from a thread, or a crash)"
 
 
