@@ -92,7 +92,7 @@ def serve(args):
                         args.stall_s)
     try:
         run(recipe, args.host, args.port, args.max_queue, args.drain_s, model_name=model, debug=args.debug,
-            chat_template=template)
+            chat_template=template, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
     except EngineDied as e:       # exit 1, for a supervisor to restart the server
         raise SystemExit(f"orca-lab serve: the engine died ({e}); exiting with code 1") from None
 
@@ -228,6 +228,10 @@ def _serve_args(s):
     s.add_argument("--seed", type=int, default=0, help="random weights of a preset: those of LLM(model, seed)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0: the OS chooses (printed at start)")
+    s.add_argument("--ssl-certfile", metavar="FILE", default=None, help="serve HTTPS with this certificate (PEM)")
+    s.add_argument("--ssl-keyfile", metavar="FILE", default=None,
+                   help="its private key (PEM). A key the server asks for ($ORCA_LAB_API_KEY: every route but "
+                        "/health and /metrics takes Authorization: Bearer <key>) crosses the network only over HTTPS")
     paged = ", ".join(n for n, entry in REGISTRY.items() if entry.paged)
     s.add_argument("--system", default="orca", choices=list(REGISTRY),
                    help="the scheduling policy (orca_lab/engine/policies.py's registry)")

@@ -16,6 +16,7 @@ from starlette.requests import ClientDisconnect
 from orca_lab.engine.detokenizer import Detokenizer, undecodable
 from orca_lab.engine.fields import check_context, http_error
 from orca_lab.engine.sampling_params import SamplingParams
+from orca_lab.serving.auth import RequireKey
 from orca_lab.serving.beam_search import beam_answer
 from orca_lab.serving.chat import (ChatRequest, DetokenizeRequest, TokenizeRequest, bound, chat_chunk,
                                    chat_response, render)
@@ -41,12 +42,14 @@ from orca_lab.tokenizer import token_name
 
 
 def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, model_name: str | None = None,
-              ready=None, stop_timeout: float = 5.0, debug: bool = False, chat_template: str | None = None) -> FastAPI:
+              ready=None, stop_timeout: float = 5.0, debug: bool = False, chat_template: str | None = None,
+              api_key: str | None = None) -> FastAPI:
     """The FastAPI app over a started engine process; its lifespan's end stops that engine (which
     cancels what is left and stops its workers). ``ready(app)`` is called once it serves.
     ``debug``: serve ``GET /debug/run``, the engine's own records and the HTTP side's (the last
     ``HISTORY`` of each; without it neither side keeps any). ``chat_template``: the Jinja
-    template of /v1/chat/completions (default: the tokenizer's ``chat_template``, if it has one)."""
+    template of /v1/chat/completions (default: the tokenizer's ``chat_template``, if it has one).
+    ``api_key``: the key every route but /health and /metrics asks for (``auth.RequireKey``)."""
     metrics = ServerMetrics()
     state = ServerState(model_name or core.info.cfg.name, system, EngineClient(core, metrics, max_queue), metrics,
                         history=HISTORY if debug else 0)
@@ -68,6 +71,8 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
     app = FastAPI(title="orca_lab", lifespan=lifespan)
     app.openapi = _openapi_of(app)
     app.state.orca = state
+    if api_key is not None:
+        app.add_middleware(RequireKey, key=api_key)            # inside the body limit: it drains a bounded body
     app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
     app.add_middleware(_StampArrival, clock=state.pool.clock)     # added last: the outer one
 

@@ -24,6 +24,7 @@ from orca_lab.engine.engine import _progress
 from orca_lab.engine.fields import check
 from orca_lab.environment import environment
 from orca_lab.metrics import summarize
+from orca_lab.serving.auth import KEY_ENV, bearer
 from orca_lab.workload import MAX_TRACE_REQUESTS, check_rate, few_shot_trace, homogeneous_trace, paper_trace
 
 DATASETS = ("paper", "fixed", "few-shot")
@@ -102,7 +103,8 @@ async def run_load(base_url: str, trace, model: str | None = None, max_concurren
     limit = asyncio.Semaphore(max_concurrency or len(trace))
     bar = _progress(len(trace), progress)
     limits = httpx.Limits(max_connections=max_concurrency or len(trace), max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=server_root(base_url), timeout=timeout_s, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=server_root(base_url), timeout=timeout_s, limits=limits,
+                                 headers=bearer()) as client:
         start = time.perf_counter()
 
         async def one(i, item):
@@ -162,11 +164,12 @@ def server_card(base_url: str) -> dict:
     that cannot be reached or answers no model list is a ValueError saying which."""
     url = server_root(base_url) + "/v1/models"
     try:
-        resp = httpx.get(url, timeout=30)
+        resp = httpx.get(url, timeout=30, headers=bearer())
         resp.raise_for_status()
         models = resp.json()["data"]
     except httpx.HTTPStatusError as e:
-        raise ValueError(f"--base-url {base_url}: GET {url} answered {e.response.status_code}") from None
+        hint = f": set {KEY_ENV} to the server's key" if e.response.status_code == 401 else ""
+        raise ValueError(f"--base-url {base_url}: GET {url} answered {e.response.status_code}{hint}") from None
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:     # (httpx.InvalidURL is a ValueError)
         raise ValueError(f"--base-url {base_url}: GET {url} failed ({type(e).__name__}: {e})") from None
     if not isinstance(models, list) or not models or not isinstance(models[0], dict) or "id" not in models[0]:

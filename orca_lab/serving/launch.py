@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-URL = re.compile(r"orca-lab serve: .* on (http://\S+)")
+URL = re.compile(r"orca-lab serve: .* on (https?://\S+)")
 
 
 class ServerProcess:

@@ -23,6 +23,7 @@ from fastapi import FastAPI
 
 from orca_lab.config import check_range
 from orca_lab.serving.app import build_app
+from orca_lab.serving.auth import check_transport, key_from_env
 from orca_lab.serving.engine_core import HISTORY, EngineArgs, EngineProcess
 
 log = logging.getLogger("orca_lab.serve")
@@ -46,7 +47,7 @@ class _Server:
     lifespan's end stops the engine and its workers. uvicorn cancels only what is left
     ``ABORT_GRACE_S`` later (a client that does not read)."""
 
-    def __init__(self, app: FastAPI, sock, drain_s: float):
+    def __init__(self, app: FastAPI, sock, drain_s: float, **tls):
         import uvicorn
         state = app.state.orca
 
@@ -64,7 +65,7 @@ class _Server:
                     timer.cancel()
 
         config = uvicorn.Config(app, timeout_graceful_shutdown=drain_s + ABORT_GRACE_S, log_level="warning",
-                                lifespan="on", access_log=False)
+                                lifespan="on", access_log=False, **tls)
         self.server, self.sock = Server(config), sock
         self.died: str | None = None
         state.pool.on_dead = self._engine_died
@@ -106,12 +107,16 @@ def listen(host: str, port: int):
 
 
 def serve(recipe: EngineArgs, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 1024,
-          drain_s: float = 5.0, model_name: str | None = None, debug: bool = False, chat_template: str | None = None):
+          drain_s: float = 5.0, model_name: str | None = None, debug: bool = False, chat_template: str | None = None,
+          ssl_certfile: str | None = None, ssl_keyfile: str | None = None):
     """Serve the model of ``recipe`` until SIGINT/SIGTERM, or until its engine dies (``EngineDied``);
-    prints its URL once it accepts requests. The port is taken first (a busy one fails at once),
-    then the engine process builds the model."""
+    prints its URL once it accepts requests. The key (``auth.KEY_ENV``) and where it may travel are
+    checked first, then the port is taken (a busy one fails at once), then the engine process builds
+    the model. HTTPS with ``ssl_certfile`` and ``ssl_keyfile``."""
+    key = key_from_env()
+    check_transport(host, key, ssl_certfile, ssl_keyfile)
     sock = listen(host, port)
-    url = f"http://{host}:{sock.getsockname()[1]}"
+    url = f"{'https' if ssl_certfile else 'http'}://{host}:{sock.getsockname()[1]}"
     ready = lambda app: print(f"orca-lab serve: {app.state.orca.model_name} ({recipe.system}) on {url}", flush=True)
     try:
         core = EngineProcess(recipe, history=HISTORY if debug else 0)
@@ -119,8 +124,9 @@ def serve(recipe: EngineArgs, host: str = "127.0.0.1", port: int = 8000, max_que
         sock.close()
         raise
     try:
-        app = build_app(core, recipe.system, max_queue, model_name, ready, debug=debug, chat_template=chat_template)
-        _Server(app, sock, drain_s).run()
+        app = build_app(core, recipe.system, max_queue, model_name, ready, debug=debug, chat_template=chat_template,
+                        api_key=key)
+        _Server(app, sock, drain_s, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile).run()
     except KeyboardInterrupt:          # uvicorn re-raises the SIGINT it drained for: we are done
         pass
     finally:
