@@ -196,6 +196,27 @@ def test_a_process_the_learner_starts_neither_holds_the_verdict_nor_outlives_it(
     assert gone()
 
 
+def test_ctrl_c_in_the_kernel_while_it_waits_stops_the_grader_too(tmp_path):
+    pid_file = tmp_path / "pid"
+
+    def select(pool, n_rsrv, max_bs, n_slots):
+        pid_file.write_text(str(os.getpid()))
+        time.sleep(30)
+
+    def interrupt(sig, frame):
+        raise KeyboardInterrupt
+    before = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 1.0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ch03.check_select(select)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    pid = int(pid_file.read_text())
+    assert pid != os.getpid() and not Path(f"/proc/{pid}").exists()      # killed and reaped
+
+
 def test_a_signal_to_its_process_group_reaches_the_grader_not_its_caller():
     with pytest.raises(forked.Ended, match="killed by SIGTERM"):
         ch03.check_select(lambda *a: os.killpg(os.getpgrp(), signal.SIGTERM))
