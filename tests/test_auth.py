@@ -6,7 +6,10 @@ import os
 import re
 import shutil
 import subprocess
+import socket
+import ssl
 import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -14,8 +17,9 @@ import pytest
 
 from orca_lab import LLM, EngineConfig
 from orca_lab.config import FieldError
-from orca_lab.serving.auth import check_transport
+from orca_lab.serving.auth import check_tls, check_transport
 from orca_lab.serving.launch import ServerProcess
+from orca_lab.serving.server import url_of
 
 KEY = "sk-orca-lab-test-0123456789"
 
@@ -89,35 +93,78 @@ def test_bench_sends_the_key_it_is_given_over_https(server, tls, tmp_path, monke
     assert [(row["n_requests"], row["n_failed"]) for row in report["summary"]] == [(2, 0)]
 
 
+def _raw(server, tls, request: bytes, body_chunks=()) -> bytes:
+    """``request`` sent over TLS as it is, then ``body_chunks`` as HTTP chunks; the first answer's head."""
+    port = int(server.url.rsplit(":", 1)[1])
+    context = ssl.create_default_context(cafile=str(tls[0]))
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as raw, \
+            context.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+        s.sendall(request)
+        for chunk in body_chunks:
+            s.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+        return s.recv(4096).split(b"\r\n\r\n")[0]
+
+
+def test_a_body_without_the_key_is_never_gathered_nor_invited(server, tls):
+    """Refused before the body limit gathers a chunked body: 16 MiB of one never ended is answered once
+    read and dropped (the limit, outside, would wait for more, holding it); a client waiting for 100
+    Continue gets the 401 instead, sending nothing."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    got = _raw(server, tls, head + b"Transfer-Encoding: chunked\r\n\r\n", [b"x" * (1 << 20)] * 16)
+    assert got.startswith(b"HTTP/1.1 401") and b"connection: close" in got.lower(), got
+    got = _raw(server, tls, head + b"Content-Length: 10000000\r\nExpect: 100-continue\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 401"), got
+
+
 def test_plain_http_to_the_https_port_gets_no_answer(server):
     with pytest.raises(httpx.HTTPError):
         httpx.get(server.url.replace("https://", "http://") + "/health", timeout=5).raise_for_status()
 
 
-@pytest.mark.parametrize("host, key, tls, refused", [
-    ("127.0.0.1", KEY, False, None),
-    ("::1", KEY, False, None),
-    ("localhost", KEY, False, None),
-    ("0.0.0.0", None, False, None),               # open to anyone, said in a warning
-    ("0.0.0.0", KEY, True, None),
-    ("0.0.0.0", KEY, False, "the key would cross the network in plain text"),
-    ("10.1.2.3", KEY, False, "the key would cross the network in plain text"),
+@pytest.mark.parametrize("host, address, key, tls, refused", [
+    ("127.0.0.1", None, KEY, False, None),
+    ("::1", None, KEY, False, None),
+    ("::ffff:127.0.0.1", None, KEY, False, None),
+    ("localhost", "127.0.0.1", KEY, False, None),         # a name: judged by the address it bound
+    ("0.0.0.0", None, None, False, None),                # open to anyone, said in a warning
+    ("0.0.0.0", None, KEY, True, None),
+    ("0.0.0.0", None, KEY, False, "the key would cross the network in plain text"),
+    ("::", None, KEY, False, "the key would cross the network in plain text"),
+    ("myhost", "10.1.2.3", KEY, False, r"--host myhost \(10.1.2.3\) .* in plain text"),
 ])
-def test_a_key_never_crosses_the_network_in_plain_text(host, key, tls, refused, tmp_path):
-    files = (tmp_path / "c", tmp_path / "k")
-    for f in files:
-        f.write_text("pem")
-    call = lambda: check_transport(host, key, *(map(str, files) if tls else (None, None)))   # noqa: E731
+def test_a_key_never_crosses_the_network_in_plain_text(host, address, key, tls, refused):
     if refused is None:
-        call()
+        check_transport(host, key, tls, address)
     else:
         with pytest.raises(FieldError, match=refused):
-            call()
+            check_transport(host, key, tls, address)
+
+
+def test_the_printed_url_is_one_a_client_can_use():
+    assert url_of("::1", 8000, tls=False) == "http://[::1]:8000"
+    assert url_of("127.0.0.1", 443, tls=True) == "https://127.0.0.1:443"
+    assert httpx.URL(url_of("::1", 8000, tls=True)).port == 8000
+
+
+def test_tls_files_are_loaded_before_anything_starts(tls, tmp_path):
+    cert, key = map(str, tls)
+    other, locked, junk = (str(tmp_path / n) for n in ("other.pem", "locked.pem", "junk.pem"))
+    subprocess.run(["openssl", "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-out", other], check=True, capture_output=True)
+    subprocess.run(["openssl", "pkey", "-in", key, "-aes256", "-passout", "pass:secret", "-out", locked],
+                   check=True, capture_output=True)
+    Path(junk).write_text("not a certificate")
+    check_tls(cert, key)
+    check_tls(None, None)
+    for c, k in ((junk, key), (cert, other), (cert, locked)):
+        with pytest.raises(FieldError, match="cannot serve HTTPS with them"):
+            check_tls(c, k)
 
 
 def test_the_cli_refuses_a_bad_key_or_half_of_tls_before_it_starts(tmp_path):
     cases = [({"ORCA_LAB_API_KEY": KEY}, ["--host", "0.0.0.0"], "in plain text"),
              ({"ORCA_LAB_API_KEY": "two words"}, [], "ORCA_LAB_API_KEY is set but is not a key"),
+             ({"ORCA_LAB_API_KEY": "sk-ключ"}, [], "visible ASCII"),      # no client sends it in a header
              ({}, ["--ssl-certfile", str(tmp_path / "none.pem"), "--ssl-keyfile", str(tmp_path / "none.pem")],
               "--ssl-certfile .*none.pem: no such file"),
              ({}, ["--ssl-certfile", __file__], "--ssl-keyfile is missing")]

@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect
 from orca_lab.engine.detokenizer import Detokenizer, undecodable
 from orca_lab.engine.fields import check_context, http_error
 from orca_lab.engine.sampling_params import SamplingParams
-from orca_lab.serving.auth import RequireKey
+from orca_lab.serving.auth import OPEN_PATHS, carries_key
 from orca_lab.serving.beam_search import beam_answer
 from orca_lab.serving.chat import (ChatRequest, DetokenizeRequest, TokenizeRequest, bound, chat_chunk,
                                    chat_response, render)
@@ -49,7 +49,7 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
     ``debug``: serve ``GET /debug/run``, the engine's own records and the HTTP side's (the last
     ``HISTORY`` of each; without it neither side keeps any). ``chat_template``: the Jinja
     template of /v1/chat/completions (default: the tokenizer's ``chat_template``, if it has one).
-    ``api_key``: the key every route but /health and /metrics asks for (``auth.RequireKey``)."""
+    ``api_key``: the key every route but /health and /metrics asks for (``_RequireKey``, ``auth``)."""
     metrics = ServerMetrics()
     state = ServerState(model_name or core.info.cfg.name, system, EngineClient(core, metrics, max_queue), metrics,
                         history=HISTORY if debug else 0)
@@ -71,9 +71,9 @@ def build_app(core: EngineProcess, system: str = "orca", max_queue: int = 1024, 
     app = FastAPI(title="orca_lab", lifespan=lifespan)
     app.openapi = _openapi_of(app)
     app.state.orca = state
-    if api_key is not None:
-        app.add_middleware(RequireKey, key=api_key)            # inside the body limit: it drains a bounded body
     app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
+    if api_key is not None:
+        app.add_middleware(_RequireKey, key=api_key)           # outside the body limit: no body held without it
     app.add_middleware(_StampArrival, clock=state.pool.clock)     # added last: the outer one
 
     @app.exception_handler(HTTPError)
@@ -330,12 +330,36 @@ class _BodyLimit:
                        send)
 
     async def _refuse(self, scope, receive, send, size: str, more: bool):
-        left = self.DRAIN * self.limit
-        while more and left > 0:
-            message = await receive()
-            more, left = message.get("more_body", False), left - len(message.get("body", b""))
         message = f"the request body {size}: this server takes at most {self.limit} bytes ({self.limit >> 20} MiB)"
-        await JSONResponse(error_body(413, message), 413, headers={"Connection": "close"})(scope, receive, send)
+        await _refuse_unread(scope, receive, send, 413, message, more, self.DRAIN * self.limit)
+
+
+class _RequireKey:
+    """ASGI middleware, outside ``_BodyLimit``: a request to a route not in ``auth.OPEN_PATHS`` without
+    the key is answered 401 in OpenAI's shape before anything holds its body (a chunked one would be
+    gathered whole by the limit); what it sends is read and dropped, up to one body's limit, and a
+    client waiting for ``100 Continue`` has sent none and is answered at once."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or carries_key(scope["headers"], self.key):
+            return await self.app(scope, receive, send)
+        sent = dict(scope["headers"]).get(b"expect", b"").lower() != b"100-continue"
+        message = "this server takes a key: send the header Authorization: Bearer <key> (the openai client's api_key)"
+        await _refuse_unread(scope, receive, send, 401, message, sent, MAX_BODY_BYTES, {"WWW-Authenticate": "Bearer"})
+
+
+async def _refuse_unread(scope, receive, send, status: int, message: str, more: bool, budget: int, headers=None):
+    """Answer ``status`` to a request whose body the server will not read, then close the connection.
+    What the client sends is read and dropped first (up to ``budget`` bytes; ``more``: it is sending),
+    as a socket closed on unread bytes is reset, which can destroy the answer before the client reads it."""
+    while more and budget > 0:
+        got = await receive()
+        more, budget = got.get("more_body", False), budget - len(got.get("body", b""))
+    await JSONResponse(error_body(status, message), status, headers={"Connection": "close", **(headers or {})})(
+        scope, receive, send)
 
 
 def _replaying(first: dict, receive):

@@ -6,7 +6,9 @@ Prometheus's scrape, open as vLLM's are) answers 401 unless the request carries
 never from a flag: a process's arguments are readable by every user of the machine (``ps``).
 
 A key must not cross the network in plain text: with one, the server listens on a loopback address,
-or serves HTTPS (``--ssl-certfile``/``--ssl-keyfile``); anything else is refused at start.
+or serves HTTPS (``--ssl-certfile``/``--ssl-keyfile``); anything else is refused at start. The check
+at the door is ``app._RequireKey``'s, outside the body limit: a request without the key is refused
+before any of its body is held.
 """
 from __future__ import annotations
 
@@ -14,12 +16,10 @@ import hmac
 import ipaddress
 import logging
 import os
+import ssl
 from pathlib import Path
 
-from fastapi.responses import JSONResponse
-
 from orca_lab.config import FieldError
-from orca_lab.serving.protocol import error_body
 
 KEY_ENV = "ORCA_LAB_API_KEY"
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -32,8 +32,8 @@ def key_from_env() -> str | None:
     key = os.environ.get(KEY_ENV)
     if key is None:
         return None
-    if not key or any(c.isspace() for c in key) or not key.isprintable():
-        raise FieldError(f"{KEY_ENV} is set but is not a key: give printable characters without spaces", KEY_ENV)
+    if not key or not all("!" <= c <= "~" for c in key):           # what a header carries as it is given
+        raise FieldError(f"{KEY_ENV} is set but is not a key: give visible ASCII characters, no spaces", KEY_ENV)
     return key
 
 
@@ -43,49 +43,47 @@ def bearer() -> dict:
     return {} if key is None else {"Authorization": f"Bearer {key}"}
 
 
-def check_transport(host: str, key: str | None, certfile: str | None, keyfile: str | None):
-    """Refuse a key that would cross the network in plain text, and TLS files given by half or not
-    readable; say so (a warning) when the server is open to the network with no key at all."""
+def check_tls(certfile: str | None, keyfile: str | None):
+    """HTTPS's two files, both or neither, loaded here as uvicorn will load them: a file missing, not
+    PEM, a key of another certificate, or an encrypted key (it would ask for a passphrase once the
+    model is built) is refused before anything starts, naming the flag."""
     if (certfile is None) != (keyfile is None):
         missing = "--ssl-keyfile" if keyfile is None else "--ssl-certfile"
         raise FieldError(f"{missing} is missing: HTTPS takes a certificate and its private key", missing.lstrip("-"))
     for flag, path in (("--ssl-certfile", certfile), ("--ssl-keyfile", keyfile)):
         if path is not None and not Path(path).is_file():
             raise FieldError(f"{flag} {path}: no such file", flag.lstrip("-").replace("-", "_"))
-    if loopback(host) or certfile is not None:
+    if certfile is not None:
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile, password=b"")
+        except (ssl.SSLError, OSError) as e:
+            raise FieldError(f"--ssl-certfile {certfile} --ssl-keyfile {keyfile}: cannot serve HTTPS with them ({e}); "
+                             "give a PEM certificate and its own unencrypted key", "ssl_certfile") from None
+
+
+def check_transport(host: str, key: str | None, tls: bool, address: str | None = None):
+    """Refuse a key that would cross the network in plain text: served on ``host`` without TLS, judged
+    by ``address`` (the one its socket is bound to: a host name by what it resolved to; default
+    ``host``). Say so (a warning) when the server is open to the network with no key at all."""
+    where = host if address in (None, host) else f"{host} ({address})"
+    if loopback(address or host) or tls:
         return
     if key is not None:
-        raise FieldError(f"--host {host} with {KEY_ENV} and no --ssl-certfile: the key would cross the network "
+        raise FieldError(f"--host {where} with {KEY_ENV} and no --ssl-certfile: the key would cross the network "
                          "in plain text; serve HTTPS (--ssl-certfile, --ssl-keyfile) or listen on 127.0.0.1", "host")
-    log.warning("--host %s with no %s: anyone who can reach this port can use the model", host, KEY_ENV)
+    log.warning("--host %s with no %s: anyone who can reach this port can use the model", where, KEY_ENV)
 
 
-def loopback(host: str) -> bool:
+def loopback(address: str) -> bool:
     try:
-        return ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(address.split("%")[0])
     except ValueError:
-        return host == "localhost"
+        return False
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
 
 
-class RequireKey:
-    """ASGI middleware: a request to a route not in ``OPEN_PATHS`` without the key is answered 401 in
-    OpenAI's error shape, before any route reads it. Its body (already bounded by ``_BodyLimit``,
-    outside this one) is read and dropped first: a socket closed on unread bytes is reset, which can
-    destroy the answer before the client reads it."""
-
-    def __init__(self, app, key: str):
-        self.app, self.key = app, key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._carries_key(scope):
-            return await self.app(scope, receive, send)
-        more = True
-        while more:
-            message = await receive()
-            more = message["type"] == "http.request" and message.get("more_body", False)
-        message = "this server takes a key: send the header Authorization: Bearer <key> (the openai client's api_key)"
-        await JSONResponse(error_body(401, message), 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-
-    def _carries_key(self, scope) -> bool:
-        scheme, _, given = next((v for k, v in scope["headers"] if k == b"authorization"), b"").partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(given, self.key)   # (a scheme: any case)
+def carries_key(headers, key: bytes) -> bool:
+    """Whether ASGI ``headers`` hold ``Authorization: Bearer <key>``: the scheme in any case, the key
+    compared in constant time."""
+    scheme, _, given = next((v for k, v in headers if k == b"authorization"), b"").partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(given.lstrip(b" "), key)

@@ -23,7 +23,7 @@ from fastapi import FastAPI
 
 from orca_lab.config import check_range
 from orca_lab.serving.app import build_app
-from orca_lab.serving.auth import check_transport, key_from_env
+from orca_lab.serving.auth import check_tls, check_transport, key_from_env
 from orca_lab.serving.engine_core import HISTORY, EngineArgs, EngineProcess
 
 log = logging.getLogger("orca_lab.serve")
@@ -106,6 +106,11 @@ def listen(host: str, port: int):
     return sock
 
 
+def url_of(host: str, port: int, tls: bool) -> str:
+    """The URL a client reaches the server at (an IPv6 address in brackets, as URLs write it)."""
+    return f"{'https' if tls else 'http'}://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 def serve(recipe: EngineArgs, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 1024,
           drain_s: float = 5.0, model_name: str | None = None, debug: bool = False, chat_template: str | None = None,
           ssl_certfile: str | None = None, ssl_keyfile: str | None = None):
@@ -114,9 +119,14 @@ def serve(recipe: EngineArgs, host: str = "127.0.0.1", port: int = 8000, max_que
     checked first, then the port is taken (a busy one fails at once), then the engine process builds
     the model. HTTPS with ``ssl_certfile`` and ``ssl_keyfile``."""
     key = key_from_env()
-    check_transport(host, key, ssl_certfile, ssl_keyfile)
+    check_tls(ssl_certfile, ssl_keyfile)
     sock = listen(host, port)
-    url = f"{'https' if ssl_certfile else 'http'}://{host}:{sock.getsockname()[1]}"
+    try:
+        check_transport(host, key, ssl_certfile is not None, address=sock.getsockname()[0])
+    except BaseException:
+        sock.close()
+        raise
+    url = url_of(host, sock.getsockname()[1], tls=ssl_certfile is not None)
     ready = lambda app: print(f"orca-lab serve: {app.state.orca.model_name} ({recipe.system}) on {url}", flush=True)
     try:
         core = EngineProcess(recipe, history=HISTORY if debug else 0)
