@@ -81,11 +81,11 @@ def _in_fork(check, args, kwargs):
     finally:            # a verdict, a bound passed or Ctrl-C: the grader goes, with whatever it started
         os.close(r)
         _kill_group(pid)
-    done = _parsed(report)
     if code is OVERRAN:
         raise Stuck(f"the grader's process ran past {BOUND_S:g} s and was killed: your code is stuck where no "
                     "case's bound can stop it (a C call that never returns to Python: a sleep, a lock, a "
                     "blocking read)")
+    done = _parsed(report)
     if done is None:
         how = (f"sent more than {MAX_REPORT:,} bytes and was killed" if code is TOO_MUCH else
                "exited without one: your code wrote into, or closed, the pipe its verdict goes through"
@@ -158,9 +158,9 @@ class _Printed(io.TextIOBase):
     def write(self, s: str) -> int:
         if not isinstance(s, str):
             raise TypeError(f"write() argument must be str, not {type(s).__name__}")
-        room = MAX_PRINTED - self.kept.tell()
-        self.kept.write(s[:max(room, 0)])
-        self.lost += max(len(s) - max(room, 0), 0)
+        room = max(MAX_PRINTED - self.kept.tell(), 0)
+        self.kept.write(s[:room])
+        self.lost += max(len(s) - room, 0)
         return len(s)
 
     def text(self) -> str:

@@ -27,8 +27,9 @@ log = logging.getLogger("orca_lab.serve")
 
 
 def key_from_env() -> str | None:
-    """The server's key (``ORCA_LAB_API_KEY``), or None where it has none; a set key that is empty
-    or holds spaces (it could not be sent in a header as given) is refused, naming the variable."""
+    """The server's key (``ORCA_LAB_API_KEY``), or None where it has none; a set key that is empty or
+    holds anything but visible ASCII (no client sends it in a header as given) is refused, naming
+    the variable."""
     key = os.environ.get(KEY_ENV)
     if key is None:
         return None

@@ -115,24 +115,23 @@ def serve(recipe: EngineArgs, host: str = "127.0.0.1", port: int = 8000, max_que
           drain_s: float = 5.0, model_name: str | None = None, debug: bool = False, chat_template: str | None = None,
           ssl_certfile: str | None = None, ssl_keyfile: str | None = None):
     """Serve the model of ``recipe`` until SIGINT/SIGTERM, or until its engine dies (``EngineDied``);
-    prints its URL once it accepts requests. The key (``auth.KEY_ENV``) and where it may travel are
-    checked first, then the port is taken (a busy one fails at once), then the engine process builds
-    the model. HTTPS with ``ssl_certfile`` and ``ssl_keyfile``."""
+    prints its URL once it accepts requests. The key (``auth.KEY_ENV``) and the TLS files are checked
+    first, then the port is taken (a busy one fails at once) and where the key may travel judged by the
+    address bound, then the engine process builds the model. HTTPS with ``ssl_certfile`` and
+    ``ssl_keyfile``."""
     key = key_from_env()
     check_tls(ssl_certfile, ssl_keyfile)
     sock = listen(host, port)
+    address, bound = sock.getsockname()[:2]
+    tls = ssl_certfile is not None
     try:
-        check_transport(host, key, ssl_certfile is not None, address=sock.getsockname()[0])
-    except BaseException:
-        sock.close()
-        raise
-    url = url_of(host, sock.getsockname()[1], tls=ssl_certfile is not None)
-    ready = lambda app: print(f"orca-lab serve: {app.state.orca.model_name} ({recipe.system}) on {url}", flush=True)
-    try:
+        check_transport(host, key, tls, address)
         core = EngineProcess(recipe, history=HISTORY if debug else 0)
     except BaseException:
         sock.close()
         raise
+    url = url_of(host, bound, tls)
+    ready = lambda app: print(f"orca-lab serve: {app.state.orca.model_name} ({recipe.system}) on {url}", flush=True)
     try:
         app = build_app(core, recipe.system, max_queue, model_name, ready, debug=debug, chat_template=chat_template,
                         api_key=key)
